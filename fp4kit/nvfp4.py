@@ -1,0 +1,124 @@
+"""The canonical NVFP4 tensor and its math (DESIGN.md §2).
+
+One form everywhere inside fp4kit: E2M1 codes packed two per byte along K (low nibble first), FP8 E4M3 block
+scales over 16 consecutive K elements, and one per-tensor global scale kept in *divisor* form D = amax / (448*6)
+as a float64 scalar. float64 matters: the compressed-tensors multiplier G and the ModelOpt divisor D are both fp32,
+and 1/(1/G) in fp32 is not G for ~20% of bf16-valued G; holding D = 1/G in float64 lets either dialect be written
+back byte for byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 16
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+GLOBAL_NUMERATOR = FP8_MAX * FP4_MAX  # 2688
+# compressed-tensors replaces an all-zero block's scale by this (its fp8 "eps"); we do the same.
+ZERO_BLOCK_SCALE = 0.125
+
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _rne_boundaries() -> torch.Tensor:
+    # code(|x|) = number of boundaries strictly below |x|. Midpoints that round *up* to the even code
+    # (0.75 -> 1.0, 1.75 -> 2.0, 3.5 -> 4.0) are shifted one ulp down so that "strictly below" includes them.
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+    down = torch.nextafter(mids, torch.zeros_like(mids))
+    round_up = torch.tensor([False, True, False, True, False, True, False])
+    return torch.where(round_up, down, mids)
+
+
+_BOUNDARIES = _rne_boundaries()
+_E2M1_TABLE = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=torch.float32)
+
+
+@dataclass
+class NVFP4Tensor:
+    """A quantized weight [..., N, K]: packed codes, FP8 block scales, float64 divisor global scale."""
+
+    packed: torch.Tensor  # uint8 [..., N, K/2]
+    block_scale: torch.Tensor  # float8_e4m3fn [..., N, K/16]
+    global_scale_div: torch.Tensor  # float64, 0-d
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+
+    @property
+    def global_scale_mul_fp32(self) -> torch.Tensor:
+        """The compressed-tensors multiplier G = 1/D, rounded once to fp32."""
+        return (1.0 / self.global_scale_div).to(torch.float32)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = unpack_e2m1(self.packed)
+        scale = self.block_scale.to(torch.float32) / self.global_scale_mul_fp32.to(self.packed.device)
+        values = values.unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)
+        return values.flatten(-2).to(dtype)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values (already divided by their scale) to E2M1 codes: RNE, saturating at +-6, sign in bit 3."""
+    magnitude = torch.bucketize(x.abs(), _BOUNDARIES.to(x.device), right=False).to(torch.uint8)
+    return magnitude | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] -> bytes [..., K/2]; element 2j in the low nibble."""
+    pairs = codes.unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    return _E2M1_TABLE.to(packed.device)[unpack_codes(packed).long()]
+
+
+def global_scale_mul(amax: torch.Tensor, exact_fp32: bool = False) -> torch.Tensor:
+    """The multiplier G = 448*6 / amax as llm-compressor computes it: in amax's dtype (bf16 for bf16 weights),
+    then widened to fp32. ``exact_fp32`` computes it in fp32 instead. A zero amax gives G = 1 (an all-zero tensor)."""
+    if exact_fp32:
+        amax = amax.to(torch.float32)
+    amax = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
+    return (GLOBAL_NUMERATOR / amax).to(torch.float32).reshape(())
+
+
+def tensor_amax(weights: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([w.abs().amax() for w in weights]).amax()
+
+
+def quantize(weight: torch.Tensor, global_mul: torch.Tensor) -> NVFP4Tensor:
+    """Quantize [..., N, K] (K % 16 == 0) with a given fp32 multiplier global scale G.
+
+    Math as compressed-tensors: s = fp8(G * (amax_blk / 6)) with amax_blk / 6 in the weight's dtype,
+    q = rne(x / (fp32(s) / G)) in fp32. All-zero blocks get s = 0.125.
+    """
+    if weight.shape[-1] % BLOCK:
+        raise ValueError(f"last dimension {weight.shape[-1]} is not a multiple of {BLOCK}")
+    blocks = weight.unflatten(-1, (-1, BLOCK))
+    block_amax = blocks.abs().amax(dim=-1)
+    # [1], not 0-d: a 0-d fp32 tensor would not promote the bf16 product to fp32.
+    global_mul = global_mul.to(device=weight.device, dtype=torch.float32).reshape(1)
+    scale = global_mul * (block_amax / torch.tensor(FP4_MAX, dtype=block_amax.dtype, device=weight.device))
+    block_scale = torch.clamp(scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    block_scale = torch.where(
+        block_scale.to(torch.float32) == 0,
+        torch.tensor(ZERO_BLOCK_SCALE, device=weight.device).to(torch.float8_e4m3fn),
+        block_scale,
+    )
+    divisor = block_scale.to(torch.float32) / global_mul
+    scaled = blocks.to(torch.float32) / divisor.unsqueeze(-1)
+    codes = e2m1_codes(scaled.flatten(-2))
+    return NVFP4Tensor(pack_codes(codes), block_scale, (1.0 / global_mul.double().cpu()).reshape(()))
+
+
+def quantize_group(weights: list[torch.Tensor], exact_fp32: bool = False) -> list[NVFP4Tensor]:
+    """Quantize tensors that a kernel fuses (gate+up, q+k+v) with one shared global scale."""
+    global_mul = global_scale_mul(tensor_amax(weights), exact_fp32)
+    return [quantize(w, global_mul) for w in weights]
