@@ -1,0 +1,3 @@
+from fp4kit.cli import main
+
+main()

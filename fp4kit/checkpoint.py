@@ -1,0 +1,334 @@
+"""Streaming reader and writer for HF safetensors checkpoint directories.
+
+The reader parses each shard's header and reads one tensor's byte range (or one slice along dim 0) with
+``os.pread`` into a buffer of its own: nothing is memory-mapped, so resident memory follows the tensor being
+processed, not the shard (DESIGN.md §10). The writer is told every output tensor (name, dtype, shape) before any
+data arrives, lays out shards and headers from that plan, then places each tensor's bytes at its offset as it
+comes; nothing waits in memory for a shard to fill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise Fp4kitError(f"{path}: truncated safetensors file (no header)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > size - 8 or header_len > 100_000_000:
+                raise Fp4kitError(f"{path}: truncated or corrupt safetensors header")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise Fp4kitError(f"{path}: shard file is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise Fp4kitError(f"{path}: corrupt safetensors header") from None
+    return header, 8 + header_len
+
+
+class CheckpointReader:
+    """Tensor metadata of a HF checkpoint directory, and reads of one tensor at a time."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise Fp4kitError(f"{self.root}: not a directory")
+        self.tensors: dict[str, TensorInfo] = {}
+        self.metadata: dict[str, str] = {}
+        for shard in self._shard_files():
+            self._load_shard(shard)
+        self._fds: dict[Path, int] = {}
+
+    def _shard_files(self) -> list[Path]:
+        index = self.root / INDEX_NAME
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError):
+                raise Fp4kitError(f"{index}: not a valid safetensors index") from None
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not (self.root / name).exists():
+                    raise Fp4kitError(f"{self.root / name}: shard named in {INDEX_NAME} is missing")
+            return [self.root / f for f in files]
+        if (self.root / SINGLE_NAME).exists():
+            return [self.root / SINGLE_NAME]
+        found = sorted(self.root.glob("*.safetensors"))
+        if not found:
+            raise Fp4kitError(f"{self.root}: no safetensors files (and no {INDEX_NAME})")
+        return found
+
+    def _load_shard(self, path: Path) -> None:
+        header, data_start = _read_header(path)
+        size = path.stat().st_size
+        self.metadata.update(header.pop("__metadata__", None) or {})
+        for name, entry in header.items():
+            dtype = DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise Fp4kitError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
+            begin, end = entry["data_offsets"]
+            if data_start + end > size:
+                raise Fp4kitError(f"{path}: truncated shard (tensor {name} ends past the end of the file)")
+            expected = math.prod(entry["shape"]) * dtype.itemsize
+            if end - begin != expected:
+                raise Fp4kitError(f"{path}: tensor {name} has {end - begin} bytes, its shape needs {expected}")
+            self.tensors[name] = TensorInfo(
+                name, path, dtype, tuple(entry["shape"]), data_start + begin, data_start + end
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _pread(self, info: TensorInfo, begin: int, nbytes: int) -> torch.Tensor:
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        fd = self._fd(info.file)
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], begin + done)
+            if got <= 0:
+                raise Fp4kitError(f"{info.file}: truncated while reading tensor {info.name}")
+            done += got
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor, in a buffer of its own."""
+        info = self.tensors[name]
+        raw = self._pread(info, info.begin, info.nbytes)
+        return raw.view(info.dtype).reshape(info.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """tensor[start:stop] along dim 0 (e.g. one expert of a fused [E, ...] tensor) without reading the rest."""
+        info = self.tensors[name]
+        row_bytes = info.nbytes // info.shape[0]
+        raw = self._pread(info, info.begin + start * row_bytes, (stop - start) * row_bytes)
+        return raw.view(info.dtype).reshape((stop - start, *info.shape[1:]))
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_config(root: str | os.PathLike) -> dict:
+    path = Path(root) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Fp4kitError(f"{path}: missing (fp4kit needs the model's config.json)") from None
+    except json.JSONDecodeError as exc:
+        raise Fp4kitError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _shard_layout(plan: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    shards: list[list[PlannedTensor]] = [[]]
+    filled = 0
+    for tensor in plan:
+        if shards[-1] and filled + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(tensor)
+        filled += tensor.nbytes
+    return shards
+
+
+class ShardWriter:
+    """Writes a planned set of tensors into safetensors shards inside ``directory``.
+
+    ``write`` may be called in any order; ``finish`` checks that every planned tensor arrived and writes the index.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        plan: Iterable[PlannedTensor],
+        max_shard_bytes: int,
+        metadata: dict[str, str] | None = None,
+    ):
+        self.directory = directory
+        plan = list(plan)
+        names = [t.name for t in plan]
+        if len(set(names)) != len(names):
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            raise Fp4kitError(f"output would contain tensor {dupes[0]} twice")
+        shards = _shard_layout(plan, max_shard_bytes)
+        count = len(shards)
+        self.files: list[str] = []
+        self.slots: dict[str, tuple[int, int, PlannedTensor]] = {}  # name -> (file idx, absolute offset, tensor)
+        self.total_bytes = 0
+        self._fds: list[int] = []
+        for i, shard in enumerate(shards):
+            fname = SINGLE_NAME if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+            offset = 0
+            for t in shard:
+                header[t.name] = {
+                    "dtype": DTYPE_NAMES[t.dtype],
+                    "shape": list(t.shape),
+                    "data_offsets": [offset, offset + t.nbytes],
+                }
+                offset += t.nbytes
+            header_bytes = json.dumps(header, separators=(",", ":")).encode()
+            header_bytes += b" " * (-len(header_bytes) % 8)
+            data_start = 8 + len(header_bytes)
+            fd = os.open(directory / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.pwrite(fd, struct.pack("<Q", len(header_bytes)) + header_bytes, 0)
+            os.ftruncate(fd, data_start + offset)
+            self._fds.append(fd)
+            self.files.append(fname)
+            for t in shard:
+                entry = header[t.name]
+                self.slots[t.name] = (i, data_start + entry["data_offsets"][0], t)  # type: ignore[index]
+            self.total_bytes += offset
+        self.pending = set(self.slots)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        try:
+            file_idx, offset, planned = self.slots[name]
+        except KeyError:
+            raise Fp4kitError(f"internal: tensor {name} was not planned for output") from None
+        if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
+            raise Fp4kitError(
+                f"internal: tensor {name} is {tensor.dtype}{list(tensor.shape)}, "
+                f"planned {planned.dtype}{list(planned.shape)}"
+            )
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        fd = self._fds[file_idx]
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        self.pending.discard(name)
+
+    def finish(self) -> None:
+        if self.pending:
+            raise Fp4kitError(f"internal: {len(self.pending)} planned tensors were never written, e.g. "
+                              f"{sorted(self.pending)[0]}")
+        for fd in self._fds:
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+        if len(self.files) > 1:
+            weight_map = {name: self.files[slot[0]] for name, slot in sorted(self.slots.items())}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+SKIP_FILES = {INDEX_NAME, "config.json", "hf_quant_config.json"}
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy everything that is not a weight file or a file fp4kit rewrites (tokenizer, templates, processors)."""
+    copied = []
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir() or rel.parts[0].startswith(".") or path.name in SKIP_FILES:
+            continue
+        if path.name.endswith(WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
+            continue
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, target)
+        copied.append(str(rel))
+    return copied
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1024' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper()
+    number = s.rstrip("KMGTIB")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise Fp4kitError(f"cannot read size {text!r} (use e.g. 5GB or 500MB)") from None
+    if unit not in units or value <= 0:
+        raise Fp4kitError(f"cannot read size {text!r} (use e.g. 5GB or 500MB)")
+    return int(value * units[unit])

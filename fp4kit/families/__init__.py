@@ -1,0 +1,17 @@
+"""Model families, detected from config.json."""
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.families import glm4_moe, glm4v_moe, llama4, qwen3_moe, qwen3_vl_moe
+from fp4kit.families.base import Family
+
+FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, glm4_moe, glm4v_moe, llama4))
+
+
+def detect(config: dict) -> Family:
+    model_type = config.get("model_type")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    known = ", ".join(t for f in FAMILIES for t in f.model_types)
+    archs = ",".join(config.get("architectures") or []) or "?"
+    raise Fp4kitError(f"unsupported architecture: model_type {model_type!r} ({archs}); fp4kit knows {known}")

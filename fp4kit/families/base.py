@@ -1,0 +1,138 @@
+"""What every model family shares: tensor roles, fused-group detection, fused-expert expansion.
+
+A family module only states what differs (model types, where the text config lives, expert count, default
+ignores, routing). Everything here works from tensor names and shapes read from the checkpoint header.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fp4kit.errors import Fp4kitError
+
+if TYPE_CHECKING:
+    from fp4kit.routing import RoutingSpec
+
+# Modules that a kernel fuses and that must therefore share one weight global scale.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
+EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
+COMMON_IGNORE = (r"(^|\.)lm_head$",)
+# 2-D weights that are not Linear layers (embeddings, position tables, norms with 2-D weights).
+NOT_LINEAR = re.compile(r"(embed|embedding|norm)[^.]*$")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    text_config: Callable[[dict], dict]
+    num_experts: Callable[[dict], int]
+    routing: Callable[[dict], RoutingSpec]
+    ignore: Callable[[dict], list[str]]  # regexes on module names, on top of COMMON_IGNORE
+    moe_intermediate: Callable[[dict], int] = field(default=lambda tc: int(tc["moe_intermediate_size"]))
+
+    def default_ignore(self, config: dict) -> list[str]:
+        return [*COMMON_IGNORE, *self.ignore(config)]
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Where a Linear's [N, K] weight comes from: a whole 2-D tensor, or one expert of a fused 3-D one."""
+
+    tensor: str
+    expert: int | None = None
+    cols: tuple[int, int] | None = None  # column range of the expert's [K, 2I] matrix (fused layouts are [E, K, N])
+
+
+@dataclass(frozen=True)
+class Linear:
+    module: str  # output module name, e.g. model.layers.0.mlp.experts.3.gate_proj
+    source: SourceRef
+    out_features: int
+    in_features: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    linear: Linear
+    layer: int | None
+    expert: int | None
+    parent: str  # module path without the last component: siblings share it
+
+
+def layer_of(name: str) -> int | None:
+    m = LAYER_RE.match(name)
+    return int(m.group("layer")) if m else None
+
+
+def expert_of(name: str) -> int | None:
+    m = EXPERT_RE.search(name)
+    return int(m.group("expert")) if m else None
+
+
+def linear_candidates(shapes: dict[str, tuple[int, ...]], text_config: dict, moe_intermediate: int) -> list[Candidate]:
+    """Every Linear weight in the checkpoint, with fused [E, H, 2I] / [E, I, H] expert tensors split per expert."""
+    found: list[Candidate] = []
+    hidden = int(text_config["hidden_size"])
+    for name, shape in shapes.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith(".weight") and len(shape) == 2 and not NOT_LINEAR.search(name[: -len(".weight")]):
+            module = name[: -len(".weight")]
+            parent = module.rsplit(".", 1)[0] if "." in module else ""
+            linear = Linear(module, SourceRef(name), shape[0], shape[1])
+            found.append(Candidate(linear, layer_of(name), expert_of(name), parent))
+        elif leaf in FUSED_EXPERT_TENSORS and len(shape) == 3 and ".experts." in f".{name}":
+            found.extend(_split_fused(name, shape, hidden, moe_intermediate))
+    return found
+
+
+def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int) -> list[Candidate]:
+    experts_path, leaf = name.rsplit(".", 1)
+    num_experts = shape[0]
+    if leaf == "gate_up_proj":
+        if tuple(shape[1:]) != (hidden, 2 * inter):
+            raise Fp4kitError(f"{name}: shape {list(shape)}, expected [E, hidden={hidden}, 2*intermediate={2 * inter}]")
+        parts = [("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))]
+        out_features, in_features = inter, hidden
+    else:
+        if tuple(shape[1:]) != (inter, hidden):
+            raise Fp4kitError(f"{name}: shape {list(shape)}, expected [E, intermediate={inter}, hidden={hidden}]")
+        parts = [("down_proj", None)]
+        out_features, in_features = hidden, inter
+    found = []
+    for e in range(num_experts):
+        parent = f"{experts_path}.{e}"
+        for proj, cols in parts:
+            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, cols), out_features, in_features)
+            found.append(Candidate(linear, layer_of(name), e, parent))
+    return found
+
+
+def fused_groups(selected: list[Candidate]) -> list[list[Candidate]]:
+    """Group q/k/v and gate/up siblings (those selected) so they share a global scale; others stand alone."""
+    by_parent: dict[tuple[str, str], list[Candidate]] = {}
+    groups: list[list[Candidate]] = []
+    for cand in selected:
+        leaf = cand.linear.module.rsplit(".", 1)[-1]
+        sib = next((i for i, names in enumerate(FUSED_SIBLINGS) if leaf in names), None)
+        if sib is None:
+            groups.append([cand])
+            continue
+        key = (cand.parent, str(sib))
+        if key not in by_parent:
+            by_parent[key] = []
+            groups.append(by_parent[key])
+        by_parent[key].append(cand)
+    order = {name: i for names in FUSED_SIBLINGS for i, name in enumerate(names)}
+    for group in groups:
+        group.sort(key=lambda c: order.get(c.linear.module.rsplit(".", 1)[-1], 0))
+    return groups
+
+
+def sub_config(config: dict, key: str = "text_config") -> dict:
+    return config.get(key) or config

@@ -1,0 +1,208 @@
+"""`fp4kit quantize`: stream a BF16 checkpoint into an NVFP4 one, one fused group at a time.
+
+Reading, quantizing and writing overlap: a reader thread prefetches the next group's tensors and a writer thread
+places finished tensors in the output shards, both through queues of bounded depth, so at most a few groups are
+in memory whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4kit.checkpoint import CheckpointReader, ShardWriter, copy_side_files, read_config
+from fp4kit.errors import Fp4kitError
+from fp4kit.formats import compressed_tensors as ct
+from fp4kit.nvfp4 import quantize_group
+from fp4kit.output import atomic_directory, check_destination
+from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
+
+SCHEMES = ("nvfp4a16", "nvfp4")
+FORMATS = ("compressed-tensors",)
+QUEUE_DEPTH = 3
+
+
+@dataclass
+class QuantizeOptions:
+    scheme: str = "nvfp4a16"
+    format: str = "compressed-tensors"
+    device: str = "cpu"
+    ignore: list[str] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
+    default_ignore: bool = True
+    max_shard_bytes: int = 5 * 10**9
+    overwrite: bool = False
+    exact_fp32_global_scale: bool = False
+
+
+@dataclass
+class QuantizeReport:
+    family: str
+    quantized_linears: int
+    passthrough_tensors: int
+    ignored_modules: list[str]
+    input_bytes: int
+    output_bytes: int
+    output_files: list[str]
+    seconds: float
+
+
+def _validate(options: QuantizeOptions) -> None:
+    if options.scheme not in SCHEMES:
+        raise Fp4kitError(f"unknown scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if options.scheme == "nvfp4":
+        raise Fp4kitError(
+            "scheme nvfp4 (W4A4) needs calibrated activation scales, which this fp4kit cannot compute yet; "
+            "use --scheme nvfp4a16"
+        )
+    if options.format not in FORMATS:
+        raise Fp4kitError(f"unknown format {options.format!r}; choose one of {', '.join(FORMATS)}")
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise Fp4kitError(f"--device {options.device}: no CUDA device is available")
+
+
+def _prefetch(reader: CheckpointReader, plan: ModelPlan) -> Iterator[tuple[QuantGroup | str, object]]:
+    """Yield (job, data) in plan order, reading ahead on a thread (file reads release the GIL)."""
+    slots: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for job in plan.jobs:
+                if stop.is_set():
+                    return
+                data = read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
+                slots.put((job, data))
+            slots.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            slots.put(exc)
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        while (item := slots.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                slots.get_nowait()
+            except queue.Empty:
+                thread.join(0.05)
+
+
+class _BackgroundWriter:
+    def __init__(self, writer: ShardWriter):
+        self.writer = writer
+        self.pending: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.pending.get()) is not None:
+            if self.error is None:
+                try:
+                    for name, tensor in item.items():
+                        self.writer.write(name, tensor)
+                except BaseException as exc:
+                    self.error = exc
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.pending.put(tensors)
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions) -> dict:
+    device = torch.device(options.device)
+    for c, w in zip(group.members, weights):
+        if not torch.isfinite(w).all():
+            raise Fp4kitError(f"{c.linear.source.tensor}: NaN or Inf in a weight to be quantized ({c.linear.module})")
+    quantized = quantize_group([w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale)
+    out: dict[str, torch.Tensor] = {}
+    for c, q in zip(group.members, quantized):
+        out.update(ct.encode(c.linear.module, q))
+    return {name: t.cpu() for name, t in out.items()}
+
+
+def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list:
+    planned = []
+    for job in plan.jobs:
+        if isinstance(job, QuantGroup):
+            for c in job.members:
+                lin = c.linear
+                planned.extend(ct.planned(lin.module, lin.out_features, lin.in_features, options.scheme == "nvfp4"))
+        else:
+            planned.append(planned_passthrough(reader, job))
+    return planned
+
+
+def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
+    config = dict(config)
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def quantize_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    options: QuantizeOptions | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> QuantizeReport:
+    """Quantize checkpoint ``src`` into ``dst`` (created atomically). ``progress(done_bytes, total_bytes)``."""
+    options = options or QuantizeOptions()
+    src, dst = Path(src), Path(dst)
+    _validate(options)
+    start = time.perf_counter()
+    config = read_config(src)
+    check_destination(src, dst, options.overwrite)
+    with CheckpointReader(src) as reader:
+        plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore)
+        planned = output_plan(reader, plan, options)
+        input_bytes = sum(info.nbytes for info in reader.tensors.values())
+        done = 0
+        with atomic_directory(dst) as work:
+            writer = ShardWriter(work, planned, options.max_shard_bytes, metadata={"producer": "fp4kit"})
+            background = _BackgroundWriter(writer)
+            try:
+                for job, data in _prefetch(reader, plan):
+                    if isinstance(job, QuantGroup):
+                        background.put(quantize_tensors(job, data, options))  # type: ignore[arg-type]
+                        done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
+                    else:
+                        background.put({job: data})  # type: ignore[dict-item]
+                        done += reader.info(job).nbytes
+                    if progress:
+                        progress(min(done, input_bytes), input_bytes)
+            finally:
+                background.close()
+            writer.finish()
+            write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
+            copy_side_files(src, work)
+    return QuantizeReport(
+        family=plan.family.name,
+        quantized_linears=sum(len(g.members) for g in plan.groups),
+        passthrough_tensors=len(plan.passthrough),
+        ignored_modules=plan.ignored_modules,
+        input_bytes=input_bytes,
+        output_bytes=writer.total_bytes,
+        output_files=writer.files,
+        seconds=time.perf_counter() - start,
+    )
+
