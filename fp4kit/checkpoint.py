@@ -179,6 +179,8 @@ class CheckpointReader:
 
 
 def read_config(root: str | os.PathLike) -> dict:
+    if not Path(root).is_dir():
+        raise Fp4kitError(f"{root}: not a directory")
     path = Path(root) / "config.json"
     try:
         return json.loads(path.read_text())

@@ -131,12 +131,12 @@ class _BackgroundWriter:
 
 def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions) -> dict:
     device = torch.device(options.device)
-    for c, w in zip(group.members, weights):
+    for c, w in zip(group.members, weights, strict=True):
         if not torch.isfinite(w).all():
             raise Fp4kitError(f"{c.linear.source.tensor}: NaN or Inf in a weight to be quantized ({c.linear.module})")
     quantized = quantize_group([w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale)
     out: dict[str, torch.Tensor] = {}
-    for c, q in zip(group.members, quantized):
+    for c, q in zip(group.members, quantized, strict=True):
         out.update(ct.encode(c.linear.module, q))
     return {name: t.cpu() for name, t in out.items()}
 

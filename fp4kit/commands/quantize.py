@@ -1,0 +1,51 @@
+"""`fp4kit quantize`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fp4kit.commands._common import human_bytes, with_progress
+
+
+def quantize(
+    src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors)")],
+    dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
+    scheme: Annotated[str, typer.Option(help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
+    format: Annotated[str, typer.Option("--format", help="checkpoint dialect")] = "compressed-tensors",
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
+    ignore: Annotated[list[str] | None, typer.Option(help="regex on module names to keep in bf16 (repeatable)")] = None,
+    targets: Annotated[
+        list[str] | None, typer.Option(help="regex: quantize only matching modules, e.g. 'experts\\.' (repeatable)")
+    ] = None,
+    no_default_ignore: Annotated[bool, typer.Option(help="drop the family's default ignore list")] = False,
+    max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
+    exact_fp32_global_scale: Annotated[
+        bool, typer.Option(help="compute weight global scales in fp32 (default: as llm-compressor, in bf16)")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    options = QuantizeOptions(
+        scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
+        default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
+        exact_fp32_global_scale=exact_fp32_global_scale,
+    )
+    report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
+    if not quiet:
+        rate = report.input_bytes / max(report.seconds, 1e-9)
+        typer.echo(
+            f"{report.family}: {report.quantized_linears} Linears quantized, {report.passthrough_tensors} tensors "
+            f"kept, {human_bytes(report.input_bytes)} -> {human_bytes(report.output_bytes)} in {report.seconds:.1f} s "
+            f"({human_bytes(rate)}/s) -> {dst}"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(quantize)
