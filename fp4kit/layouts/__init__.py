@@ -1,0 +1,121 @@
+"""Backend layouts: pure functions from one MoE layer's canonical NVFP4 weights to the tensors a kernel reads,
+each with an exact inverse (DESIGN.md §5).
+
+Every backend module (``cutlass``, ``trtllm``, ``marlin``) exposes the same four functions:
+
+- ``check_shapes(E, H, I, ep=1)`` raises :class:`~fp4kit.errors.Fp4kitError` when the kernel cannot run the shape;
+- ``transform(w13, w2, input_scale_div13, input_scale_div2, **opts) -> dict[str, Tensor]``, named by the
+  kernel's argument names;
+- ``describe(...)`` (same arguments) -> :class:`LayoutMeta`, what ``undo`` needs that the kernel tensors do not
+  carry: the true sizes and the float64 global scales (the kernel's fp32 products cannot give them back);
+- ``undo(tensors, meta) -> (w13, w2, input_scale_div13, input_scale_div2)``, the canonical form bit for bit.
+  ``undo`` also checks that the per-expert scalars and the padding in ``tensors`` are what ``transform`` writes,
+  so it doubles as a verifier of a stored layout.
+
+w13 is [E, 2I, H] in [w1; w3] (gate first) row order, w2 is [E, H, I]; both stacked NVFP4Tensors with a float64
+[E] divisor global scale. Input scales are float64 [E] divisors (or None for weight-only use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+
+
+@dataclass(frozen=True)
+class LayoutMeta:
+    backend: str
+    hidden_size: int
+    intermediate_size: int
+    w13_global_scale_div: torch.Tensor  # float64 [E]
+    w2_global_scale_div: torch.Tensor  # float64 [E]
+    input_scale_div13: torch.Tensor | None  # float64 [E]
+    input_scale_div2: torch.Tensor | None  # float64 [E]
+    options: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_global_scale_div.shape[0]
+
+
+def moe_sizes(w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[int, int, int]:
+    """(E, H, I) of a stacked layer, after checking that every canonical tensor has the shape and dtype it must."""
+    if w13.packed.dim() != 3 or w2.packed.dim() != 3:
+        raise Fp4kitError("layouts take stacked experts: w13 and w2 must be [E, N, K/2] tensors.")
+    num_experts, twice_i, half_h = w13.packed.shape
+    hidden, intermediate = half_h * 2, twice_i // 2
+    expected = {
+        "w13.packed": (w13.packed, torch.uint8, (num_experts, 2 * intermediate, hidden // 2)),
+        "w13.block_scale": (w13.block_scale, torch.float8_e4m3fn, (num_experts, 2 * intermediate, hidden // BLOCK)),
+        "w13.global_scale_div": (w13.global_scale_div, torch.float64, (num_experts,)),
+        "w2.packed": (w2.packed, torch.uint8, (num_experts, hidden, intermediate // 2)),
+        "w2.block_scale": (w2.block_scale, torch.float8_e4m3fn, (num_experts, hidden, intermediate // BLOCK)),
+        "w2.global_scale_div": (w2.global_scale_div, torch.float64, (num_experts,)),
+    }
+    if twice_i % 2 or hidden % BLOCK or intermediate % BLOCK:
+        raise Fp4kitError(f"w13 rows {twice_i} must be even and H={hidden}, I={intermediate} multiples of {BLOCK}.")
+    for name, (tensor, dtype, shape) in expected.items():
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise Fp4kitError(f"{name} is {tensor.dtype} {tuple(tensor.shape)}, expected {dtype} {shape}.")
+    return num_experts, hidden, intermediate
+
+
+def check_input_scales(num_experts: int, *scales: torch.Tensor | None) -> None:
+    for scale in scales:
+        if scale is not None and (scale.dtype != torch.float64 or tuple(scale.shape) != (num_experts,)):
+            raise Fp4kitError(f"input scales must be float64 [{num_experts}] divisors, got {scale.dtype} "
+                              f"{tuple(scale.shape)}.")
+
+
+def check_divisible(what: str, value: int, multiple: int, why: str) -> None:
+    if value <= 0 or value % multiple:
+        raise Fp4kitError(f"{what} = {value} must be a positive multiple of {multiple}: {why}.")
+
+
+def check_expert_parallel(num_experts: int, ep: int, kernel: str) -> None:
+    if ep < 1 or num_experts % ep:
+        raise Fp4kitError(f"{kernel} places E/ep experts on each rank (offset = rank * E/ep), so E = {num_experts} "
+                          f"must be divisible by ep = {ep}.")
+
+
+def fp32(scale: torch.Tensor) -> torch.Tensor:
+    """A float64 divisor rounded once to fp32, as engines hold it (ModelOpt's weight_scale_2 / input_scale)."""
+    return scale.to(torch.float32)
+
+
+def describe(backend: str, w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
+             input_scale_div2: torch.Tensor | None, **options: object) -> LayoutMeta:
+    num_experts, hidden, intermediate = moe_sizes(w13, w2)
+    check_input_scales(num_experts, input_scale_div13, input_scale_div2)
+    return LayoutMeta(backend, hidden, intermediate, w13.global_scale_div.clone(), w2.global_scale_div.clone(),
+                      None if input_scale_div13 is None else input_scale_div13.clone(),
+                      None if input_scale_div2 is None else input_scale_div2.clone(), dict(options))
+
+
+def require_shape(name: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if name not in tensors:
+        raise Fp4kitError(f"the layout has no tensor named {name}.")
+    if tensors[name].dtype != dtype or tuple(tensors[name].shape) != shape:
+        raise Fp4kitError(f"{name} is {tensors[name].dtype} {tuple(tensors[name].shape)}, expected {dtype} {shape}.")
+
+
+def require_equal(name: str, stored: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bitwise equality of a stored kernel tensor with what transform writes, else one clear error."""
+    if stored.dtype != expected.dtype or stored.shape != expected.shape:
+        raise Fp4kitError(f"{name} is {stored.dtype} {tuple(stored.shape)}, expected {expected.dtype} "
+                          f"{tuple(expected.shape)}.")
+    if not torch.equal(stored.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)):
+        raise Fp4kitError(f"{name} does not match the scales this layout's metadata records.")
+
+
+def require_zero(name: str, padding: torch.Tensor) -> None:
+    if padding.numel() and bool((padding.contiguous().view(torch.uint8) != 0).any()):
+        raise Fp4kitError(f"{name} has non-zero bytes in its padding; the kernel would read them as weights.")
+
+
+def canonical(packed: torch.Tensor, block_scale: torch.Tensor, global_scale_div: torch.Tensor) -> NVFP4Tensor:
+    return NVFP4Tensor(packed.contiguous(), block_scale.contiguous(), global_scale_div.clone())

@@ -1,0 +1,178 @@
+"""TRT-LLM-gen shuffled layout for FlashInfer's ``trtllm_fp4_block_scale_moe`` (NVFP4 W4A4, sm100 family).
+
+Facts (DESIGN.md §5; checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_trtllm_fp4_weights``,
+``fused_moe/core.py``, ``utils.py::get_shuffle_matrix_a_row_indices`` and vLLM's
+``flashinfer_fp4_moe.py::prepare_static_weights_for_trtllm_fp4_moe``):
+
+- GEMM1 rows are [w3; w1] (up first). H is padded to 256 and I to 64, w1 and w3 separately, with zero bytes;
+  the kernel is then called with ``intermediate_size`` = padded I, ``valid_hidden_size`` = H and
+  ``valid_intermediate_size`` = I (see :func:`call_arguments`).
+- GEMM1 rows are interleaved for the fused gated activation (out[2i] = in[i], out[2i+1] = in[M/2 + i]), then every
+  32-row block is shuffled for the transposed-output epilogue (epilogue_tile_m = 128):
+  out[32b + d] = in[32b + (d % 8) * 4 + d // 8]. GEMM2 rows get only the 32-row shuffle.
+- Block scales get the same row permutation, then the 128x4 swizzle; they are handed over as float8_e4m3fn
+  reshaped to [E, rows, K/16] (the swizzled buffer has exactly that many bytes once padded).
+- Per local expert fp32 scalars, as vLLM computes them: output1_scale_gate_scalar = D_w13 * D_a13,
+  output1_scale_scalar = that * (1 / D_a2), output2_scale_scalar = D_w2 * D_a2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.layouts import (
+    LayoutMeta,
+    canonical,
+    check_divisible,
+    check_expert_parallel,
+    check_input_scales,
+    fp32,
+    moe_sizes,
+    require_equal,
+    require_shape,
+    require_zero,
+)
+from fp4kit.layouts import describe as _describe
+from fp4kit.layouts.swizzle import round_up, swizzle_128x4, unswizzle_128x4
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+
+KERNEL = "flashinfer.fused_moe.trtllm_fp4_block_scale_moe (flashinfer-python 0.7.2.post1, epilogue_tile_m=128)"
+BACKEND = "trtllm"
+EPILOGUE_TILE_M = 128
+SHUFFLE_BLOCK = 32
+HIDDEN_ALIGNMENT = 256
+INTERMEDIATE_ALIGNMENT = 64
+
+
+def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) -> None:
+    check_divisible("hidden size H", hidden, BLOCK, "NVFP4 has one FP8 scale per 16 elements")
+    check_divisible("intermediate size I", intermediate, BLOCK, "NVFP4 has one FP8 scale per 16 elements")
+    check_expert_parallel(num_experts, ep, "TRT-LLM-gen MoE")
+
+
+def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
+    return round_up(hidden, HIDDEN_ALIGNMENT), round_up(intermediate, INTERMEDIATE_ALIGNMENT)
+
+
+def call_arguments(meta: LayoutMeta, ep_rank: int = 0) -> dict[str, int]:
+    """The integer arguments of ``trtllm_fp4_block_scale_moe`` that go with these tensors (meta holds one rank)."""
+    _, padded_intermediate = padded_sizes(meta.hidden_size, meta.intermediate_size)
+    return {
+        "intermediate_size": padded_intermediate,
+        "valid_hidden_size": meta.hidden_size,
+        "valid_intermediate_size": meta.intermediate_size,
+        "local_expert_offset": ep_rank * meta.num_experts,
+        "local_num_experts": meta.num_experts,
+    }
+
+
+def gated_interleave_rows(num_rows: int) -> torch.Tensor:
+    """Source row of every destination row: out[2i] = in[i], out[2i+1] = in[num_rows/2 + i]."""
+    return torch.arange(num_rows).reshape(2, num_rows // 2).T.reshape(-1)
+
+
+def shuffle_rows(num_rows: int) -> torch.Tensor:
+    """Source row of every destination row: out[32b + d] = in[32b + (d % 8) * 4 + d // 8]."""
+    if num_rows % SHUFFLE_BLOCK:
+        raise Fp4kitError(f"{num_rows} rows cannot be shuffled in blocks of {SHUFFLE_BLOCK}.")
+    within = torch.arange(SHUFFLE_BLOCK)
+    source_in_block = (within % 8) * 4 + within // 8
+    blocks = torch.arange(num_rows // SHUFFLE_BLOCK).unsqueeze(1) * SHUFFLE_BLOCK
+    return (blocks + source_in_block).reshape(-1)
+
+
+def w13_rows(num_rows: int) -> torch.Tensor:
+    return gated_interleave_rows(num_rows)[shuffle_rows(num_rows)]
+
+
+def _pad(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    as_bytes = tensor.view(torch.uint8)
+    padded = as_bytes.new_zeros((as_bytes.shape[0], rows, cols))
+    padded[:, : as_bytes.shape[1], : as_bytes.shape[2]] = as_bytes
+    return padded
+
+
+def _up_gate(tensor: torch.Tensor, intermediate: int, padded_i: int, padded_cols: int) -> torch.Tensor:
+    """[gate; up] bytes [E, 2I, C] -> [up; gate] with each half zero-padded to [padded_i, padded_cols]."""
+    gate, up = tensor[:, :intermediate], tensor[:, intermediate:]
+    return torch.cat([_pad(up, padded_i, padded_cols), _pad(gate, padded_i, padded_cols)], dim=1)
+
+
+def _scalars(meta: LayoutMeta) -> dict[str, torch.Tensor]:
+    if meta.input_scale_div13 is None or meta.input_scale_div2 is None:
+        raise Fp4kitError("trtllm_fp4_block_scale_moe is W4A4: it needs the gate/up and down input scales.")
+    gate_scalar = fp32(meta.w13_global_scale_div) * fp32(meta.input_scale_div13)
+    return {
+        "output1_scale_scalar": gate_scalar * (1.0 / fp32(meta.input_scale_div2)),
+        "output1_scale_gate_scalar": gate_scalar,
+        "output2_scale_scalar": fp32(meta.w2_global_scale_div) * fp32(meta.input_scale_div2),
+    }
+
+
+def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
+             input_scale_div2: torch.Tensor | None) -> LayoutMeta:
+    return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2)
+
+
+def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
+              input_scale_div2: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    num_experts, hidden, intermediate = moe_sizes(w13, w2)
+    check_input_scales(num_experts, input_scale_div13, input_scale_div2)
+    check_shapes(num_experts, hidden, intermediate)
+    padded_h, padded_i = padded_sizes(hidden, intermediate)
+    rows13, rows2 = w13_rows(2 * padded_i), shuffle_rows(padded_h)
+
+    gemm1_weights = _up_gate(w13.packed, intermediate, padded_i, padded_h // 2)[:, rows13]
+    gemm1_scales = _up_gate(w13.block_scale, intermediate, padded_i, padded_h // BLOCK)[:, rows13]
+    gemm2_weights = _pad(w2.packed, padded_h, padded_i // 2)[:, rows2]
+    gemm2_scales = _pad(w2.block_scale, padded_h, padded_i // BLOCK)[:, rows2]
+    meta = describe(w13, w2, input_scale_div13, input_scale_div2)
+    return {
+        "gemm1_weights": gemm1_weights.contiguous(),
+        "gemm1_weights_scale": swizzle_128x4(gemm1_scales).view(torch.float8_e4m3fn),
+        "gemm2_weights": gemm2_weights.contiguous(),
+        "gemm2_weights_scale": swizzle_128x4(gemm2_scales).view(torch.float8_e4m3fn),
+        **_scalars(meta),
+    }
+
+
+def _crop(name: str, padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    require_zero(name, padded[:, rows:])
+    require_zero(name, padded[:, :rows, cols:])
+    return padded[:, :rows, :cols]
+
+
+def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None,
+                                                                       torch.Tensor | None]:
+    num_experts, hidden, intermediate = meta.num_experts, meta.hidden_size, meta.intermediate_size
+    padded_h, padded_i = padded_sizes(hidden, intermediate)
+    expected = {
+        "gemm1_weights": (torch.uint8, (num_experts, 2 * padded_i, padded_h // 2)),
+        "gemm1_weights_scale": (torch.float8_e4m3fn, (num_experts, 2 * padded_i, padded_h // BLOCK)),
+        "gemm2_weights": (torch.uint8, (num_experts, padded_h, padded_i // 2)),
+        "gemm2_weights_scale": (torch.float8_e4m3fn, (num_experts, padded_h, padded_i // BLOCK)),
+    }
+    for name, (dtype, shape) in expected.items():
+        require_shape(name, tensors, dtype, shape)
+    for name, value in _scalars(meta).items():
+        require_equal(name, tensors[name], value)
+
+    back13 = torch.argsort(w13_rows(2 * padded_i))
+    back2 = torch.argsort(shuffle_rows(padded_h))
+
+    def gate_up(name: str, shuffled: torch.Tensor, cols: int) -> torch.Tensor:
+        up_gate = shuffled.view(torch.uint8)[:, back13]
+        up = _crop(name, up_gate[:, :padded_i], intermediate, cols)
+        gate = _crop(name, up_gate[:, padded_i:], intermediate, cols)
+        return torch.cat([gate, up], dim=1)
+
+    scales13 = unswizzle_128x4(tensors["gemm1_weights_scale"], 2 * padded_i, padded_h // BLOCK)
+    scales2 = unswizzle_128x4(tensors["gemm2_weights_scale"], padded_h, padded_i // BLOCK)
+    w13 = canonical(gate_up("gemm1_weights", tensors["gemm1_weights"], hidden // 2),
+                    gate_up("gemm1_weights_scale", scales13, hidden // BLOCK).view(torch.float8_e4m3fn),
+                    meta.w13_global_scale_div)
+    w2 = canonical(_crop("gemm2_weights", tensors["gemm2_weights"][:, back2], hidden, intermediate // 2),
+                   _crop("gemm2_weights_scale", scales2.view(torch.uint8)[:, back2], hidden, intermediate // BLOCK)
+                   .view(torch.float8_e4m3fn), meta.w2_global_scale_div)
+    return w13, w2, meta.input_scale_div13, meta.input_scale_div2
