@@ -1,0 +1,182 @@
+"""Marlin layout for vLLM's ``fused_marlin_moe`` with NVFP4 weights (W4A16: dequantized in the kernel, sm75+).
+
+Facts (DESIGN.md §5; checked in vLLM ``marlin_utils_fp4.py`` (prepare_moe_fp4_layer_for_marlin,
+nvfp4_marlin_process_scales, nvfp4_marlin_process_global_scale, _nvfp4_compute_scale_factor), ``marlin_utils.py``
+(get_scale_perms, marlin_permute_scales), ``marlin_utils_test.py`` (marlin_permute_weights, marlin_weights,
+get_weight_perm) and ``csrc/moe/marlin_moe_wna16/ops.cu``):
+
+- Weights: the packed [N, K/2] bytes viewed as int32 and transposed are GPTQ's [K/8, N]; ``gptq_marlin_repack``
+  turns them into [K/16, 2N] int32: 16x16 tiles laid out tile-row by tile-row, each 1024 codes permuted by a
+  fixed permutation (``get_weight_perm(4)``, whose groups of 8 are interleaved [0, 2, 4, 6, 1, 3, 5, 7]), then
+  packed 8 codes per int32, code i at bits 4i.
+- Block scales: transposed to [K/16, N], permuted in groups of 64 (an 8x8 transpose), every 4 swapped
+  [0, 2, 1, 3], times 2^7 (times a power-of-two factor f shared by all experts of the projection for bf16 so that
+  every non-zero scale * 2^7 >= 2), re-encoded as the high byte of (fp16 bits << 1): sign dropped, 5-bit exponent,
+  3-bit mantissa. Exact for non-negative FP8 scales as long as scale * f * 2^7 < 65536.
+- Global scale: fp32 divisor D times 2^119 (bf16 activations) or 2^7 (fp16), divided by f; fp32 [E].
+- The kernel tiles N and K by at least 64, so H % 64 == 0 and I % 64 == 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.layouts import (
+    LayoutMeta,
+    canonical,
+    check_divisible,
+    check_input_scales,
+    fp32,
+    moe_sizes,
+    require_equal,
+    require_shape,
+)
+from fp4kit.layouts import describe as _describe
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, pack_codes, unpack_codes
+
+KERNEL = "vllm fused_marlin_moe / moe_wna16_marlin_gemm, float4_e2m1f weights (vLLM 0.33)"
+BACKEND = "marlin"
+TILE = 16
+TILE_ALIGNMENT = 64
+# exponent bias of the activation dtype minus FP4's (2^(e-1) - 2^1), minus the 2^7 folded into the scales
+_GLOBAL_EXPONENT = {torch.bfloat16: 126 - 7, torch.float16: 14 - 7}
+_ENCODING_LIMIT = 65536.0  # first scale * f * 2^7 that fp16 cannot hold
+
+
+def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) -> None:
+    check_divisible("hidden size H", hidden, TILE_ALIGNMENT, "Marlin tiles N and K by 64")
+    check_divisible("intermediate size I", intermediate, TILE_ALIGNMENT, "Marlin tiles N and K by 64")
+    if ep < 1 or ep > num_experts:
+        raise Fp4kitError(f"ep = {ep} must be between 1 and the number of experts {num_experts}.")
+
+
+def weight_permutation() -> torch.Tensor:
+    """The 1024-entry Marlin permutation: position -> source offset in a 16-row strip of 64 tiled codes."""
+    thread = torch.arange(32).reshape(32, 1, 1, 1)
+    column_block = torch.arange(4).reshape(1, 4, 1, 1)
+    half = torch.arange(2).reshape(1, 1, 2, 1)
+    row = 2 * (thread % 4) + torch.tensor([0, 1, 8, 9])  # [32, 1, 1, 4]
+    source = 16 * row + thread // 4 + 8 * half + 256 * column_block
+    return source.reshape(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(-1)
+
+
+def scale_permutation() -> torch.Tensor:
+    """Groups of 64 scales are read as an 8x8 transpose: position 8i + j holds source i + 8j."""
+    return torch.arange(64).reshape(8, 8).T.reshape(-1)
+
+
+_PAIR_SWAP = torch.tensor([0, 2, 1, 3])  # its own inverse
+
+
+def repack_weights(packed: torch.Tensor) -> torch.Tensor:
+    """Packed [E, N, K/2] uint8 -> Marlin [E, K/16, 2N] int32."""
+    experts, size_n, size_k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
+    codes = unpack_codes(packed).transpose(1, 2)  # [E, K, N]
+    tiled = codes.reshape(experts, size_k // TILE, TILE, size_n // TILE, TILE).permute(0, 1, 3, 2, 4)
+    permuted = tiled.reshape(experts, -1, 1024)[..., weight_permutation()]
+    return pack_codes(permuted.reshape(experts, size_k // TILE, size_n * TILE)).view(torch.int32)
+
+
+def unpack_weights(marlin: torch.Tensor, size_n: int, size_k: int) -> torch.Tensor:
+    """Inverse of :func:`repack_weights`."""
+    experts = marlin.shape[0]
+    codes = unpack_codes(marlin.contiguous().view(torch.uint8)).reshape(experts, -1, 1024)
+    tiled = codes[..., torch.argsort(weight_permutation())]
+    tiled = tiled.reshape(experts, size_k // TILE, size_n // TILE, TILE, TILE).permute(0, 1, 3, 2, 4)
+    return pack_codes(tiled.reshape(experts, size_k, size_n).transpose(1, 2).contiguous())
+
+
+def scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) -> float:
+    """vLLM's power of two f: every non-zero scale * 2^7 * f >= 2 (bf16 only; fp16 keeps f = 1)."""
+    scales = block_scale.to(torch.float64) * 2**7
+    nonzero = scales[scales > 0]
+    if act_dtype == torch.float16 or nonzero.numel() == 0 or nonzero.min() >= 2:
+        return 1.0
+    return 2.0 ** math.ceil(math.log2(2.0 / float(nonzero.min())))
+
+
+def encode_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """FP8 [E, N, K/16] -> Marlin [E, K/16, N] S0E5M3 bytes (as float8_e4m3fn, the dtype the kernel checks)."""
+    as_bytes = block_scale.view(torch.uint8)
+    if bool(((as_bytes & 0x80) != 0).any()) or bool(((as_bytes & 0x7F) == 0x7F).any()):
+        raise Fp4kitError("Marlin re-encodes block scales without a sign: negative, -0 or NaN FP8 scales cannot "
+                          "be stored.")
+    experts, size_n, groups = block_scale.shape
+    values = block_scale.to(torch.float64).transpose(1, 2).reshape(experts, -1, 64)[..., scale_permutation()]
+    values = values.reshape(experts, -1, 4)[..., _PAIR_SWAP].reshape(experts, groups, size_n) * (factor * 2**7)
+    if bool((values >= _ENCODING_LIMIT).any()):
+        raise Fp4kitError(f"block scales span too wide a range for Marlin: scale * {factor:g} * 2^7 overflows fp16.")
+    fp16_bits = values.to(torch.float16).view(torch.int16).to(torch.int32)
+    return (fp16_bits >> 7).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def decode_scales(marlin_scales: torch.Tensor, factor: float) -> torch.Tensor:
+    """Inverse of :func:`encode_scales`."""
+    experts, groups, size_n = marlin_scales.shape
+    fp16_bits = (marlin_scales.contiguous().view(torch.uint8).to(torch.int32) << 7).to(torch.int16)
+    values = fp16_bits.view(torch.float16).to(torch.float64) / (factor * 2**7)
+    values = values.reshape(experts, -1, 4)[..., _PAIR_SWAP].reshape(experts, -1, 64)
+    values = values[..., torch.argsort(scale_permutation())].reshape(experts, groups, size_n).transpose(1, 2)
+    return values.to(torch.float8_e4m3fn).contiguous()
+
+
+def _global_scale(divisor: torch.Tensor, act_dtype: torch.dtype, factor: float) -> torch.Tensor:
+    scale = fp32(divisor) * 2.0 ** _GLOBAL_EXPONENT[act_dtype] / factor
+    if not bool(torch.isfinite(scale).all()):
+        raise Fp4kitError("a weight global scale times 2^119 overflows fp32; Marlin cannot hold it.")
+    return scale
+
+
+def _act_dtype(name: object) -> torch.dtype:
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(name).removeprefix("torch."))
+    if dtype is None:
+        raise Fp4kitError(f"Marlin NVFP4 runs with bfloat16 or float16 activations, not {name}.")
+    return dtype
+
+
+def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
+             input_scale_div2: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16) -> LayoutMeta:
+    dtype = _act_dtype(act_dtype)
+    return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2, act_dtype=str(dtype).removeprefix("torch."),
+                     w13_scale_factor=scale_factor(w13.block_scale, dtype),
+                     w2_scale_factor=scale_factor(w2.block_scale, dtype))
+
+
+def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
+              input_scale_div2: torch.Tensor | None,
+              act_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    num_experts, hidden, intermediate = moe_sizes(w13, w2)
+    check_input_scales(num_experts, input_scale_div13, input_scale_div2)
+    check_shapes(num_experts, hidden, intermediate)
+    meta = describe(w13, w2, input_scale_div13, input_scale_div2, act_dtype)
+    dtype, factor13, factor2 = _act_dtype(meta.options["act_dtype"]), meta.options["w13_scale_factor"], \
+        meta.options["w2_scale_factor"]
+    return {
+        "w1": repack_weights(w13.packed),
+        "w2": repack_weights(w2.packed),
+        "w1_scale": encode_scales(w13.block_scale, float(factor13)),
+        "w2_scale": encode_scales(w2.block_scale, float(factor2)),
+        "global_scale1": _global_scale(w13.global_scale_div, dtype, float(factor13)),
+        "global_scale2": _global_scale(w2.global_scale_div, dtype, float(factor2)),
+    }
+
+
+def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None,
+                                                                       torch.Tensor | None]:
+    num_experts, hidden, intermediate = meta.num_experts, meta.hidden_size, meta.intermediate_size
+    dtype = _act_dtype(meta.options["act_dtype"])
+    factor13, factor2 = float(meta.options["w13_scale_factor"]), float(meta.options["w2_scale_factor"])
+    require_shape("w1", tensors, torch.int32, (num_experts, hidden // TILE, 2 * 2 * intermediate))
+    require_shape("w2", tensors, torch.int32, (num_experts, intermediate // TILE, 2 * hidden))
+    require_shape("w1_scale", tensors, torch.float8_e4m3fn, (num_experts, hidden // BLOCK, 2 * intermediate))
+    require_shape("w2_scale", tensors, torch.float8_e4m3fn, (num_experts, intermediate // BLOCK, hidden))
+    require_equal("global_scale1", tensors["global_scale1"], _global_scale(meta.w13_global_scale_div, dtype, factor13))
+    require_equal("global_scale2", tensors["global_scale2"], _global_scale(meta.w2_global_scale_div, dtype, factor2))
+    w13 = canonical(unpack_weights(tensors["w1"], 2 * intermediate, hidden),
+                    decode_scales(tensors["w1_scale"], factor13), meta.w13_global_scale_div)
+    w2 = canonical(unpack_weights(tensors["w2"], hidden, intermediate), decode_scales(tensors["w2_scale"], factor2),
+                   meta.w2_global_scale_div)
+    return w13, w2, meta.input_scale_div13, meta.input_scale_div2
