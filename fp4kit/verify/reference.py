@@ -1,0 +1,86 @@
+"""fp32 torch reference MoE: the function every kernel and layout is checked against.
+
+Weights use the checkpoint/vLLM orientation: ``w13`` [E, 2I, H] with rows [w1 (gate); w3 (up)], ``w2`` [E, H, I].
+The expert is SwiGLU: w2 · (silu(w1 x) * (w3 x)). Routing weights multiply the expert output, except for Llama-4
+(`RoutingSpec.scales_input`), where they multiply the expert input (transformers' `Llama4TextMoe`).
+
+W4A4 emulation (DESIGN.md §2, §8): with ``activation_global_div`` = (D_a13 [E], D_a2 [E]) the input of each GEMM is
+quantized per 16-block the way NVFP4 kernels do at run time — block scale s = fp8(amax_blk / 6 · G_a) with the static
+per-expert multiplier G_a = fp32(1 / D_a), codes = rne_e2m1(x / (s / G_a)), an all-zero block gives zeros — and
+dequantized again, so the kernel's W4A4 arithmetic and this reference differ only in summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fp4kit.nvfp4 import BLOCK, E2M1_MAGNITUDES, FP4_MAX, FP8_MAX, e2m1_codes
+from fp4kit.routing import RoutingSpec
+
+
+def swiglu_mlp(hidden: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """One gated MLP in fp32 (a routed expert, a shared expert or a dense MLP): w13 [2I, H] = [gate; up], w2 [H, I]."""
+    gate, up = F.linear(hidden.float(), w13.float()).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w2.float())
+
+
+def dense_mlp(hidden: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """A shared expert or dense MLP from its three nn.Linear weights ([I, H], [I, H], [H, I])."""
+    return swiglu_mlp(hidden, torch.cat([gate, up], dim=0), down)
+
+
+def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:
+    """Quantize-dequantize fp32 activations [..., K] per 16-block with a static divisor global scale D_a (0-d)."""
+    global_mul = (1.0 / global_div.double()).to(torch.float32).to(x.device)
+    blocks = x.float().unflatten(-1, (-1, BLOCK))
+    block_amax = blocks.abs().amax(dim=-1, keepdim=True)
+    block_scale = torch.clamp(block_amax / FP4_MAX * global_mul, max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    divisor = block_scale / global_mul
+    safe_divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+    code_values = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), device=x.device)
+    values = code_values[e2m1_codes(blocks / safe_divisor).long()]
+    dequantized = torch.where(divisor > 0, values * block_scale / global_mul, torch.zeros_like(values))
+    return dequantized.flatten(-2)
+
+
+def moe_reference(
+    hidden: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    spec: RoutingSpec,
+    expert_mask: Tensor | None = None,
+    *,
+    activation_global_div: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Routed-expert output [T, H] in fp32 (no shared expert: add `swiglu_mlp` / `dense_mlp` for that).
+
+    hidden [T, H]; weights [T, k] and ids [T, k] from `fp4kit.routing.route`; ``expert_mask`` (bool [E]) computes
+    only the experts of one EP rank, so that the outputs of all ranks sum to the full output.
+    ``activation_global_div`` = (D_a13 [E], D_a2 [E]) switches on W4A4 emulation (module docstring).
+    """
+    hidden = hidden.float()
+    out = torch.zeros_like(hidden)
+    num_experts = w13.shape[0]
+    for expert in torch.unique(ids).tolist():
+        if not 0 <= expert < num_experts or (expert_mask is not None and not bool(expert_mask[expert])):
+            continue
+        token_idx, slot = torch.where(ids == expert)
+        expert_in = hidden[token_idx]
+        routing_weight = weights[token_idx, slot].float().unsqueeze(-1)
+        if spec.scales_input:
+            expert_in = expert_in * routing_weight
+        if activation_global_div is None:
+            expert_out = swiglu_mlp(expert_in, w13[expert], w2[expert])
+        else:
+            div13, div2 = activation_global_div
+            gate, up = F.linear(fake_quantize_activation(expert_in, div13[expert]), w13[expert].float()).chunk(2, -1)
+            intermediate = fake_quantize_activation(F.silu(gate) * up, div2[expert])
+            expert_out = F.linear(intermediate, w2[expert].float())
+        if not spec.scales_input:
+            expert_out = expert_out * routing_weight
+        out.index_add_(0, token_idx, expert_out)
+    return out
