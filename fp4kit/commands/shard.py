@@ -1,0 +1,53 @@
+"""`fp4kit shard`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fp4kit.commands._common import human_bytes, with_progress
+
+
+def shard(
+    src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (as `fp4kit quantize` writes it)")],
+    dst: Annotated[Path, typer.Argument(help="output directory: one rank-NNNNN/ per rank (created atomically)")],
+    ep: Annotated[int, typer.Option("--ep", help="expert-parallel size N")],
+    placement: Annotated[str, typer.Option(help="linear (vLLM's), round-robin or balanced (needs --stats)")] = "linear",
+    stats: Annotated[
+        Path | None, typer.Option(help="routing statistics JSON: per-layer token counts per expert (see docs)")
+    ] = None,
+    max_shard_size: Annotated[str, typer.Option(help="safetensors file size, e.g. 5GB")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Split a checkpoint into per-rank expert-parallel checkpoints, each loadable on its own."""
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.shard import ShardOptions, shard_checkpoint
+
+    options = ShardOptions(ep=ep, placement=placement, stats=stats, max_shard_bytes=parse_size(max_shard_size),
+                           overwrite=overwrite)
+    report = with_progress(lambda progress: shard_checkpoint(src, dst, options, progress), quiet, "sharding")
+    if quiet:
+        return
+    counts = sorted(set(report.experts_per_rank))
+    typer.echo(
+        f"{report.family}: {report.num_experts} experts x {report.moe_layers} MoE layers over {report.ep} ranks "
+        f"({report.placement}, {'/'.join(map(str, counts))} experts per rank), {human_bytes(report.input_bytes)} "
+        f"in {report.seconds:.1f} s -> {dst}"
+    )
+    if report.imbalance:
+        before = [b for b, _ in report.imbalance.values()]
+        after = [a for _, a in report.imbalance.values()]
+        typer.echo(
+            f"max/mean tokens per rank: linear {max(before):.3f} worst layer, {sum(before) / len(before):.3f} mean; "
+            f"{report.placement} {max(after):.3f} worst layer, {sum(after) / len(after):.3f} mean"
+        )
+    if report.input_scales_changed:
+        typer.echo(f"{report.input_scales_changed} expert activation scales set to their layer's max-amax value "
+                   f"(EP-invariant numerics)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(shard)
