@@ -5,7 +5,8 @@ marlin_permute_weights, marlin_weights: the pure-python reference of ``gptq_marl
 ``marlin_utils.py`` (get_scale_perms, marlin_permute_scales), ``marlin_utils_fp4.py``
 (prepare_moe_fp4_layer_for_marlin: qweight = packed.view(int32).T; nvfp4_marlin_process_scales,
 _nvfp4_compute_scale_factor, nvfp4_marlin_process_global_scale) and ``csrc/moe/marlin_moe_wna16/ops.cu``
-(b_scales must be float8_e4m3fn [E, K/16, N]; b_q_weight [E, K/16, 2N]).
+(b_scales must be float8_e4m3fn [E, K/16, N]; b_q_weight [E, K/16, 2N]; thread tiles) and
+``marlin_utils.py::check_moe_marlin_supports_layer`` (hidden % 128, intermediate % 64).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.layouts import marlin
 from fp4kit.nvfp4 import NVFP4Tensor, quantize_group
 
-SHAPES = [(1, 64, 64), (2, 128, 64), (3, 64, 192), (2, 256, 128)]
+SHAPES = [(1, 128, 64), (2, 128, 128), (3, 128, 192), (2, 256, 64)]
 
 
 def random_layer(experts: int, hidden: int, intermediate: int, seed: int, scale_bytes: tuple[int, int] = (0, 0x7E)):
@@ -143,7 +144,7 @@ def test_round_trip_real_quantized_weights() -> None:
 
 
 def test_unrepresentable_scales_raise() -> None:
-    w13, w2, _, _ = random_layer(1, 64, 64, seed=1, scale_bytes=(1, 0x30))
+    w13, w2, _, _ = random_layer(1, 128, 64, seed=1, scale_bytes=(1, 0x30))
     w13.block_scale.view(torch.uint8)[0, 0, 0] = 0x7E  # 448 next to 2^-9: f = 8 and 448 * 8 * 2^7 > fp16 max
     with pytest.raises(Fp4kitError, match="too wide"):
         marlin.transform(w13, w2, None, None, act_dtype=torch.bfloat16)
@@ -154,7 +155,7 @@ def test_unrepresentable_scales_raise() -> None:
 
 
 def test_undo_checks_global_scale_and_shapes() -> None:
-    w13, w2, _, _ = random_layer(2, 64, 64, seed=2, scale_bytes=(8, 0x40))
+    w13, w2, _, _ = random_layer(2, 128, 64, seed=2, scale_bytes=(8, 0x40))
     meta = marlin.describe(w13, w2, None, None)
     tensors = marlin.transform(w13, w2, None, None)
     tensors["global_scale2"] = tensors["global_scale2"] * 2
@@ -168,9 +169,9 @@ def test_undo_checks_global_scale_and_shapes() -> None:
 
 def test_check_shapes() -> None:
     marlin.check_shapes(128, 2048, 768)
-    with pytest.raises(Fp4kitError, match="hidden size H = 2080"):
-        marlin.check_shapes(128, 2080, 768)
+    with pytest.raises(Fp4kitError, match="hidden size H = 2112"):
+        marlin.check_shapes(128, 2112, 768)  # a multiple of 64 but not of 128
     with pytest.raises(Fp4kitError, match="intermediate size I = 96"):
         marlin.check_shapes(128, 2048, 96)
     with pytest.raises(Fp4kitError, match="bfloat16 or float16"):
-        marlin.describe(*random_layer(1, 64, 64, seed=0)[:2], None, None, act_dtype=torch.float32)
+        marlin.describe(*random_layer(1, 128, 64, seed=0)[:2], None, None, act_dtype=torch.float32)

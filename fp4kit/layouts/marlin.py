@@ -14,7 +14,8 @@ get_weight_perm) and ``csrc/moe/marlin_moe_wna16/ops.cu``):
   every non-zero scale * 2^7 >= 2), re-encoded as the high byte of (fp16 bits << 1): sign dropped, 5-bit exponent,
   3-bit mantissa. Exact for non-negative FP8 scales as long as scale * f * 2^7 < 65536.
 - Global scale: fp32 divisor D times 2^119 (bf16 activations) or 2^7 (fp16), divided by f; fp32 [E].
-- The kernel tiles N and K by at least 64, so H % 64 == 0 and I % 64 == 0.
+- The MoE kernel's thread tiles need n % 128 == 0 and k % 64 == 0 for every GEMM (vLLM
+  ``check_moe_marlin_supports_layer``; ``ops.cu`` thread configs): H % 128 == 0 and I % 64 == 0.
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, pack_codes, unpack_codes
 KERNEL = "vllm fused_marlin_moe / moe_wna16_marlin_gemm, float4_e2m1f weights (vLLM 0.33)"
 BACKEND = "marlin"
 TILE = 16
-TILE_ALIGNMENT = 64
+N_ALIGNMENT = 128
+K_ALIGNMENT = 64
 # exponent bias of the activation dtype minus FP4's (2^(e-1) - 2^1), minus the 2^7 folded into the scales
 _GLOBAL_EXPONENT = {torch.bfloat16: 126 - 7, torch.float16: 14 - 7}
 _ENCODING_LIMIT = 65536.0  # first scale * f * 2^7 that fp16 cannot hold
 
 
 def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) -> None:
-    check_divisible("hidden size H", hidden, TILE_ALIGNMENT, "Marlin tiles N and K by 64")
-    check_divisible("intermediate size I", intermediate, TILE_ALIGNMENT, "Marlin tiles N and K by 64")
+    check_divisible("hidden size H", hidden, N_ALIGNMENT, "Marlin MoE needs n % 128 == 0 for the down GEMM")
+    check_divisible("intermediate size I", intermediate, K_ALIGNMENT, "Marlin MoE needs k % 64 == 0 for the down GEMM")
     if ep < 1 or ep > num_experts:
         raise Fp4kitError(f"ep = {ep} must be between 1 and the number of experts {num_experts}.")
 
