@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.layouts import cutlass
@@ -63,6 +65,18 @@ def test_round_trip(flavor: str, experts: int, hidden: int, intermediate: int) -
             assert same_bytes(ours.packed, theirs.packed) and same_bytes(ours.block_scale, theirs.block_scale)
             assert same_bytes(ours.global_scale_div, theirs.global_scale_div)
         assert same_bytes(back_s13, s13) and same_bytes(back_s2, s2)
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(flavor=st.sampled_from(["flashinfer", "vllm"]), experts=st.integers(1, 3), hidden_blocks=st.integers(1, 6),
+       intermediate_blocks=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_round_trip_property(flavor: str, experts: int, hidden_blocks: int, intermediate_blocks: int,
+                             seed: int) -> None:
+    w13, w2, s13, s2 = random_layer(experts, 64 * hidden_blocks, 64 * intermediate_blocks, seed)
+    tensors = cutlass.transform(w13, w2, s13, s2, flavor=flavor)
+    back13, back2, _, _ = cutlass.undo(tensors, cutlass.describe(w13, w2, s13, s2, flavor=flavor))
+    assert same_bytes(back13.packed, w13.packed) and same_bytes(back13.block_scale, w13.block_scale)
+    assert same_bytes(back2.packed, w2.packed) and same_bytes(back2.block_scale, w2.block_scale)
 
 
 @pytest.mark.parametrize("experts, hidden, intermediate", SHAPES)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp4kit.layouts.swizzle import swizzle_128x4, swizzle_padding_is_zero, swizzled_shape, unswizzle_128x4
 
@@ -51,6 +53,13 @@ def test_round_trip_batched_fp8_all_bit_patterns(rows: int, cols: int) -> None:
     flat = swizzled.reshape(3, 2, -1)
     assert torch.equal(unswizzle_128x4(flat, rows, cols).view(torch.uint8), scales.view(torch.uint8))
     assert swizzle_padding_is_zero(swizzled, rows, cols)
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(batch=st.integers(1, 3), rows=st.integers(1, 300), cols=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_round_trip_property(batch: int, rows: int, cols: int, seed: int) -> None:
+    scales = random_bytes(batch, rows, cols, seed=seed)
+    assert torch.equal(unswizzle_128x4(swizzle_128x4(scales), rows, cols), scales)
 
 
 def test_padding_check_sees_a_stray_byte() -> None:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.layouts import trtllm
 from fp4kit.layouts.swizzle import swizzle_128x4
 from fp4kit.nvfp4 import NVFP4Tensor, quantize_group
 
-# (E, H, I): H padded to 256 or not, I padded to 64 or not, both, neither
-SHAPES = [(2, 256, 64), (3, 48, 32), (1, 272, 80), (2, 512, 128), (1, 16, 16), (2, 240, 96)]
+# (E, H, I): neither padded, H only, I only, both (small and just past a multiple), neither again at 2x
+SHAPES = [(2, 256, 64), (2, 240, 64), (1, 256, 80), (3, 48, 32), (1, 272, 80), (1, 16, 16), (2, 512, 128)]
 
 
 def random_nvfp4(experts: int, rows: int, cols: int, generator: torch.Generator) -> NVFP4Tensor:
@@ -72,6 +74,13 @@ def assert_round_trip(w13: NVFP4Tensor, w2: NVFP4Tensor, s13: torch.Tensor, s2: 
 def test_round_trip_random_bytes(experts: int, hidden: int, intermediate: int) -> None:
     for seed in range(3):
         assert_round_trip(*random_layer(experts, hidden, intermediate, seed))
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(experts=st.integers(1, 3), hidden_blocks=st.integers(1, 20), intermediate_blocks=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+def test_round_trip_property(experts: int, hidden_blocks: int, intermediate_blocks: int, seed: int) -> None:
+    assert_round_trip(*random_layer(experts, 16 * hidden_blocks, 16 * intermediate_blocks, seed))
 
 
 @pytest.mark.parametrize("fill", [0x00, 0xFF, 0x7F, 0x80])
