@@ -61,9 +61,12 @@ class NVFP4Tensor:
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values (already divided by their scale) to E2M1 codes: RNE, saturating at +-6, sign in bit 3."""
+    """Round fp32 values (already divided by their scale) to E2M1 codes: RNE, saturating at +-6, sign in bit 3.
+
+    Negative values that round to zero keep their sign (code 8); -0.0 itself becomes +0, as in compressed-tensors.
+    """
     magnitude = torch.bucketize(x.abs(), _BOUNDARIES.to(x.device), right=False).to(torch.uint8)
-    return magnitude | (torch.signbit(x).to(torch.uint8) << 3)
+    return magnitude | ((x < 0).to(torch.uint8) << 3)
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -123,8 +123,8 @@ def read_group_weights(reader: CheckpointReader, group: QuantGroup) -> list[torc
         key = (src.tensor, src.expert)
         if key not in rows:
             rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1)[0]
-        matrix = rows[key]  # [K, N_total]: fused layouts store the transpose
-        if src.cols is not None:
-            matrix = matrix[:, src.cols[0] : src.cols[1]]
-        weights.append(matrix.t().contiguous())
+        matrix = rows[key].t() if src.transposed else rows[key]  # [N_total, K]
+        if src.span is not None:
+            matrix = matrix[src.span[0] : src.span[1]]
+        weights.append(matrix.contiguous())
     return weights

@@ -46,7 +46,8 @@ class SourceRef:
 
     tensor: str
     expert: int | None = None
-    cols: tuple[int, int] | None = None  # column range of the expert's [K, 2I] matrix (fused layouts are [E, K, N])
+    span: tuple[int, int] | None = None  # range of output features (gate or up) inside the fused matrix
+    transposed: bool = False  # the expert's matrix is stored [K, N] rather than [N, K]
 
 
 @dataclass(frozen=True)
@@ -92,23 +93,31 @@ def linear_candidates(shapes: dict[str, tuple[int, ...]], text_config: dict, moe
 
 
 def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int) -> list[Candidate]:
+    """Split [E, H, 2I] / [E, I, H] (HF checkpoints: K-major, "transposed") or [E, 2I, H] / [E, H, I] (what
+    transformers 5 saves for some models) per expert. When H == 2I the shapes cannot tell: the HF layout wins."""
     experts_path, leaf = name.rsplit(".", 1)
-    num_experts = shape[0]
+    dims = tuple(shape[1:])
     if leaf == "gate_up_proj":
-        if tuple(shape[1:]) != (hidden, 2 * inter):
-            raise Fp4kitError(f"{name}: shape {list(shape)}, expected [E, hidden={hidden}, 2*intermediate={2 * inter}]")
-        parts = [("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))]
         out_features, in_features = inter, hidden
+        parts = [("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))]
     else:
-        if tuple(shape[1:]) != (inter, hidden):
-            raise Fp4kitError(f"{name}: shape {list(shape)}, expected [E, intermediate={inter}, hidden={hidden}]")
-        parts = [("down_proj", None)]
         out_features, in_features = hidden, inter
+        parts = [("down_proj", None)]
+    fused_out = 2 * inter if leaf == "gate_up_proj" else out_features
+    if dims == (in_features, fused_out):
+        transposed = True
+    elif dims == (fused_out, in_features):
+        transposed = False
+    else:
+        raise Fp4kitError(
+            f"{name}: shape {list(shape)} fits neither [E, {in_features}, {fused_out}] nor [E, {fused_out}, "
+            f"{in_features}] (hidden={hidden}, intermediate={inter} from config.json)"
+        )
     found = []
-    for e in range(num_experts):
+    for e in range(shape[0]):
         parent = f"{experts_path}.{e}"
-        for proj, cols in parts:
-            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, cols), out_features, in_features)
+        for proj, span in parts:
+            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, span, transposed), out_features, in_features)
             found.append(Candidate(linear, layer_of(name), e, parent))
     return found
 

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(name) -> path of a bf16 fixture checkpoint of that family, built once per session."""
+    from fp4kit.fixtures import build_fixture
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_fixture(name, tmp_path_factory.mktemp(f"bf16-{name}"))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4a16(tiny, tmp_path_factory):
+    """tiny_nvfp4a16(name) -> path of that fixture quantized by fp4kit (compressed-tensors, NVFP4A16)."""
+    from fp4kit.quantize import quantize_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = tmp_path_factory.mktemp(f"nvfp4a16-{name}") / "out"
+            quantize_checkpoint(tiny(name), built[name])
+        return built[name]
+
+    return get

@@ -1,0 +1,131 @@
+"""NVFP4 numerics against compressed-tensors' own functions (the math llm-compressor uses), bit for bit.
+
+Reference: compressed_tensors/quantization/utils/helpers.py (generate_gparam, calculate_qparams),
+compressed_tensors/quantization/lifecycle/forward_helpers.py (_quantize), compressors/nvfp4/helpers.py (pack).
+"""
+
+import pytest
+import torch
+
+from fp4kit.nvfp4 import (
+    E2M1_MAGNITUDES,
+    e2m1_codes,
+    global_scale_mul,
+    pack_codes,
+    quantize,
+    quantize_group,
+    unpack_codes,
+    unpack_e2m1,
+)
+
+
+def ct_reference(weight: torch.Tensor, global_absmax: torch.Tensor | None = None):
+    """What llm-compressor stores for a bf16 weight: (packed, block scale, global multiplier)."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                            scale_dtype=torch.float8_e4m3fn)
+    amax = weight.abs().amax() if global_absmax is None else global_absmax
+    gscale = generate_gparam(-amax.reshape(1), amax.reshape(1))
+    blocks = weight.unflatten(-1, (-1, 16))
+    scale, _ = calculate_qparams(blocks.amin(-1), blocks.amax(-1), args, global_scale=gscale)
+    q = ct_quantize(weight, scale, None, args, global_scale=gscale)
+    return pack_fp4_to_uint8(q), scale.to(torch.float8_e4m3fn), gscale
+
+
+def adversarial(kind: str, gen: torch.Generator) -> torch.Tensor:
+    n, k = 48, 128
+    w = torch.randn(n, k, generator=gen)
+    if kind == "zeros_blocks":
+        w[::3, :16] = 0
+        w[5] = 0
+        w[9, 16:40] = -0.0
+    elif kind == "outlier":
+        w *= 1e-3
+        w[7, 33] = 1e4
+    elif kind == "denormal":
+        w[: n // 2] *= 1e-38
+    elif kind == "ties":
+        # Multiples of 1/4 of each block's max: many land exactly on E2M1 rounding midpoints.
+        w = torch.randint(-24, 25, (n, k), generator=gen).float() / 4
+        w[:, ::16] = 6.0
+    elif kind == "range":
+        w *= torch.logspace(-6, 6, n).unsqueeze(1)
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["normal", "zeros_blocks", "outlier", "denormal", "ties", "range"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quantize_matches_compressed_tensors(kind, seed):
+    w = adversarial(kind, torch.Generator().manual_seed(seed))
+    packed, scale, gscale = ct_reference(w)
+    q = quantize_group([w])[0]
+    assert torch.equal(q.global_scale_mul_fp32.reshape(1), gscale)
+    assert torch.equal(q.block_scale.view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(q.packed, packed)
+
+
+def test_fused_group_shares_global_scale_like_compressed_tensors():
+    gen = torch.Generator().manual_seed(5)
+    gate = torch.randn(32, 64, generator=gen).bfloat16()
+    up = (3 * torch.randn(32, 64, generator=gen)).bfloat16()
+    q_gate, q_up = quantize_group([gate, up])
+    assert torch.equal(q_gate.global_scale_div, q_up.global_scale_div)
+    amax = torch.maximum(gate.abs().amax(), up.abs().amax())
+    for w, q in ((gate, q_gate), (up, q_up)):
+        packed, scale, _ = ct_reference(w, amax)
+        assert torch.equal(q.packed, packed)
+        assert torch.equal(q.block_scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_e2m1_rounding_ties_to_even_and_saturation():
+    x = torch.tensor([0.0, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 6.0, 7.0, 1e30, -0.25, -0.0, -5.0, -6.5])
+    expected = [0, 0, 1, 2, 2, 4, 4, 6, 6, 7, 7, 7, 7, 8, 0, 14, 15]
+    assert e2m1_codes(x).tolist() == expected
+
+
+def test_e2m1_codes_are_nearest_value_on_random_inputs():
+    x = (torch.rand(100_000) * 14 - 7).float()
+    codes = e2m1_codes(x)
+    values = unpack_e2m1(pack_codes(codes))
+    table = torch.tensor(E2M1_MAGNITUDES)
+    nearest_err = (x.abs().clamp(max=6).unsqueeze(1) - table).abs().min(1).values
+    assert torch.allclose((values.abs() - x.abs().clamp(max=6)).abs(), nearest_err)
+    assert torch.equal(torch.signbit(values), torch.signbit(x))
+
+
+def test_pack_unpack_inverse_on_every_byte():
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(2, 128)
+    assert torch.equal(pack_codes(unpack_codes(every_byte)), every_byte)
+    assert unpack_codes(torch.tensor([0x21], dtype=torch.uint8)).tolist() == [1, 2]  # low nibble first
+
+
+def test_dequantize_within_nvfp4_error_band():
+    w = torch.randn(256, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q = quantize_group([w])[0]
+    rel = ((q.dequantize() - w.float()).norm() / w.float().norm()).item()
+    assert 0.05 < rel < 0.15
+
+
+def test_exact_fp32_global_scale_option():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    amax = w.abs().amax()
+    assert global_scale_mul(amax, exact_fp32=True).item() == pytest.approx(2688.0 / amax.float().item(), rel=1e-7)
+    assert global_scale_mul(amax).item() == (2688.0 / amax).item()  # bf16, as llm-compressor
+
+
+def test_quantize_rejects_unaligned_k():
+    with pytest.raises(ValueError):
+        quantize(torch.ones(4, 24), torch.tensor(1.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    w = adversarial("range", torch.Generator().manual_seed(9))
+    cpu = quantize_group([w])[0]
+    gpu = quantize_group([w.cuda()])[0]
+    assert torch.equal(cpu.packed, gpu.packed.cpu())
+    assert torch.equal(cpu.block_scale.view(torch.uint8), gpu.block_scale.view(torch.uint8).cpu())

@@ -1,0 +1,126 @@
+"""`fp4kit quantize` on tiny fixtures of every family: roles, fused scales, config, and compressed-tensors reading it."""
+
+import json
+
+import pytest
+import torch
+
+from fp4kit.checkpoint import CheckpointReader
+from fp4kit.fixtures import FIXTURES
+
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def global_scales(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    return {n[: -len(".weight_global_scale")]: reader.read(n) for n in reader.names() if n.endswith("weight_global_scale")}
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_fused_groups_share_global_scale(family, tiny_nvfp4a16):
+    scales = global_scales(CheckpointReader(tiny_nvfp4a16(family)))
+    groups_seen = 0
+    for module, scale in scales.items():
+        parent, leaf = module.rsplit(".", 1)
+        for group in FUSED:
+            if leaf == group[0]:
+                members = [scales[f"{parent}.{m}"] for m in group]
+                assert all(torch.equal(m, scale) for m in members), module
+                groups_seen += 1
+    assert groups_seen >= 4
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_compressed_tensors_decompresses_within_error_band(family, tiny, tiny_nvfp4a16):
+    """compressed-tensors' own ModelCompressor config + NVFP4 compressor read fp4kit's output back."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    out = tiny_nvfp4a16(family)
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    compressor = ModelCompressor(quantization_config=QuantizationConfig.model_validate(qconfig))
+    scheme = compressor.quantization_config.config_groups["group_0"]
+    source, quantized = CheckpointReader(tiny(family)), CheckpointReader(out)
+    from fp4kit.plan import build_plan, read_group_weights
+
+    plan = build_plan(source, json.loads((tiny(family) / "config.json").read_text()))
+    worst = 0.0
+    for group in plan.groups:
+        for cand, ref in zip(group.members, read_group_weights(source, group), strict=True):
+            m = cand.linear.module
+            local = {k: quantized.read(f"{m}.{k}") for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+            dense = NVFP4PackedCompressor.decompress(local, scheme)["weight"].float()
+            rel = ((dense - ref.float()).norm() / ref.float().norm()).item()
+            worst = max(worst, rel)
+    print(f"{family}: worst relative weight error {worst:.4f}")
+    assert compressor.quantization_config.format == "nvfp4-pack-quantized"
+    assert 0.03 < worst < 0.15
+
+
+def test_default_roles(tiny, tiny_nvfp4a16):
+    glm = CheckpointReader(tiny_nvfp4a16("glm4_moe"))
+    assert glm.info("model.layers.1.mlp.gate.weight").dtype == torch.float32
+    assert glm.info("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+    assert "model.layers.0.mlp.gate_proj.weight_packed" in glm  # dense layer quantized
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight_packed" in glm
+    assert glm.info("model.layers.3.mlp.experts.0.up_proj.weight").dtype == torch.bfloat16  # MTP layer kept
+    assert glm.info("model.layers.3.eh_proj.weight").dtype == torch.bfloat16
+    assert glm.info("lm_head.weight").dtype == torch.bfloat16
+
+    llama = CheckpointReader(tiny_nvfp4a16("llama4"))
+    assert "language_model.model.layers.0.feed_forward.experts.3.down_proj.weight_packed" in llama
+    assert "language_model.model.layers.0.feed_forward.experts.gate_up_proj" not in llama
+    assert llama.info("language_model.model.layers.0.feed_forward.router.weight").dtype == torch.bfloat16
+    assert not [n for n in llama.names() if n.startswith(("vision_model", "multi_modal")) and "packed" in n]
+
+    vl = CheckpointReader(tiny_nvfp4a16("qwen3_vl_moe"))
+    assert "model.language_model.layers.1.mlp.experts.7.gate_proj.weight_packed" in vl
+    assert not [n for n in vl.names() if n.startswith("model.visual") and "packed" in n]
+    config = json.loads((tiny_nvfp4a16("qwen3_vl_moe") / "config.json").read_text())
+    assert "model.language_model.layers.0.mlp.gate" in config["quantization_config"]["ignore"]
+
+
+def test_fused_expert_split_matches_source(tiny, tiny_nvfp4a16):
+    """Per-expert gate/up/down written for Qwen3-VL's [E, H, 2I] tensor are the right slices, transposed."""
+    from fp4kit.formats import compressed_tensors as ct
+
+    src, out = CheckpointReader(tiny("qwen3_vl_moe")), CheckpointReader(tiny_nvfp4a16("qwen3_vl_moe"))
+    prefix = "model.language_model.layers.1.mlp.experts"
+    # transformers 5.17 saves this model's experts as [E, 2I, H] and [E, H, I] (HF's own checkpoints: transposed).
+    gate_up = src.read(f"{prefix}.gate_up_proj").float()
+    down = src.read(f"{prefix}.down_proj").float()
+    inter = gate_up.shape[1] // 2
+    for e, proj, ref in ((2, "gate_proj", gate_up[2, :inter]), (5, "up_proj", gate_up[5, inter:]),
+                         (7, "down_proj", down[7])):
+        m = f"{prefix}.{e}.{proj}"
+        names = [f"{m}.{s}" for s in ("weight_packed", "weight_scale", "weight_global_scale")]
+        weight, _ = ct.decode(m, {n: out.read(n) for n in names})
+        assert ((weight.dequantize() - ref).norm() / ref.norm()).item() < 0.15
+
+
+def test_targets_and_ignore(tiny, tmp_path):
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    out = tmp_path / "experts-only"
+    quantize_checkpoint(tiny("qwen3_moe"), out, QuantizeOptions(targets=[r"experts\."], ignore=[r"layers\.1\."]))
+    reader = CheckpointReader(out)
+    packed = [n for n in reader.names() if n.endswith("weight_packed")]
+    assert packed and all(".experts." in n and ".layers.0." in n for n in packed)
+    assert reader.info("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
+
+
+def test_side_files_and_sharding(tiny, tmp_path):
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    src = tiny("qwen3_moe")
+    (src / "tokenizer.json").write_text("{}")
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    out = tmp_path / "sharded"
+    report = quantize_checkpoint(src, out, QuantizeOptions(max_shard_bytes=40_000))
+    assert len(report.output_files) > 3
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(report.output_files)
+    assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
+    assert (out / "generation_config.json").exists()
+    reread = CheckpointReader(out)
+    assert len(reread.names()) == len(index["weight_map"])
