@@ -1,4 +1,4 @@
-"""`fp4kit quantize` on tiny fixtures of every family: roles, fused scales, config, and compressed-tensors reading it."""
+"""`fp4kit quantize` on tiny fixtures of every family: roles, fused scales, config, compressed-tensors reading it."""
 
 import json
 
@@ -12,7 +12,8 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def global_scales(reader: CheckpointReader) -> dict[str, torch.Tensor]:
-    return {n[: -len(".weight_global_scale")]: reader.read(n) for n in reader.names() if n.endswith("weight_global_scale")}
+    suffix = ".weight_global_scale"
+    return {n[: -len(suffix)]: reader.read(n) for n in reader.names() if n.endswith(suffix)}
 
 
 @pytest.mark.parametrize("family", FIXTURES)
