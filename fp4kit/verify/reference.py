@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp4kit.nvfp4 import BLOCK, E2M1_MAGNITUDES, FP4_MAX, FP8_MAX, e2m1_codes
+from fp4kit.nvfp4 import BLOCK, E2M1_MAGNITUDES, FP4_MAX, FP8_MAX, NVFP4Tensor, e2m1_codes, global_scale_mul, quantize
 from fp4kit.routing import RoutingSpec
 
 
@@ -29,6 +29,28 @@ def swiglu_mlp(hidden: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
 def dense_mlp(hidden: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """A shared expert or dense MLP from its three nn.Linear weights ([I, H], [I, H], [H, I])."""
     return swiglu_mlp(hidden, torch.cat([gate, up], dim=0), down)
+
+
+def quantize_experts(experts: Tensor, exact_fp32: bool = False) -> NVFP4Tensor:
+    """Quantize stacked expert weights [E, N, K] with one global scale per expert (for w13 that is the scale gate
+    and up share). The result carries a float64 [E] divisor."""
+    parts = [quantize(w, global_scale_mul(w.abs().amax(), exact_fp32)) for w in experts]
+    return NVFP4Tensor(
+        torch.stack([p.packed for p in parts]),
+        torch.stack([p.block_scale for p in parts]),
+        torch.stack([p.global_scale_div for p in parts]),
+    )
+
+
+def dequantize_experts(experts: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Stacked [E, N, K] NVFP4 experts with a float64 [E] divisor -> dense, expert by expert."""
+    divisors = experts.global_scale_div.reshape(-1)
+    return torch.stack(
+        [
+            NVFP4Tensor(experts.packed[e], experts.block_scale[e], divisors[e]).dequantize(dtype)
+            for e in range(experts.packed.shape[0])
+        ]
+    )
 
 
 def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:

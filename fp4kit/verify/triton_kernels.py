@@ -1,0 +1,321 @@
+"""Triton kernels of fp4kit's fused NVFP4 MoE (imported lazily by `fp4kit.verify.triton_moe`, which documents them).
+
+Packed FP4 and FP8 block scales arrive as raw uint8 and are decoded with integer arithmetic, so the same code runs
+compiled on a GPU and under TRITON_INTERPRET=1 on a CPU. A packed byte holds elements 2j (low nibble) and 2j+1
+(high nibble) of one 16-block, so each GEMM runs as two dots over K/2: even activations x low nibbles, odd x high.
+The interpreter (triton 3.6) truncates fp32 -> bf16 and mis-computes bf16 dots, so with EMULATE_BF16 the MMA
+operands are rounded to bf16 precision by bit arithmetic (ties to even) and multiplied as fp32: the same products.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1_value(code):
+    """E2M1 codes (int32, sign in bit 3) -> fp32: 2·|v| = m for exponent 0, else (2 + m) << (exponent - 1)."""
+    magnitude = code & 7
+    exponent = magnitude >> 1
+    mantissa = magnitude & 1
+    twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << tl.maximum(exponent - 1, 0))
+    value = twice.to(tl.float32) * 0.5
+    return tl.where((code & 8) != 0, -value, value)
+
+
+@triton.jit
+def _e4m3_value(byte):
+    """FP8 E4M3FN bytes (int32) -> fp32; subnormals explicit so that no flush-to-zero can touch them."""
+    exponent = (byte >> 3) & 15
+    mantissa = byte & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
+    return tl.where((byte & 128) != 0, -value, value)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """Non-negative fp32 -> nearest E4M3 value (ties to even, saturating at 448), by the add-and-subtract trick."""
+    x = tl.minimum(x, 448.0)
+    exponent = tl.maximum(((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    # 1.5 · 2^(exponent + 20): its ulp is the E4M3 spacing 2^(exponent - 3) of x's binade.
+    magic = (((exponent + 147) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
+    return (x + magic) - magic
+
+
+@triton.jit
+def _round_e2m1(v):
+    """fp32 -> nearest E2M1 value (ties to even, saturating at ±6)."""
+    magnitude = tl.minimum(tl.abs(v), 6.0)
+    magic = tl.where(magnitude < 2.0, 0.5, tl.where(magnitude < 4.0, 1.0, 2.0)) * 12582912.0  # spacing · 1.5·2^23
+    rounded = (magnitude + magic) - magic
+    return tl.where(v < 0, -rounded, rounded)
+
+
+@triton.jit
+def _to_mma(x, EMULATE_BF16: tl.constexpr):
+    """fp32 -> MMA operand: bf16 on a GPU; under the interpreter fp32 holding the bf16-rounded (RNE) value."""
+    if EMULATE_BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _mma(a, w, acc, EMULATE_BF16: tl.constexpr):
+    """acc + a · wᵀ with fp32 accumulation."""
+    if EMULATE_BF16:
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
+def _fake_quant_blocks(x3, block_amax, global_mul):
+    """x3 [R, NB, W] fp32 with its 16-block amax [R, NB] -> e2m1(q)·s, the exact bf16 product, without 1/G."""
+    block_scale = _round_e4m3(block_amax / 6.0 * global_mul)
+    divisor = block_scale / global_mul
+    safe_divisor = tl.where(divisor > 0, divisor, 1.0)
+    values = _round_e2m1(x3 / safe_divisor[:, :, None]) * block_scale[:, :, None]
+    return tl.where(divisor[:, :, None] > 0, values, 0.0)
+
+
+@triton.jit
+def _fake_quant_pair(x_even, x_odd, global_mul, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    even3 = tl.reshape(x_even, (ROWS, BLOCK_K // 16, 8))
+    odd3 = tl.reshape(x_odd, (ROWS, BLOCK_K // 16, 8))
+    block_amax = tl.maximum(tl.max(tl.abs(even3), axis=2), tl.max(tl.abs(odd3), axis=2))
+    even = tl.reshape(_fake_quant_blocks(even3, block_amax, global_mul), (ROWS, BLOCK_K // 2))
+    odd = tl.reshape(_fake_quant_blocks(odd3, block_amax, global_mul), (ROWS, BLOCK_K // 2))
+    return even, odd
+
+
+@triton.jit
+def _dequant_pair(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """packed u8 [ROWS, BLOCK_K/2] + scale u8 [ROWS, BLOCK_K/16] -> (even, odd) MMA operands, no global scale.
+    e2m1 · e4m3 has at most 5 significant bits: exact in bf16."""
+    codes = packed.to(tl.int32)
+    scale = _e4m3_value(scale_bytes.to(tl.int32))[:, :, None]
+    even = tl.reshape(_e2m1_value(codes & 15), (ROWS, BLOCK_K // 16, 8)) * scale
+    odd = tl.reshape(_e2m1_value(codes >> 4), (ROWS, BLOCK_K // 16, 8)) * scale
+    return (
+        _to_mma(tl.reshape(even, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
+        _to_mma(tl.reshape(odd, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
+    )
+
+
+@triton.jit
+def align_kernel(
+    ids_ptr,  # int32 [P] expert id of each (token, slot) pair
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL)
+    sorted_pairs_ptr,  # int32 [max_padded] out: pair ids grouped by expert, padded with P
+    block_expert_ptr,  # int32 [max_blocks] out: expert of each BLOCK_M block, -1 past the end
+    cursor_ptr,  # int32 [E_PAD] scratch
+    num_padded_ptr,  # int32 [1] out: rows used in sorted_pairs
+    num_pairs,
+    num_experts,
+    max_padded,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    HAS_LOCAL: tl.constexpr,
+):
+    bins = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, num_experts)
+        if HAS_LOCAL:
+            is_local = tl.load(local_ptr + expert, mask=expert < num_experts, other=0)
+            expert = tl.where(is_local != 0, expert, num_experts)
+        counts += tl.histogram(expert, E_PAD)
+    counts = tl.where(bins < num_experts, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(cursor_ptr + bins, padded_end - padded)
+    tl.store(num_padded_ptr, total)
+    for block0 in range(0, max_blocks, 64):
+        blocks = block0 + tl.arange(0, 64)
+        first_row = blocks * BLOCK_M
+        expert_of_block = tl.sum((padded_end[None, :] <= first_row[:, None]).to(tl.int32), axis=1)
+        expert_of_block = tl.where(first_row < total, expert_of_block, -1)
+        tl.store(block_expert_ptr + blocks, expert_of_block, mask=blocks < max_blocks)
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+        expert = tl.where((expert >= 0) & (expert < num_experts), expert, num_experts)
+        if HAS_LOCAL:
+            is_local = tl.load(local_ptr + expert, mask=expert < num_experts, other=0)
+            expert = tl.where(is_local != 0, expert, num_experts)
+        take = expert < num_experts
+        # Order inside an expert's rows is free: every output row depends on its own input row only.
+        row = tl.atomic_add(cursor_ptr + expert, 1, mask=take)
+        tl.store(sorted_pairs_ptr + row, offs, mask=take)
+
+
+@triton.jit
+def gemm1_swiglu_kernel(
+    x_ptr,  # bf16/fp32 [T, H]
+    routing_weight_ptr,  # fp32 [P]
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    w_ptr,  # u8 [E, 2I, H/2], rows [w1; w3]
+    w_scale_ptr,  # u8 [E, 2I, H/16]
+    alpha_ptr,  # fp32 [E]: 1/G_w (W4A16) or 1/(G_w·G_a) (W4A4)
+    act_gmul_ptr,  # fp32 [E] G_a13 (W4A4)
+    out_gmul_ptr,  # fp32 [E] G_a2: the intermediate is stored fake-quantized (W4A4)
+    inter_ptr,  # bf16 [P, I]
+    num_pairs,
+    top_k,
+    hidden_size,
+    inter_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    W4A4: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_valid = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < inter_size
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    half_k = hidden_size // 2
+    x_rows = x_ptr + tokens[:, None] * hidden_size + 2 * offs_j[None, :]
+    gate_rows = w_ptr + expert * (2 * inter_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
+    up_rows = gate_rows + inter_size * half_k
+    scale_k = hidden_size // 16
+    gate_scales = (
+        w_scale_ptr + expert * (2 * inter_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
+    )
+    up_scales = gate_scales + inter_size * scale_k
+    if SCALE_INPUT:
+        routing_weight = tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)
+    if W4A4:
+        act_gmul = tl.load(act_gmul_ptr + expert)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        j_valid = (k0 // 2 + offs_j) < half_k
+        s_valid = (k0 // 16 + offs_s) < scale_k
+        x_mask = pair_valid[:, None] & j_valid[None, :]
+        x_even = tl.load(x_rows + k0, mask=x_mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_rows + k0 + 1, mask=x_mask, other=0.0).to(tl.float32)
+        if SCALE_INPUT:
+            x_even = x_even * routing_weight[:, None]
+            x_odd = x_odd * routing_weight[:, None]
+        if W4A4:
+            x_even, x_odd = _fake_quant_pair(x_even, x_odd, act_gmul, BLOCK_M, BLOCK_K)
+        a_even = _to_mma(x_even, EMULATE_BF16)
+        a_odd = _to_mma(x_odd, EMULATE_BF16)
+        w_mask = n_valid[:, None] & j_valid[None, :]
+        ws_mask = n_valid[:, None] & s_valid[None, :]
+        gate_even, gate_odd = _dequant_pair(
+            tl.load(gate_rows + k0 // 2, mask=w_mask, other=0),
+            tl.load(gate_scales + k0 // 16, mask=ws_mask, other=0),
+            BLOCK_N,
+            BLOCK_K,
+            EMULATE_BF16,
+        )
+        acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
+        acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
+        up_even, up_odd = _dequant_pair(
+            tl.load(up_rows + k0 // 2, mask=w_mask, other=0),
+            tl.load(up_scales + k0 // 16, mask=ws_mask, other=0),
+            BLOCK_N,
+            BLOCK_K,
+            EMULATE_BF16,
+        )
+        acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
+        acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
+    alpha = tl.load(alpha_ptr + expert)
+    gate = acc_gate * alpha
+    inter = gate / (1.0 + tl.exp(-gate)) * (acc_up * alpha)
+    if W4A4:
+        out_gmul = tl.load(out_gmul_ptr + expert)
+        inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
+        inter3 = _fake_quant_blocks(inter3, tl.max(tl.abs(inter3), axis=2), out_gmul)
+        inter = tl.reshape(inter3, (BLOCK_M, BLOCK_N))
+    out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_n[None, :]
+    tl.store(out_ptrs, _to_mma(inter, EMULATE_BF16), mask=pair_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def gemm2_combine_kernel(
+    inter_ptr,  # bf16 [P, I]
+    routing_weight_ptr,  # fp32 [P]
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    w_ptr,  # u8 [E, H, I/2]
+    w_scale_ptr,  # u8 [E, H, I/16]
+    alpha_ptr,  # fp32 [E]: 1/G_w2 (W4A16) or 1/(G_w2·G_a2) (W4A4)
+    pair_out_ptr,  # fp32 [P, H]
+    num_pairs,
+    hidden_size,
+    inter_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_valid = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < hidden_size
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    half_k = inter_size // 2
+    scale_k = inter_size // 16
+    a_rows = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + 2 * offs_j[None, :]
+    w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
+    w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter_size, BLOCK_K):
+        j_valid = (k0 // 2 + offs_j) < half_k
+        s_valid = (k0 // 16 + offs_s) < scale_k
+        a_mask = pair_valid[:, None] & j_valid[None, :]
+        a_even = tl.load(a_rows + k0, mask=a_mask, other=0.0)
+        a_odd = tl.load(a_rows + k0 + 1, mask=a_mask, other=0.0)
+        if EMULATE_BF16:
+            a_even = a_even.to(tl.float32)
+            a_odd = a_odd.to(tl.float32)
+        w_even, w_odd = _dequant_pair(
+            tl.load(w_rows + k0 // 2, mask=n_valid[:, None] & j_valid[None, :], other=0),
+            tl.load(w_scales + k0 // 16, mask=n_valid[:, None] & s_valid[None, :], other=0),
+            BLOCK_N,
+            BLOCK_K,
+            EMULATE_BF16,
+        )
+        acc = _mma(a_even, w_even, acc, EMULATE_BF16)
+        acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)
+    acc = acc * tl.load(alpha_ptr + expert)
+    if not SCALE_INPUT:
+        acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
+    out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
+    tl.store(out_ptrs, acc, mask=pair_valid[:, None] & n_valid[None, :])

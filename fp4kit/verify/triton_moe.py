@@ -1,0 +1,221 @@
+"""fp4kit's own fused NVFP4 MoE kernel in Triton: runs on any CUDA GPU Triton supports (sm80+, including the sm90
+H200, which has no FP4 tensor cores) and on a CPU under TRITON_INTERPRET=1 (DESIGN.md §8).
+
+Three launches and one reduction:
+1. `align_kernel` (one program): groups the T·k (token, slot) pairs by expert into BLOCK_M-row blocks, padding each
+   expert's rows to a multiple of BLOCK_M; writes the expert of each block. No host synchronisation.
+2. `gemm1_swiglu_kernel`: per block, [x] · [w1; w3]ᵀ of its expert with in-kernel dequantization of the packed FP4
+   codes and FP8 block scales, the global scale applied once after fp32 accumulation, SwiGLU in the epilogue;
+   Llama-4 multiplies each input row by its routing weight first.
+3. `gemm2_combine_kernel`: w2 the same way, then times the routing weight (not for Llama-4) into per-pair rows,
+   summed over the k slots of each token in fp32.
+
+Modes. W4A16: bf16 activations, bf16 MMA of exact e2m1·s weight products, fp32 accumulation. W4A4 emulation: the
+input of each GEMM is quantized per 16-block with a static per-expert activation global scale as NVFP4 kernels do
+(s = fp8(amax/6 · G_a), rne_e2m1(x / (s / G_a))), the exact e2m1·s products go through the bf16 MMA, and 1/(G_w·G_a)
+is applied after accumulation: equal to the Blackwell kernels up to summation order. The reference is
+`fp4kit.verify.reference.moe_reference` on the dequantized weights (``activation_global_div`` for W4A4).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.routing import RoutingSpec
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int = 16
+    block_n1: int = 32  # GEMM1 output columns per program (for each of gate and up)
+    block_n2: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DECODE_CONFIG = KernelConfig()
+PREFILL_CONFIG = KernelConfig(block_m=64, block_n1=64, block_n2=128, block_k=128, num_warps=8, num_stages=3)
+
+
+def default_config(num_pairs: int, num_experts: int) -> KernelConfig:
+    """Few rows per expert: small M tiles, long K tiles, many programs to keep HBM busy; else MMA-sized tiles."""
+    return DECODE_CONFIG if num_pairs <= 16 * num_experts else PREFILL_CONFIG
+
+
+@dataclass(frozen=True)
+class TritonMoeWeights:
+    """Expert weights as the kernel reads them: uint8 views of the canonical NVFP4 tensors plus fp32 per-expert
+    scalars. ``alpha13`` / ``alpha2`` are 1/G_w (W4A16) or 1/(G_w·G_a) (W4A4); ``act13_gmul`` / ``act2_gmul`` are
+    the activation multipliers G_a = fp32(1/D_a), present only in W4A4 mode."""
+
+    w13_packed: Tensor  # u8 [E, 2I, H/2]
+    w13_scale: Tensor  # u8 [E, 2I, H/16]
+    w2_packed: Tensor  # u8 [E, H, I/2]
+    w2_scale: Tensor  # u8 [E, H, I/16]
+    alpha13: Tensor  # fp32 [E]
+    alpha2: Tensor  # fp32 [E]
+    act13_gmul: Tensor | None = None
+    act2_gmul: Tensor | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_packed.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13_packed.shape[2] * 2
+
+    @property
+    def inter_size(self) -> int:
+        return self.w2_packed.shape[2] * 2
+
+    @property
+    def w4a4(self) -> bool:
+        return self.act13_gmul is not None
+
+    @classmethod
+    def from_nvfp4(
+        cls,
+        w13: NVFP4Tensor,
+        w2: NVFP4Tensor,
+        activation_global_div: tuple[Tensor, Tensor] | None = None,
+        device: torch.device | str | None = None,
+    ) -> TritonMoeWeights:
+        """Stacked experts: w13 [E, 2I, H] (rows [w1; w3]) and w2 [E, H, I], each with a float64 [E] divisor."""
+        num_experts, two_inter, hidden = w13.shape
+        if w2.shape != (num_experts, hidden, two_inter // 2):
+            raise Fp4kitError(f"w2 {w2.shape} does not match w13 {w13.shape}: expected [E, H, I]")
+        device = torch.device(device) if device is not None else w13.packed.device
+
+        def multiplier(divisor: Tensor) -> Tensor:
+            return (1.0 / divisor.double().reshape(num_experts)).to(torch.float32)
+
+        def raw(t: Tensor) -> Tensor:
+            return t.contiguous().view(torch.uint8).to(device)
+
+        w_mul13, w_mul2 = multiplier(w13.global_scale_div), multiplier(w2.global_scale_div)
+        act13 = act2 = None
+        if activation_global_div is None:
+            alpha13, alpha2 = 1.0 / w_mul13.double(), 1.0 / w_mul2.double()
+        else:
+            act13, act2 = (multiplier(d) for d in activation_global_div)
+            alpha13 = 1.0 / (w_mul13.double() * act13.double())
+            alpha2 = 1.0 / (w_mul2.double() * act2.double())
+            act13, act2 = act13.to(device), act2.to(device)
+        return cls(
+            raw(w13.packed),
+            raw(w13.block_scale),
+            raw(w2.packed),
+            raw(w2.block_scale),
+            alpha13.to(torch.float32).to(device),
+            alpha2.to(torch.float32).to(device),
+            act13,
+            act2,
+        )
+
+
+def _interpreted(hidden: Tensor) -> bool:
+    """True under TRITON_INTERPRET=1 on a CPU tensor; raises where the kernel cannot run at all."""
+    if hidden.device.type == "cuda":
+        return False
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise Fp4kitError("the Triton MoE kernel needs a CUDA device, or TRITON_INTERPRET=1 to run on a CPU")
+    return True
+
+
+def _clamp_block(block: int, dim: int, minimum: int) -> int:
+    return max(minimum, min(block, 1 << (dim - 1).bit_length()))
+
+
+def fused_moe(
+    hidden: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    moe_weights: TritonMoeWeights,
+    spec: RoutingSpec,
+    expert_mask: Tensor | None = None,
+    config: KernelConfig | None = None,
+) -> Tensor:
+    """Routed-expert output fp32 [T, H] for hidden [T, H] (bf16 or fp32), weights fp32 [T, k], ids int64 [T, k]
+    (from `fp4kit.routing.route`: ids must lie in [0, E)). ``expert_mask`` (bool [E]) computes only local experts."""
+    from fp4kit.verify import triton_kernels as kernels
+
+    emulate_bf16 = _interpreted(hidden)
+    num_tokens, hidden_size = hidden.shape
+    top_k = ids.shape[1]
+    num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
+    if hidden_size != moe_weights.hidden_size or hidden_size % BLOCK or inter_size % BLOCK:
+        raise Fp4kitError(f"hidden {list(hidden.shape)} does not fit experts H={moe_weights.hidden_size}")
+    device = hidden.device
+    num_pairs = num_tokens * top_k
+    cfg = config or default_config(num_pairs, num_experts)
+    block_m = cfg.block_m
+    max_blocks = num_pairs // block_m + min(num_pairs, num_experts)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    e_pad = 1 << num_experts.bit_length()  # one spare bin for pairs that no local expert takes
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=device)
+    flat_ids = ids.reshape(-1).to(torch.int32)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
+    local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
+    kernels.align_kernel[(1,)](
+        flat_ids, local, sorted_pairs, block_expert, cursor, num_padded,
+        num_pairs, num_experts, max_blocks * block_m, max_blocks,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, HAS_LOCAL=expert_mask is not None, num_warps=4,
+    )  # fmt: skip
+    hidden = hidden.contiguous()
+    block_n1 = _clamp_block(cfg.block_n1, inter_size, 16)
+    block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
+    inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
+    no_scale = moe_weights.alpha13  # any fp32 tensor: never read in W4A16 mode
+    kernels.gemm1_swiglu_kernel[(max_blocks, triton_cdiv(inter_size, block_n1))](
+        hidden, flat_weights, sorted_pairs, block_expert, num_padded,
+        moe_weights.w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        moe_weights.act13_gmul if moe_weights.w4a4 else no_scale,
+        moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
+        inter, num_pairs, top_k, hidden_size, inter_size,
+        BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
+        EMULATE_BF16=emulate_bf16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
+    block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
+    alloc = torch.zeros if expert_mask is not None else torch.empty
+    pair_out = alloc(num_pairs, hidden_size, dtype=torch.float32, device=device)
+    kernels.gemm2_combine_kernel[(max_blocks, triton_cdiv(hidden_size, block_n2))](
+        inter, flat_weights, sorted_pairs, block_expert, num_padded,
+        moe_weights.w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
+        num_pairs, hidden_size, inter_size,
+        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def fused_moe_nvfp4(
+    hidden: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: NVFP4Tensor,
+    w2: NVFP4Tensor,
+    spec: RoutingSpec,
+    expert_mask: Tensor | None = None,
+    *,
+    activation_global_div: tuple[Tensor, Tensor] | None = None,
+    config: KernelConfig | None = None,
+) -> Tensor:
+    """`fused_moe` straight from canonical NVFP4 expert stacks (prepares the kernel's view of them on each call)."""
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, activation_global_div, device=hidden.device)
+    return fused_moe(hidden, weights, ids, moe_weights, spec, expert_mask, config)

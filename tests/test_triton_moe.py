@@ -1,0 +1,143 @@
+"""fp4kit's Triton fused NVFP4 MoE against `moe_reference` on the same quantized (then dequantized) weights.
+
+Runs compiled on a CUDA GPU, else under TRITON_INTERPRET=1 on tiny shapes (the interpreter is slow: each case
+below costs about a second on one core).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+# Before anything imports triton: the interpreter switch is read when triton and the kernels are first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from fp4kit.errors import Fp4kitError  # noqa: E402
+from fp4kit.routing import RoutingSpec, route  # noqa: E402
+from fp4kit.verify.reference import dequantize_experts, moe_reference, quantize_experts  # noqa: E402
+from fp4kit.verify.triton_moe import KernelConfig, TritonMoeWeights, fused_moe  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Large tiles: fewer interpreted programs; H and I below are not multiples of them, so the tails are exercised.
+CONFIG = KernelConfig(block_m=16, block_n1=64, block_n2=128, block_k=128, num_warps=4, num_stages=2)
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def _setup(seed: int, num_tokens: int, num_experts: int, hidden_size: int, inter_size: int):
+    generator = torch.Generator().manual_seed(seed)
+    w13 = quantize_experts(torch.randn(num_experts, 2 * inter_size, hidden_size, generator=generator) * 0.1)
+    w2 = quantize_experts(torch.randn(num_experts, hidden_size, inter_size, generator=generator) * 0.1)
+    hidden = torch.randn(num_tokens, hidden_size, generator=generator).to(torch.bfloat16)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    return w13, w2, hidden, logits
+
+
+def _activation_divisors(num_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    amax13 = 2.0 + 3.0 * torch.rand(num_experts, generator=generator, dtype=torch.float64)
+    amax2 = 0.05 + 0.3 * torch.rand(num_experts, generator=generator, dtype=torch.float64)
+    return amax13 / 2688, amax2 / 2688
+
+
+CASES = [
+    # (spec, tokens, hidden, inter)
+    (RoutingSpec("softmax_topk", 8, 2), 5, 64, 32),
+    (RoutingSpec("sigmoid_grouped_topk", 8, 3, True, 4, 2, 2.5), 7, 96, 48),
+    (RoutingSpec("llama4_sigmoid_top1", 4, 1), 6, 80, 32),
+]
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize(("spec", "num_tokens", "hidden_size", "inter_size"), CASES)
+def test_kernel_matches_reference(spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool):
+    w13, w2, hidden, logits = _setup(
+        len(spec.kind) * 10 + int(w4a4), num_tokens, spec.num_experts, hidden_size, inter_size
+    )
+    bias = torch.randn(spec.num_experts) * 0.1 if spec.kind == "sigmoid_grouped_topk" else None
+    weights, ids = route(logits, spec, bias)
+    divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
+    expected = moe_reference(
+        hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec, activation_global_div=divisors
+    )
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
+    got = fused_moe(hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec, config=CONFIG).cpu()
+    assert got.dtype == torch.float32 and got.shape == expected.shape
+    # W4A16 rounds the intermediate (and Llama-4's scaled input) to bf16; W4A4's operands are exact in bf16.
+    assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
+
+
+def test_expert_mask_ranks_sum_to_full_output() -> None:
+    spec = RoutingSpec("softmax_topk", 8, 2)
+    w13, w2, hidden, logits = _setup(11, 6, 8, 64, 32)
+    weights, ids = (t.to(DEVICE) for t in route(logits, spec))
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
+    hidden = hidden.to(DEVICE)
+    full = fused_moe(hidden, weights, ids, moe_weights, spec, config=CONFIG)
+    owner = torch.arange(8, device=DEVICE) % 2
+    per_rank = [fused_moe(hidden, weights, ids, moe_weights, spec, owner == rank, CONFIG) for rank in range(2)]
+    torch.testing.assert_close(sum(per_rank), full, rtol=1e-5, atol=1e-6)
+
+
+def test_nan_router_rows_do_not_disturb_valid_rows() -> None:
+    """DESIGN.md §7: padding rows with NaN hidden states and router logits, routed by `route` (distinct ids)."""
+    spec = RoutingSpec("softmax_topk", 8, 3)
+    w13, w2, hidden, logits = _setup(12, 6, 8, 64, 32)
+    hidden[1] = float("nan")
+    logits[1] = float("nan")
+    logits[4, 2] = float("inf")
+    weights, ids = route(logits, spec)
+    assert len(set(ids[1].tolist())) == 3
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
+    got = fused_moe(hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec, config=CONFIG).cpu()
+    expected = moe_reference(hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec)
+    valid = [0, 2, 3, 4, 5]
+    assert bool(torch.isfinite(got[valid]).all())
+    assert _relative_error(got[valid], expected[valid]) < 6e-3
+
+
+def test_align_groups_every_pair_once() -> None:
+    from fp4kit.verify import triton_kernels
+
+    generator = torch.Generator().manual_seed(13)
+    num_experts, block_m = 6, 4
+    ids = torch.randint(0, num_experts, (37,), generator=generator, dtype=torch.int32)
+    num_pairs = ids.numel()
+    max_blocks = num_pairs // block_m + num_experts
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=DEVICE)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=DEVICE)
+    num_padded = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    cursor = torch.empty(8, dtype=torch.int32, device=DEVICE)
+    triton_kernels.align_kernel[(1,)](
+        ids.to(DEVICE), ids.to(DEVICE), sorted_pairs, block_expert, cursor, num_padded,
+        num_pairs, num_experts, max_blocks * block_m, max_blocks,
+        BLOCK_M=block_m, E_PAD=8, CHUNK=16, HAS_LOCAL=False,
+    )  # fmt: skip
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
+    used = int(num_padded.item())
+    counts = torch.bincount(ids.long(), minlength=num_experts)
+    assert used == int(((counts + block_m - 1) // block_m * block_m).sum())
+    rows = sorted_pairs[:used].view(-1, block_m)
+    real = rows[rows < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))
+    for block, expert in zip(rows, block_expert[: used // block_m], strict=True):
+        members = block[block < num_pairs].long()
+        assert len(members) > 0 and bool((ids[members] == expert).all())
+    assert bool((block_expert[used // block_m :] == -1).all())
+
+
+def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = RoutingSpec("softmax_topk", 4, 1)
+    w13, w2, hidden, logits = _setup(14, 2, 4, 32, 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    weights, ids = route(logits, spec)
+    with pytest.raises(Fp4kitError, match="CUDA"):
+        fused_moe(hidden, weights, ids, TritonMoeWeights.from_nvfp4(w13, w2), spec)
