@@ -1,0 +1,389 @@
+"""`fp4kit shard` on tiny fixtures of every family: every expert on exactly one rank with its source bytes, shared
+tensors stored once and hard-linked, manifests that check out, and per-rank MoE outputs that sum to the unsharded
+output (fp4kit.verify.reference.moe_reference, fp32) for N in {1, 2, 4, 8} and every placement (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4kit.checkpoint import CheckpointReader, read_config
+from fp4kit.errors import Fp4kitError
+from fp4kit.families import detect
+from fp4kit.formats import compressed_tensors as ct
+from fp4kit.routing import route
+from fp4kit.shard import EXPERT_MAP, MANIFEST, SHARED_DIR, ShardOptions, rank_dir_name, scan_experts, shard_checkpoint
+from fp4kit.verify.reference import moe_reference
+
+FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text")
+PLACEMENTS = ("linear", "round-robin", "balanced")
+TOKENS = 48
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls: with several threads on a busy 2-core machine, OpenMP spinning makes them 10x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def quantized(tiny_nvfp4a16):
+    failed: dict[str, str] = {}
+
+    def get(family: str) -> Path:
+        if family not in failed:
+            try:
+                return tiny_nvfp4a16(family)
+            except Fp4kitError as exc:  # a quantize limitation, not a shard one
+                failed[family] = str(exc)
+        pytest.skip(f"fixture {family} does not quantize: {failed[family]}")
+
+    return get
+
+
+def _model(src: Path) -> tuple[dict, object, int]:
+    config = read_config(src)
+    family = detect(config)
+    return config, family, family.num_experts(family.text_config(config))
+
+
+def skewed_stats(src: Path, path: Path) -> Path:
+    """Routing statistics with the hot experts at the low ids (linear's worst case), different per layer."""
+    config, _, num_experts = _model(src)
+    with CheckpointReader(src) as reader:
+        layers = scan_experts(reader.names(), num_experts).layers
+    counts = {str(layer): [round(1000 / (1 + ((e + layer) % num_experts)) ** 1.5) for e in range(num_experts)]
+              for layer in layers}
+    path.write_text(json.dumps({"model_type": config["model_type"], "num_experts": num_experts, "layers": counts}))
+    return path
+
+
+def run_shard(src: Path, out: Path, ep: int, placement: str) -> Path:
+    stats = skewed_stats(src, out.parent / f"{out.name}-stats.json") if placement == "balanced" else None
+    shard_checkpoint(src, out, ShardOptions(ep=ep, placement=placement, stats=stats))
+    return out
+
+
+def _cases() -> list[tuple[str, int, str]]:
+    experts = {"llama4": 4, "llama4_text": 4}
+    return [(f, n, p) for f in FAMILIES for n in (1, 2, 4, 8) if n <= experts.get(f, 8) for p in PLACEMENTS]
+
+
+@pytest.fixture(scope="session")
+def sharded(quantized, tmp_path_factory):
+    built: dict[tuple[str, int, str], Path] = {}
+
+    def get(family: str, ep: int, placement: str) -> tuple[Path, Path]:
+        src = quantized(family)
+        key = (family, ep, placement)
+        if key not in built:
+            built[key] = run_shard(src, tmp_path_factory.mktemp("ep") / "out", ep, placement)
+        return src, built[key]
+
+    return get
+
+
+def _raw(reader: CheckpointReader, name: str) -> bytes:
+    return reader.read(name).reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(("family", "ep", "placement"), _cases())
+def test_ranks_partition_the_experts_and_share_the_rest(sharded, family: str, ep: int, placement: str) -> None:
+    src, dst = sharded(family, ep, placement)
+    _, _, num_experts = _model(src)
+    with CheckpointReader(src) as source:
+        inventory = scan_experts(source.names(), num_experts)
+        holders: dict[str, list[int]] = {name: [] for name in inventory.experts}
+        shared_inodes: dict[str, set[int]] = {}
+        for rank in range(ep):
+            rank_dir = dst / rank_dir_name(rank)
+            expert_map = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"]
+            with CheckpointReader(rank_dir) as reader:
+                for name in reader.names():
+                    assert _raw(reader, name) == _raw(source, name), name
+                    if name in inventory.experts:
+                        holders[name].append(rank)
+                        t = inventory.experts[name]
+                        assert expert_map[str(t.layer)][t.expert] >= 0
+                assert set(source.names()) - set(inventory.experts) <= set(reader.names())
+                for path in rank_dir.glob("shared-*.safetensors"):
+                    shared_inodes.setdefault(path.name, set()).add(path.stat().st_ino)
+            for layer_map in expert_map.values():
+                local = [lid for lid in layer_map if lid >= 0]
+                assert local == list(range(len(local)))  # local ids follow global order
+        assert all(len(ranks) == 1 for ranks in holders.values()), "an expert on no rank or on two"
+    for name, inodes in shared_inodes.items():
+        assert inodes == {(dst / SHARED_DIR / name).stat().st_ino}, name
+    source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    stored = {p.stat().st_ino: p.stat().st_size for p in dst.rglob("*.safetensors")}
+    assert sum(stored.values()) < 1.02 * source_bytes + 2048 * (ep + 1)  # ~1x: headers are all that is added
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_manifests_checksum_every_file(sharded, placement: str) -> None:
+    src, dst = sharded("glm4_moe", 4, placement)
+    summary = json.loads((dst / MANIFEST).read_text())
+    assert summary["ranks"] == [rank_dir_name(r) for r in range(4)] and summary["placement"] == placement
+    if placement == "balanced":
+        for load in summary["load"].values():
+            assert load["max_over_mean"] <= load["max_over_mean_linear"]
+    for rank in range(4):
+        rank_dir = dst / rank_dir_name(rank)
+        files = json.loads((rank_dir / MANIFEST).read_text())["files"]
+        on_disk = {str(p.relative_to(rank_dir)) for p in rank_dir.rglob("*") if p.is_file()} - {MANIFEST}
+        assert set(files) == on_disk
+        for rel, entry in files.items():
+            data = (rank_dir / rel).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["bytes"], rel
+        assert (rank_dir / "config.json").read_bytes() == (src / "config.json").read_bytes()  # quantization_config kept
+
+
+# ---- numerics: per-rank MoE outputs sum to the unsharded output -------------------------------------------------
+
+
+def _projection(reader: CheckpointReader, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 weight [N, K] of one Linear and its activation divisor (None for W4A16), from whatever dialect it is in."""
+    names = [n for n in reader.names() if n.startswith(module + ".")]
+    tensors = {n: reader.read(n) for n in names}
+    if f"{module}.weight" in tensors:  # left in bf16 (GLM's MTP layer)
+        return tensors[f"{module}.weight"].float(), None
+    weight, input_div = ct.decode(module, tensors)
+    return weight.dequantize(), input_div
+
+
+def _layer_experts(reader: CheckpointReader, module: str, experts: list[int], num_experts: int):
+    """Stacked w13 [E, 2I, H], w2 [E, H, I] (zeros for experts not listed) and per-expert input multipliers."""
+    w13: list[torch.Tensor | None] = [None] * num_experts
+    w2: list[torch.Tensor | None] = [None] * num_experts
+    muls = {}
+    for e in experts:
+        gate, gate_div = _projection(reader, f"{module}.{e}.gate_proj")
+        up, up_div = _projection(reader, f"{module}.{e}.up_proj")
+        w2[e], down_div = _projection(reader, f"{module}.{e}.down_proj")
+        w13[e] = torch.cat([gate, up])
+        if gate_div is not None:
+            muls[e] = (1 / gate_div, 1 / up_div, 1 / down_div)
+    shape13, shape2 = next(w.shape for w in w13 if w is not None), next(w.shape for w in w2 if w is not None)
+    w13_t = torch.stack([torch.zeros(shape13) if w is None else w for w in w13])
+    w2_t = torch.stack([torch.zeros(shape2) if w is None else w for w in w2])
+    return w13_t, w2_t, muls
+
+
+def _router(reader: CheckpointReader, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    parent = module.removesuffix(".experts")
+    for name in (f"{parent}.gate.weight", f"{parent}.router.weight"):
+        if name in reader:
+            bias = f"{parent}.gate.e_score_correction_bias"
+            return reader.read(name).float(), reader.read(bias).float() if bias in reader else None
+    raise AssertionError(f"no router for {module}")
+
+
+def moe_output(root: Path, module: str, layer: int, hidden: torch.Tensor, experts: list[int] | None) -> torch.Tensor:
+    """Routed-expert output of one layer computed from checkpoint ``root`` alone, with only ``experts`` (all if None).
+
+    W4A4 as an engine runs it on one EP rank: the activation global scale of w13 / w2 is reduced over the experts the
+    rank holds (the smallest multiplier), which is what FlashInfer backends do without EPLB (DESIGN.md §1)."""
+    config, family, num_experts = _model(root)
+    spec = family.routing(family.text_config(config))
+    experts = list(range(num_experts)) if experts is None else experts
+    with CheckpointReader(root) as reader:
+        router, bias = _router(reader, module)
+        w13, w2, muls = _layer_experts(reader, module, experts, num_experts)
+    weights, ids = route(hidden @ router.T, spec, bias)
+    mask = torch.zeros(num_experts, dtype=torch.bool)
+    mask[experts] = True
+    act = None
+    if muls:
+        mul13 = min(min(float(m[0]), float(m[1])) for m in muls.values())
+        mul2 = min(float(m[2]) for m in muls.values())
+        act = (torch.full((num_experts,), 1 / mul13, dtype=torch.float64),
+               torch.full((num_experts,), 1 / mul2, dtype=torch.float64))
+    return moe_reference(hidden, weights, ids, w13, w2, spec, mask, activation_global_div=act)
+
+
+def assert_ranks_sum_to_unsharded(src: Path, dst: Path, ep: int) -> None:
+    _, _, num_experts = _model(src)
+    with CheckpointReader(src) as reader:
+        inventory = scan_experts(reader.names(), num_experts)
+    for layer, module in inventory.modules.items():
+        hidden = torch.randn(TOKENS, _hidden(src), generator=torch.Generator().manual_seed(layer))
+        full = moe_output(src, module, layer, hidden, None)
+        total = torch.zeros_like(full)
+        for rank in range(ep):
+            rank_dir = dst / rank_dir_name(rank)
+            local = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"][str(layer)]
+            total += moe_output(rank_dir, module, layer, hidden, [g for g, lid in enumerate(local) if lid >= 0])
+        torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
+
+
+def _hidden(src: Path) -> int:
+    config, family, _ = _model(src)
+    return int(family.text_config(config)["hidden_size"])
+
+
+@pytest.mark.parametrize(("family", "ep", "placement"), _cases())
+def test_rank_outputs_sum_to_unsharded(sharded, family: str, ep: int, placement: str) -> None:
+    src, dst = sharded(family, ep, placement)
+    assert_ranks_sum_to_unsharded(src, dst, ep)
+
+
+# ---- EP-invariant activation scales (W4A4) --------------------------------------------------------------------
+
+
+def with_input_scales(src: Path, dst: Path) -> Path:
+    """A copy of ``src`` whose every Linear carries a compressed-tensors input_global_scale, different per expert
+    and per projection, and one uncalibrated expert (multiplier inf, from amax 0) per layer."""
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    with CheckpointReader(src) as reader:
+        tensors = {n: reader.read(n).clone() for n in reader.names()}
+    generator = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        amax = 1.0 + 9.0 * torch.rand(1, generator=generator)
+        if ".experts.3." in module:
+            amax = torch.zeros(1)
+        tensors[f"{module}.input_global_scale"] = (448 * 6 / amax).to(torch.float32)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_bytes((src / "config.json").read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+def test_activation_scales_are_ep_invariant(quantized, tmp_path, family: str) -> None:
+    src = with_input_scales(quantized(family), tmp_path / "w4a4")
+    _, _, num_experts = _model(src)
+    with CheckpointReader(src) as reader:
+        inventory = scan_experts(reader.names(), num_experts)
+        source_scales = {n: float(reader.read(n)) for n in inventory.experts if n.endswith(".input_global_scale")}
+    for ep in (2, 4):
+        dst = run_shard(src, tmp_path / f"ep{ep}", ep, "round-robin")
+        summary = json.loads((dst / MANIFEST).read_text())["input_scales"]
+        for layer, module in inventory.modules.items():
+            for proj, projs in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
+                finite = [v for n, v in source_scales.items() if n.startswith(module + ".")
+                          and n.split(".")[-2] in projs and v != float("inf")]
+                if not finite:  # GLM's MTP layer stays bf16: no activation scales
+                    assert str(layer) not in summary
+                    continue
+                expected = min(finite)
+                assert summary[str(layer)][proj] == {"input_global_scale": expected}
+                for rank in range(ep):
+                    with CheckpointReader(dst / rank_dir_name(rank)) as reader:
+                        for n in reader.names():
+                            if n.startswith(module + ".") and n.split(".")[-2] in projs and "input_global" in n:
+                                assert float(reader.read(n)) == expected
+        assert_ranks_sum_to_unsharded(src, dst, ep)  # every rank computes what EP=1 computes
+    # The source itself is not EP-invariant: a rank reducing over its local experts uses another scale.
+    with pytest.raises(AssertionError):
+        assert_ranks_sum_to_unsharded(src, run_shard_unified_off(src, tmp_path / "raw"), 2)
+
+
+def run_shard_unified_off(src: Path, out: Path) -> Path:
+    """Shard with the source's per-expert scales kept (what engines see without fp4kit): for the test's teeth."""
+    import fp4kit.shard as shard_module
+
+    original = shard_module.unify_input_scales
+    shard_module.unify_input_scales = lambda reader, inventory: ({}, {}, 0)
+    try:
+        return run_shard(src, out, 2, "linear")
+    finally:
+        shard_module.unify_input_scales = original
+
+
+# ---- bad input, atomicity, CLI ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ep", "placement", "stats", "message"),
+    [
+        (0, "linear", None, "at least 1"),
+        (9, "linear", None, "exceeds the model's 8 experts"),
+        (2, "balanced", None, "needs routing statistics"),
+        (2, "balanced", "other", "model_type"),
+        (2, "zigzag", None, "unknown placement"),
+    ],
+)
+def test_bad_input_is_refused(quantized, tmp_path, ep: int, placement: str, stats: str | None, message: str) -> None:
+    stats_path = None
+    if stats:
+        stats_path = tmp_path / "stats.json"
+        stats_path.write_text(json.dumps({"model_type": "llama4", "num_experts": 8, "layers": {}}))
+    with pytest.raises(Fp4kitError, match=message):
+        shard_checkpoint(quantized("qwen3_moe"), tmp_path / "out",
+                         ShardOptions(ep=ep, placement=placement, stats=stats_path))
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_layout(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for path in src.iterdir():
+        os.link(path, dst / path.name)
+    (dst / "fp4kit_layout.json").write_text(json.dumps({"backend": "trtllm"}))
+    return dst
+
+
+def test_layout_input_needs_equal_local_counts(quantized, tmp_path) -> None:
+    layout = _fake_layout(quantized("qwen3_moe"), tmp_path / "layout")
+    with pytest.raises(Fp4kitError, match="E = 8 must be divisible by ep = 3"):
+        shard_checkpoint(layout, tmp_path / "out", ShardOptions(ep=3))
+    with pytest.raises(Fp4kitError, match="not supported yet"):
+        shard_checkpoint(layout, tmp_path / "out", ShardOptions(ep=4))
+
+
+def test_interrupted_run_leaves_nothing_and_rerun_finishes(quantized, tmp_path, monkeypatch) -> None:
+    import fp4kit.shard_io as shard_io
+    from fp4kit.output import partial_dir
+
+    src, dst = quantized("glm4_moe"), tmp_path / "out"
+    original, calls = shard_io.HashedShardWriter.write, []
+
+    def dying_write(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 40:
+            raise KeyboardInterrupt
+        original(self, name, tensor)
+
+    monkeypatch.setattr(shard_io.HashedShardWriter, "write", dying_write)
+    with pytest.raises(KeyboardInterrupt):
+        shard_checkpoint(src, dst, ShardOptions(ep=2))
+    assert not dst.exists() and not partial_dir(dst).exists()
+    monkeypatch.undo()
+    (partial_dir(dst) / rank_dir_name(0)).mkdir(parents=True)  # what a killed process leaves
+    shard_checkpoint(src, dst, ShardOptions(ep=2))
+    assert not partial_dir(dst).exists()
+    assert sorted(p.name for p in dst.iterdir()) == [SHARED_DIR, MANIFEST, rank_dir_name(0), rank_dir_name(1)]
+
+
+def test_cli_bad_input_is_one_line_exit_2(quantized, tmp_path, monkeypatch, capsys) -> None:
+    from fp4kit.cli import main
+
+    monkeypatch.setattr("sys.argv", ["fp4kit", "shard", str(quantized("qwen3_moe")), str(tmp_path / "o"), "--ep", "16"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --ep 16")
+
+
+def test_cli_shards(quantized, tmp_path, monkeypatch, capsys) -> None:
+    from fp4kit.cli import main
+
+    src = quantized("glm4_moe")
+    stats = skewed_stats(src, tmp_path / "stats.json")
+    argv = ["fp4kit", "shard", str(src), str(tmp_path / "o"), "--ep", "4", "--placement", "balanced", "--stats",
+            str(stats)]
+    monkeypatch.setattr("sys.argv", argv)
+    main()
+    out = capsys.readouterr().out
+    assert "over 4 ranks (balanced" in out and "max/mean tokens per rank: linear" in out
+    assert (tmp_path / "o" / rank_dir_name(3) / EXPERT_MAP).is_file()
