@@ -1,0 +1,283 @@
+"""`fp4kit convert`: rewrite an NVFP4 checkpoint in the other dialect (or the same one), losslessly and streaming.
+
+Packed weights and FP8 block scales are copied byte for byte; only names, per-tensor scale forms and the config
+change. Per-tensor scales go through the canonical float64 divisor (fp4kit/formats/detect.py says how values that
+fp32 cannot carry in the target form are kept exact). One tensor group at a time is in memory: a reader thread reads
+and re-encodes the next groups while the main thread writes, through a queue of bounded depth.
+
+Llama-4 experts become ModelOpt's fused [E, K/2, N] tensors when every expert of the layer shares the weight and
+input scales (as ModelOpt's own export does); otherwise they stay per-expert, which vLLM also loads, since fusing
+them would change values.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
+from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import layer_of
+from fp4kit.formats import compressed_tensors as ct
+from fp4kit.formats import modelopt as mo
+from fp4kit.formats.detect import (
+    CT,
+    DIALECTS,
+    EXACT_SCALES_KEY,
+    HF_QUANT_CONFIG,
+    MO,
+    QuantizedCheckpoint,
+    QuantModule,
+    needs_exact_record,
+    open_checkpoint,
+)
+from fp4kit.nvfp4 import NVFP4Tensor
+from fp4kit.output import atomic_directory, check_destination
+
+QUEUE_DEPTH = 4
+_LLAMA4_EXPERT = re.compile(r"^(?P<experts>.*\.feed_forward\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+@dataclass
+class FusedJob:
+    experts: str
+    leaf: str  # gate_up_proj or down_proj
+    members: list[QuantModule]  # expert-major; gate before up
+
+
+Job = QuantModule | FusedJob | str  # str: a tensor copied unchanged
+
+
+@dataclass
+class ConvertReport:
+    source_dialect: str
+    target_dialect: str
+    scheme: str
+    family: str
+    quantized_modules: int
+    fused_tensors: int
+    passthrough_tensors: int
+    exact_scales_recorded: int
+    input_bytes: int
+    output_bytes: int
+    output_files: list[str]
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+def _scales(ckpt: QuantizedCheckpoint) -> dict[str, torch.Tensor]:
+    """Every per-tensor scale of the source as a canonical divisor, keyed by source tensor name (tiny reads)."""
+    names = {n for m in ckpt.modules for n in (m.global_scale, m.input_scale) if n}
+    return {name: ckpt.divisor(name) for name in sorted(names)}
+
+
+def _fused_jobs(ckpt: QuantizedCheckpoint, scales: dict[str, torch.Tensor]) -> tuple[list[FusedJob], list[str]]:
+    """Llama-4 expert Linears that can be written in ModelOpt's fused layout without changing a value."""
+    by_leaf: dict[tuple[str, str], dict[int, dict[str, QuantModule]]] = {}
+    for m in ckpt.modules:
+        match = _LLAMA4_EXPERT.match(m.name)
+        if match:
+            leaf = "down_proj" if match["proj"] == "down_proj" else "gate_up_proj"
+            by_leaf.setdefault((match["experts"], leaf), {}).setdefault(int(match["expert"]), {})[match["proj"]] = m
+    jobs, notes = [], []
+    for (experts, leaf), found in by_leaf.items():
+        projs = ("down_proj",) if leaf == "down_proj" else ("gate_proj", "up_proj")
+        if sorted(found) != list(range(len(found))) or any(sorted(p) != sorted(projs) for p in found.values()):
+            notes.append(f"{experts}.{leaf}: not every expert is quantized; kept per-expert")
+            continue
+        members = [found[e][p] for e in sorted(found) for p in projs]
+        if len({(m.out_features, m.in_features) for m in members}) != 1:
+            notes.append(f"{experts}.{leaf}: experts differ in shape; kept per-expert")
+            continue
+        weights = [torch.equal(scales[m.global_scale], scales[members[0].global_scale]) for m in members]
+        inputs = [None if m.input_scale is None else scales[m.input_scale] for m in members]
+        same_inputs = all(i is None for i in inputs) or (
+            all(i is not None for i in inputs) and all(torch.equal(i, inputs[0]) for i in inputs))  # type: ignore
+        if not (all(weights) and same_inputs):
+            notes.append(f"{experts}.{leaf}: experts have different global scales; kept per-expert (lossless)")
+            continue
+        jobs.append(FusedJob(experts, leaf, members))
+    return jobs, notes
+
+
+def _ignore_for(target: str, ckpt: QuantizedCheckpoint) -> list[str]:
+    """The source's ignore list in the target's spelling (ModelOpt: fnmatch wildcards; compressed-tensors: names
+    or `re:` regexes)."""
+    if ckpt.dialect == target:
+        return list(ckpt.ignore)
+    out: list[str] = []
+    if target == CT:
+        for p in ckpt.ignore:
+            out.append(p if "*" not in p else "re:" + re.escape(p).replace(r"\*", ".*"))
+        return out
+    unquantized = sorted({n[: -len(".weight")] for n in ckpt.passthrough if n.endswith(".weight")})
+    for p in ckpt.ignore:
+        if not p.startswith("re:"):
+            out.append(p)
+            continue
+        regex = p[3:]
+        core = regex.removeprefix("^").removesuffix("$").replace(r"\.", "").replace(".*", "")
+        if not re.search(r"[.\\\[\](){}+?|^$*]", core):
+            glob = regex.removeprefix("^").removesuffix("$").replace(".*", "*").replace(r"\.", ".")
+            out.append(glob if regex.endswith("$") else glob + "*")
+        else:
+            out.extend(m for m in unquantized if re.match(regex, m))
+    return out
+
+
+def _planned(job: Job, target: str, ckpt: QuantizedCheckpoint) -> list[PlannedTensor]:
+    if isinstance(job, str):
+        info = ckpt.reader.info(job)
+        return [PlannedTensor(job, info.dtype, info.shape)]
+    if isinstance(job, FusedJob):
+        first = job.members[0]
+        per_expert = 2 if job.leaf == "gate_up_proj" else 1
+        return mo.fused_planned(job.experts, job.leaf, len(job.members) // per_expert,
+                                first.out_features * per_expert, first.in_features, first.input_scale is not None)
+    fmt = ct if target == CT else mo
+    return fmt.planned(job.name, job.out_features, job.in_features, job.input_scale is not None)
+
+
+def _encode(job: Job, target: str, ckpt: QuantizedCheckpoint) -> dict[str, torch.Tensor]:
+    if isinstance(job, str):
+        return {job: ckpt.reader.read(job)}
+    if isinstance(job, FusedJob):
+        per_expert = 2 if job.leaf == "gate_up_proj" else 1
+        weights, inputs = [], []
+        for i in range(0, len(job.members), per_expert):
+            parts = [ckpt.read(m) for m in job.members[i : i + per_expert]]
+            weights.append(NVFP4Tensor(torch.cat([w.packed for w, _ in parts]),
+                                       torch.cat([w.block_scale for w, _ in parts]), parts[0][0].global_scale_div))
+            inputs.append(parts[0][1])
+        return mo.encode_fused(job.experts, job.leaf, weights, inputs)
+    weight, input_div = ckpt.read(job)
+    return (ct if target == CT else mo).encode(job.name, weight, input_div)
+
+
+def _scale_names(job: Job, target: str) -> dict[str, str]:
+    """Target scale tensor name -> the source scale tensor whose value it holds."""
+    if isinstance(job, str):
+        return {}
+    if isinstance(job, FusedJob):
+        names = mo.fused_names(job.experts, job.leaf)
+        first = job.members[0]
+        out = {names[mo.GLOBAL_SCALE]: first.global_scale}
+        return out | ({names[mo.INPUT_SCALE]: first.input_scale} if first.input_scale else {})
+    suffixes = {CT: (".weight_global_scale", ".input_global_scale"), MO: (".weight_scale_2", ".input_scale")}[target]
+    out = {job.name + suffixes[0]: job.global_scale}
+    return out | ({job.name + suffixes[1]: job.input_scale} if job.input_scale else {})
+
+
+def _exact_records(jobs: list[Job], target: str, scales: dict[str, torch.Tensor]) -> dict[str, str]:
+    pairs = [(out, src) for job in jobs for out, src in _scale_names(job, target).items()]
+    if not pairs:
+        return {}
+    values = torch.stack([scales[src] for _, src in pairs])
+    needed = needs_exact_record(target, values)
+    return {out: float(values[i]).hex() for i, (out, _) in enumerate(pairs) if needed[i]}
+
+
+def _pipelined(jobs: list[Job], produce: Callable[[Job], dict[str, torch.Tensor]]) -> Iterator[dict]:
+    slots: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for job in jobs:
+                if stop.is_set():
+                    return
+                slots.put(produce(job))
+            slots.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            slots.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        while (item := slots.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                slots.get_nowait()
+            except queue.Empty:
+                thread.join(0.05)
+
+
+def _order(job: Job) -> tuple[int, str]:
+    name = job if isinstance(job, str) else job.experts if isinstance(job, FusedJob) else job.name
+    layer = layer_of(name)
+    return (-1 if layer is None else layer, name)
+
+
+def convert_checkpoint(
+    src: str | Path,
+    dst: str | Path,
+    to: str,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 10**9,
+    progress: Callable[[int, int], None] | None = None,
+) -> ConvertReport:
+    """Rewrite NVFP4 checkpoint ``src`` in dialect ``to`` into ``dst`` (created atomically)."""
+    if to not in DIALECTS:
+        raise Fp4kitError(f"unknown dialect {to!r}; choose one of {', '.join(DIALECTS)}")
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    with open_checkpoint(src) as ckpt:
+        check_destination(src, dst, overwrite)
+        missing = [m.name for m in ckpt.modules if ckpt.scheme == "nvfp4" and m.input_scale is None]
+        if missing:
+            raise Fp4kitError(f"{missing[0]}: missing input scale tensor in a W4A4 checkpoint "
+                              f"({len(missing)} modules lack one)")
+        scales = _scales(ckpt)
+        fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.name == "llama4" \
+            else ([], [])
+        in_fused = {id(m) for job in fused for m in job.members}
+        jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.passthrough]
+        jobs.sort(key=_order)
+        exact = _exact_records(jobs, to, scales)
+        metadata = {"producer": "fp4kit"} | ({EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {})
+        input_bytes = sum(info.nbytes for info in ckpt.reader.tensors.values())
+        ignore = _ignore_for(to, ckpt)
+        with atomic_directory(dst) as work:
+            writer = ShardWriter(work, [t for job in jobs for t in _planned(job, to, ckpt)], max_shard_bytes,
+                                 metadata=metadata)
+            done = 0
+            try:
+                for tensors in _pipelined(jobs, lambda job: _encode(job, to, ckpt)):
+                    for name, tensor in tensors.items():
+                        writer.write(name, tensor)
+                        done += tensor.numel() * tensor.element_size()
+                    if progress:
+                        progress(min(done, writer.total_bytes), writer.total_bytes)
+            except BaseException:
+                writer.abort()
+                raise
+            writer.finish()
+            config = dict(ckpt.config)
+            if to == CT:
+                config["quantization_config"] = ct.quantization_config(ckpt.scheme, ignore)
+            else:
+                config["quantization_config"] = mo.quantization_config(ckpt.scheme, ignore)
+                hf_quant = mo.hf_quant_config(ckpt.scheme, ignore)
+                (work / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
+            (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            copy_side_files(src, work)
+    return ConvertReport(
+        source_dialect=ckpt.dialect, target_dialect=to, scheme=ckpt.scheme,
+        family=ckpt.family.name if ckpt.family else "unknown", quantized_modules=len(ckpt.modules),
+        fused_tensors=len(fused), passthrough_tensors=len(ckpt.passthrough), exact_scales_recorded=len(exact),
+        input_bytes=input_bytes, output_bytes=writer.total_bytes, output_files=writer.files,
+        seconds=time.perf_counter() - start, notes=notes,
+    )

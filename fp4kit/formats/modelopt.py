@@ -1,0 +1,191 @@
+"""The ModelOpt NVFP4 dialect, as nvidia-modelopt 0.47's HF export writes it and vLLM's `modelopt_fp4` loads it.
+
+Per quantized Linear `<m>`: `<m>.weight` u8 [N, K/2], `<m>.weight_scale` fp8 [N, K/16] (the same bytes as
+compressed-tensors), `<m>.weight_scale_2` fp32 0-d *divisor* amax/(448*6) and, for W4A4, `<m>.input_scale` fp32 0-d
+divisor. Config: `hf_quant_config.json` {producer, quantization: {quant_algo, kv_cache_quant_algo, group_size,
+exclude_modules}} (vLLM requires all four keys; kv_cache_quant_algo may be null) plus config.json
+`quantization_config` with quant_method "modelopt" (modelopt/torch/export/convert_hf_config.py).
+
+Llama-4's fused experts stay fused (modelopt/torch/export/unified_export_hf.py, checked against a 0.47 export of
+the tiny fixture): `<experts>.gate_up_proj` u8 [E, H/2, 2I] and `<experts>.down_proj` u8 [E, I/2, H] are the
+per-expert canonical [N, K/2] tensors transposed (packed along K, which is dim -2 on disk), block scales
+`<experts>.gate_up_proj_weight_scale` fp8 [E, H/16, 2I] likewise, and *one* `_weight_scale_2` / `_input_scale`
+fp32 0-d scalar for the whole layer (all experts, gate and up together).
+
+Writing fp32 divisors (``fp32_divisor``): a canonical divisor that is exactly fp32 (it came from ModelOpt) is
+written as is. One that came from a compressed-tensors multiplier G is 1/G in float64, usually not an fp32 value;
+we write the fp32 D closest to 1/G among those whose reciprocal, rounded to fp32, is G again (searching
+``DIVISOR_SEARCH_ULPS`` fp32 steps either side of the nearest). Reading D back and converting to compressed-tensors
+then restores G bit for bit. Such a D exists for every bf16-valued G (llm-compressor's and fp4kit's default; tested
+exhaustively); for other fp32 G, where none exists, the nearest fp32 value is written and G may come back one ulp off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fp4kit.checkpoint import PlannedTensor
+from fp4kit.errors import Fp4kitError
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+
+QUANT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4"}
+SCHEMES = {algo: scheme for scheme, algo in QUANT_ALGOS.items()}
+PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the export this layout was checked against
+DIVISOR_SEARCH_ULPS = 4
+SCALAR = ()  # ModelOpt stores per-tensor scales as 0-d tensors
+
+WEIGHT, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE = "weight", "weight_scale", "weight_scale_2", "input_scale"
+FUSED_LEAVES = ("gate_up_proj", "down_proj")
+
+
+def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
+    """float64 divisor(s) -> the fp32 value(s) to store; see the module docstring for the rule."""
+    divisor = divisor.double()
+    nearest = divisor.float()
+    if torch.equal(nearest.double(), divisor):
+        return nearest
+    multiplier = (1.0 / divisor).float()
+    candidates = [nearest]
+    up = down = nearest
+    for _ in range(DIVISOR_SEARCH_ULPS):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        candidates += [up, down]
+    stacked = torch.stack(candidates)
+    keeps_multiplier = (1.0 / stacked.double()).float() == multiplier
+    distance = torch.where(keeps_multiplier, (stacked.double() - divisor).abs(), torch.inf)
+    best = stacked.gather(0, distance.argmin(0, keepdim=True)).squeeze(0)
+    return torch.where(keeps_multiplier.any(0), best, nearest)
+
+
+def planned(module: str, out_features: int, in_features: int, with_input_scale: bool) -> list[PlannedTensor]:
+    specs = [
+        PlannedTensor(f"{module}.{WEIGHT}", torch.uint8, (out_features, in_features // 2)),
+        PlannedTensor(f"{module}.{BLOCK_SCALE}", torch.float8_e4m3fn, (out_features, in_features // BLOCK)),
+        PlannedTensor(f"{module}.{GLOBAL_SCALE}", torch.float32, SCALAR),
+    ]
+    if with_input_scale:
+        specs.append(PlannedTensor(f"{module}.{INPUT_SCALE}", torch.float32, SCALAR))
+    return specs
+
+
+def encode(module: str, weight: NVFP4Tensor, input_scale_div: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    tensors = {
+        f"{module}.{WEIGHT}": weight.packed,
+        f"{module}.{BLOCK_SCALE}": weight.block_scale,
+        f"{module}.{GLOBAL_SCALE}": fp32_divisor(weight.global_scale_div).reshape(SCALAR),
+    }
+    if input_scale_div is not None:
+        tensors[f"{module}.{INPUT_SCALE}"] = fp32_divisor(input_scale_div).reshape(SCALAR)
+    return tensors
+
+
+def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, torch.Tensor | None]:
+    weight = NVFP4Tensor(
+        tensors[f"{module}.{WEIGHT}"],
+        tensors[f"{module}.{BLOCK_SCALE}"],
+        tensors[f"{module}.{GLOBAL_SCALE}"].reshape(()).double(),
+    )
+    input_div = tensors.get(f"{module}.{INPUT_SCALE}")
+    return weight, None if input_div is None else input_div.reshape(()).double()
+
+
+def fused_names(experts: str, leaf: str) -> dict[str, str]:
+    """Tensor names of one fused expert tensor (`leaf` gate_up_proj or down_proj under module `experts`)."""
+    base = f"{experts}.{leaf}"
+    return {WEIGHT: base, BLOCK_SCALE: f"{base}_{BLOCK_SCALE}", GLOBAL_SCALE: f"{base}_{GLOBAL_SCALE}",
+            INPUT_SCALE: f"{base}_{INPUT_SCALE}"}
+
+
+def fused_planned(
+    experts: str, leaf: str, num_experts: int, out_features: int, in_features: int, with_input_scale: bool
+) -> list[PlannedTensor]:
+    """The fused layout of [E] Linears [N, K] (gate_up: N = 2I, K = H; down: N = H, K = I)."""
+    names = fused_names(experts, leaf)
+    specs = [
+        PlannedTensor(names[WEIGHT], torch.uint8, (num_experts, in_features // 2, out_features)),
+        PlannedTensor(names[BLOCK_SCALE], torch.float8_e4m3fn, (num_experts, in_features // BLOCK, out_features)),
+        PlannedTensor(names[GLOBAL_SCALE], torch.float32, SCALAR),
+    ]
+    if with_input_scale:
+        specs.append(PlannedTensor(names[INPUT_SCALE], torch.float32, SCALAR))
+    return specs
+
+
+def shared_scale(what: str, scales: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The one value of per-expert scales that the fused layout stores once; an error when they differ."""
+    if all(s is None for s in scales):
+        return None
+    if any(s is None for s in scales) or any(not torch.equal(s, scales[0]) for s in scales):  # type: ignore[arg-type]
+        raise Fp4kitError(f"{what}: experts have different scales, which ModelOpt's fused layout cannot store")
+    return scales[0]
+
+
+def fused_lossless(weights: list[NVFP4Tensor], input_scale_divs: list[torch.Tensor | None]) -> bool:
+    """Whether per-expert tensors can be written in the fused layout without changing any value."""
+    try:
+        shared_scale("", [w.global_scale_div for w in weights])
+        shared_scale("", input_scale_divs)
+    except Fp4kitError:
+        return False
+    return True
+
+
+def encode_fused(
+    experts: str, leaf: str, weights: list[NVFP4Tensor], input_scale_divs: list[torch.Tensor | None]
+) -> dict[str, torch.Tensor]:
+    """Per-expert canonical [N, K] tensors (for gate_up: gate rows then up rows) -> the fused tensors."""
+    names = fused_names(experts, leaf)
+    global_div = shared_scale(names[GLOBAL_SCALE], [w.global_scale_div for w in weights])
+    input_div = shared_scale(names[INPUT_SCALE], input_scale_divs)
+    tensors = {
+        names[WEIGHT]: torch.stack([w.packed.t() for w in weights]).contiguous(),
+        names[BLOCK_SCALE]: torch.stack([w.block_scale.t() for w in weights]).contiguous(),
+        names[GLOBAL_SCALE]: fp32_divisor(global_div).reshape(SCALAR),  # type: ignore[arg-type]
+    }
+    if input_div is not None:
+        tensors[names[INPUT_SCALE]] = fp32_divisor(input_div).reshape(SCALAR)
+    return tensors
+
+
+def decode_fused(
+    experts: str, leaf: str, tensors: dict[str, torch.Tensor]
+) -> tuple[list[NVFP4Tensor], torch.Tensor | None]:
+    """The fused tensors -> per-expert canonical [N, K] tensors and the layer's input divisor (or None)."""
+    names = fused_names(experts, leaf)
+    packed, block_scale = tensors[names[WEIGHT]], tensors[names[BLOCK_SCALE]]
+    global_div = tensors[names[GLOBAL_SCALE]].reshape(()).double()
+    weights = [
+        NVFP4Tensor(packed[e].t().contiguous(), block_scale[e].t().contiguous(), global_div)
+        for e in range(packed.shape[0])
+    ]
+    input_div = tensors.get(names[INPUT_SCALE])
+    return weights, None if input_div is None else input_div.reshape(()).double()
+
+
+def hf_quant_config(scheme: str, exclude_modules: list[str]) -> dict:
+    """hf_quant_config.json, with every key vLLM's ModelOptNvFp4Config requires."""
+    return {
+        "producer": dict(PRODUCER),
+        "quantization": {
+            "quant_algo": QUANT_ALGOS[scheme],
+            "kv_cache_quant_algo": None,
+            "group_size": BLOCK,
+            "exclude_modules": list(exclude_modules),
+        },
+    }
+
+
+def quantization_config(scheme: str, exclude_modules: list[str]) -> dict:
+    """config.json `quantization_config` as ModelOpt derives it from hf_quant_config.json."""
+    numeric = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": BLOCK}
+    group: dict[str, object] = {"weights": dict(numeric), "targets": ["Linear"]}
+    if scheme == "nvfp4":
+        group = {"input_activations": dict(numeric), **group}
+    return {
+        "config_groups": {"group_0": group},
+        "ignore": list(exclude_modules),
+        "quant_algo": QUANT_ALGOS[scheme],
+        "producer": dict(PRODUCER),
+        "quant_method": "modelopt",
+    }
