@@ -43,7 +43,9 @@ from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.output import atomic_directory, check_destination
 
 QUEUE_DEPTH = 4
-_LLAMA4_EXPERT = re.compile(r"^(?P<experts>.*\.feed_forward\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_LLAMA4_EXPERT = re.compile(
+    r"^(?P<experts>.*\.feed_forward\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$"
+)
 
 
 @dataclass

@@ -169,7 +169,8 @@ def _scheme(dialect: str, qconfig: dict, has_input_scales: bool) -> str:
     if dialect == MO:
         algo = str(qconfig.get("quant_algo", "")).upper()
         if algo not in mo.SCHEMES:
-            raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 (fp4kit reads {', '.join(mo.SCHEMES)})")
+            raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 "
+                              f"(fp4kit reads {', '.join(mo.SCHEMES)})")
         return mo.SCHEMES[algo]
     formats = {qconfig.get("format")} | {g.get("format") for g in (qconfig.get("config_groups") or {}).values()}
     formats.discard(None)

@@ -1,0 +1,43 @@
+"""`fp4kit convert`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fp4kit.commands._common import human_bytes, with_progress
+
+
+def convert(
+    src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
+    dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
+    to: Annotated[str, typer.Option("--to", help="target dialect: compressed-tensors or modelopt")],
+    max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Rewrite an NVFP4 checkpoint in another dialect: packed weights and block scales byte for byte."""
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.convert import convert_checkpoint
+
+    shard_bytes = parse_size(max_shard_size)
+    report = with_progress(lambda progress: convert_checkpoint(src, dst, to, overwrite, shard_bytes, progress),
+                           quiet, "converting")
+    if quiet:
+        return
+    for note in report.notes:
+        typer.echo(f"note: {note}")
+    rate = report.input_bytes / max(report.seconds, 1e-9)
+    fused = f", {report.fused_tensors} fused expert tensors" if report.fused_tensors else ""
+    exact = f", {report.exact_scales_recorded} exact scales kept in metadata" if report.exact_scales_recorded else ""
+    typer.echo(
+        f"{report.family} {report.scheme}: {report.source_dialect} -> {report.target_dialect}, "
+        f"{report.quantized_modules} quantized Linears{fused}, {report.passthrough_tensors} tensors copied{exact}, "
+        f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(convert)

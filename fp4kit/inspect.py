@@ -1,0 +1,233 @@
+"""`fp4kit inspect`: what an NVFP4 checkpoint is, per-layer sizes, and the defects that break or skew serving.
+
+Checks (each finding names the check, the module and a ratio where one applies):
+- fused_scale_mismatch: q/k/v or gate/up siblings with different weight (or input) global scales; vLLM keeps one
+  (w1's, or the max) for the fused GEMM and only warns.
+- bad_scale / bad_block_scale: zero, negative, Inf or NaN per-tensor scales (NaN at serve time), NaN or negative FP8
+  block scales. missing_input_scale: a W4A4 module without its activation scale.
+- expert_input_scale_spread: experts of one layer and projection with different input scales; under expert
+  parallelism each rank reduces them over its own experts, so results depend on the EP size.
+- quantized_router: a router / gate Linear stored quantized (engines load routers in bf16/fp32).
+- nonfinite_weight: NaN or Inf in an unquantized floating tensor.
+- backend_constraint: only for the backends / EP size asked for (CUTLASS gated MoE: I % 64, H % 64; Marlin:
+  H % 128, I % 64; TRT-LLM and FlashInfer CUTLASS: E % ep). Without a request they are listed, not counted.
+Streams: one tensor at a time; packed weights are never read (E2M1 codes have no NaN).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4kit.families.base import FUSED_SIBLINGS, layer_of
+from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.layouts import cutlass, marlin
+
+ROUTER = re.compile(r"(\.mlp\.gate|\.feed_forward\.router|shared_expert_gate|\.router)$")
+EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+EP_SIZES = (2, 4, 8, 16, 32, 64)
+BACKENDS = ("cutlass", "marlin", "trtllm")
+
+
+@dataclass
+class Finding:
+    check: str
+    module: str
+    detail: str
+    ratio: float | None = None
+
+
+@dataclass
+class LayerSummary:
+    layer: int | None
+    quantized_linears: int
+    experts: int
+    shapes: dict[str, list[int]]  # projection -> [N, K]
+    quantized_bytes: int
+    other_bytes: int
+
+
+@dataclass
+class InspectReport:
+    path: str
+    dialect: str
+    scheme: str
+    family: str
+    num_experts: int | None
+    hidden_size: int | None
+    moe_intermediate_size: int | None
+    layers: list[LayerSummary]
+    problems: list[Finding]
+    backends: dict[str, str]  # backend -> "ok" or why not
+    even_ep_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems
+
+
+def _scale_problem(value: float) -> str | None:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Inf"
+    if value <= 0:
+        return "zero" if value == 0 else "negative"
+    return None
+
+
+def _ratio(values: list[float]) -> float:
+    low, high = min(values), max(values)
+    return float("inf") if low <= 0 else high / low
+
+
+def _module_scales(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Finding]) -> tuple[float, float | None]:
+    weight_div = float(ckpt.divisor(m.global_scale))
+    input_div = None if m.input_scale is None else float(ckpt.divisor(m.input_scale))
+    for what, value in (("weight global", weight_div), ("input", input_div)):
+        if value is not None and (why := _scale_problem(value)):
+            problems.append(Finding("bad_scale", m.name, f"{what} scale (as divisor) is {why}"))
+    if ckpt.scheme == "nvfp4" and m.input_scale is None:
+        problems.append(Finding("missing_input_scale", m.name, "W4A4 module has no input scale"))
+    if ROUTER.search(m.name):
+        problems.append(Finding("quantized_router", m.name, "router/gate is quantized; engines expect it unquantized"))
+    return weight_div, input_div
+
+
+def _block_scale_problems(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Finding]) -> None:
+    raw = ckpt.read_weight(m).block_scale.view(torch.uint8) if m.expert is not None \
+        else ckpt.reader.read(m.block_scale).view(torch.uint8)
+    is_nan = (raw & 0x7F) == 0x7F
+    nan = int(is_nan.sum())
+    negative = int(((raw & 0x80) != 0).logical_and(~is_nan).logical_and(raw != 0x80).sum())
+    if nan or negative:
+        problems.append(Finding("bad_block_scale", m.name, f"{nan} NaN and {negative} negative FP8 block scales "
+                                                            f"of {raw.numel()}"))
+
+
+def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding]) -> None:
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name in scales:
+        parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        for i, members in enumerate(FUSED_SIBLINGS):
+            if leaf in members:
+                groups.setdefault((parent, i), []).append(name)
+    for (parent, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        for kind, index in (("weight global", 0), ("input", 1)):
+            values = [scales[m][index] for m in members]
+            if any(v is None for v in values) or len(set(values)) == 1:
+                continue
+            ratio = _ratio(values)  # type: ignore[arg-type]
+            leaves = "/".join(m.rsplit(".", 1)[-1] for m in members)
+            problems.append(Finding("fused_scale_mismatch", parent, f"{leaves} {kind} scales differ "
+                                                                     f"(max/min {ratio:.4g})", ratio))
+
+    spread: dict[tuple[str, str], list[float]] = {}
+    for name, (_, input_div) in scales.items():
+        match = EXPERT.match(name)
+        if match and input_div is not None:
+            spread.setdefault((match["experts"], match["proj"]), []).append(input_div)
+    for (experts, proj), values in spread.items():
+        if len(set(values)) > 1:
+            ratio = _ratio(values)
+            problems.append(Finding("expert_input_scale_spread", f"{experts}.*.{proj}",
+                                    f"{len(set(values))} different input scales over {len(values)} experts "
+                                    f"(max/min {ratio:.4g}): EP results depend on the EP size", ratio))
+
+
+def _sizes(ckpt: QuantizedCheckpoint) -> tuple[int | None, int | None, int | None]:
+    experts: set[tuple[str, int]] = set()
+    hidden = inter = None
+    for m in ckpt.modules:
+        match = EXPERT.match(m.name)
+        if match:
+            experts.add((match["experts"], int(match["expert"])))
+            if match["proj"] in ("gate_proj", "up_proj"):
+                inter, hidden = m.out_features, m.in_features
+    per_layer: dict[str, int] = {}
+    for path, _ in experts:
+        per_layer[path] = per_layer.get(path, 0) + 1
+    return (max(per_layer.values()) if per_layer else None), hidden, inter
+
+
+def _backends(num_experts: int | None, hidden: int | None, inter: int | None) -> dict[str, str]:
+    if num_experts is None or hidden is None or inter is None:
+        return {b: "no routed experts" for b in BACKENDS}
+
+    def need(checks: list[tuple[str, int, int]]) -> str:
+        failed = [f"{what}={value} not a multiple of {m}" for what, value, m in checks if value % m]
+        return "ok" if not failed else "; ".join(failed)
+
+    return {
+        "cutlass": need([("I", inter, cutlass.GATED_I_ALIGNMENT), ("H", hidden, cutlass.HIDDEN_ALIGNMENT)]),
+        "marlin": need([("H", hidden, marlin.N_ALIGNMENT), ("I", inter, marlin.K_ALIGNMENT)]),
+        "trtllm": "ok",  # pads H to 256 and I to 64 itself
+    }
+
+
+def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
+    by_layer: dict[int | None, LayerSummary] = {}
+    counted: set[str] = set()
+
+    def entry(name: str) -> LayerSummary:
+        layer = layer_of(name)
+        return by_layer.setdefault(layer, LayerSummary(layer, 0, 0, {}, 0, 0))
+
+    experts: dict[int | None, set[int]] = {}
+    for m in ckpt.modules:
+        summary = entry(m.name)
+        summary.quantized_linears += 1
+        summary.shapes.setdefault(m.name.rsplit(".", 1)[-1], [m.out_features, m.in_features])
+        if match := EXPERT.match(m.name):
+            experts.setdefault(summary.layer, set()).add(int(match["expert"]))
+        for name in (m.packed, m.block_scale, m.global_scale, m.input_scale):
+            if name and name not in counted:
+                counted.add(name)
+                summary.quantized_bytes += ckpt.reader.info(name).nbytes
+    for name in ckpt.passthrough:
+        entry(name).other_bytes += ckpt.reader.info(name).nbytes
+    for layer, found in experts.items():
+        by_layer[layer].experts = len(found)
+    return sorted(by_layer.values(), key=lambda s: -1 if s.layer is None else s.layer)
+
+
+def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None) -> InspectReport:
+    """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems."""
+    from fp4kit.errors import Fp4kitError
+
+    for b in backends or []:
+        if b not in BACKENDS:
+            raise Fp4kitError(f"unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+    if ep is not None and ep < 1:
+        raise Fp4kitError(f"--ep {ep}: must be at least 1")
+    problems: list[Finding] = []
+    with open_checkpoint(path) as ckpt:
+        scales: dict[str, tuple[float, float | None]] = {}
+        for m in ckpt.modules:
+            scales[m.name] = _module_scales(ckpt, m, problems)
+            _block_scale_problems(ckpt, m, problems)
+        _group_checks(scales, problems)
+        for name in ckpt.passthrough:
+            info = ckpt.reader.info(name)
+            if info.dtype.is_floating_point and info.dtype.itemsize > 1:
+                bad = int((~torch.isfinite(ckpt.reader.read(name))).sum())
+                if bad:
+                    problems.append(Finding("nonfinite_weight", name, f"{bad} NaN/Inf values"))
+        num_experts, hidden, inter = _sizes(ckpt)
+        compat = _backends(num_experts, hidden, inter)
+        for b in backends or []:
+            if compat[b] != "ok":
+                problems.append(Finding("backend_constraint", b, compat[b]))
+        if ep is not None and num_experts is not None and num_experts % ep:
+            problems.append(Finding("backend_constraint", f"ep={ep}", f"E={num_experts} is not a multiple of "
+                                                                       f"{ep} (TRT-LLM / FlashInfer CUTLASS)"))
+        return InspectReport(
+            str(path), ckpt.dialect, ckpt.scheme, ckpt.family.name if ckpt.family else "unknown", num_experts,
+            hidden, inter, _layers(ckpt), problems, compat,
+            [s for s in EP_SIZES if num_experts and num_experts % s == 0],
+        )
