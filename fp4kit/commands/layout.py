@@ -1,0 +1,40 @@
+"""`fp4kit layout`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from fp4kit.commands._common import human_bytes, with_progress
+
+
+def layout(
+    src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
+    dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
+    backend: Annotated[str, typer.Option(help="trtllm, cutlass or marlin")],
+    act_dtype: Annotated[str, typer.Option(help="activation dtype the kernel runs with: bf16 or fp16")] = "bf16",
+    cutlass_flavor: Annotated[str, typer.Option(help="cutlass only: flashinfer or vllm")] = "flashinfer",
+    max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Pre-build every MoE layer's fused-kernel layout (TRT-LLM, CUTLASS or Marlin), one layer at a time."""
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.layout import LayoutOptions, layout_checkpoint
+
+    options = LayoutOptions(backend=backend, act_dtype=act_dtype, cutlass_flavor=cutlass_flavor,
+                            max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite)
+    report = with_progress(lambda progress: layout_checkpoint(src, dst, options, progress), quiet, "laying out")
+    if not quiet:
+        rate = report.input_bytes / max(report.seconds, 1e-9)
+        typer.echo(
+            f"{report.backend}: {report.moe_layers} MoE layers x {report.num_experts} experts laid out, "
+            f"{report.passthrough_tensors} tensors copied, {human_bytes(report.input_bytes)} -> "
+            f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(layout)

@@ -1,0 +1,344 @@
+"""`fp4kit layout`: an NVFP4 checkpoint -> the same checkpoint with every MoE layer in one backend's kernel layout.
+
+Each MoE layer's per-expert tensors (`<experts>.{e}.{gate,up,down}_proj.*`, either dialect, read through
+fp4kit.formats.detect) are stacked into canonical w13 [E, 2I, H] ([w1; w3]) and w2 [E, H, I], handed to the backend's
+pure transform (fp4kit.layouts), and written as `<experts>.<kernel argument name>`; every other tensor is copied
+byte for byte, and `fp4kit_layout.json` records what a loader needs (docs/layouts.md, "Layout checkpoints").
+
+Streaming: a reader thread reads the next layer while the main thread transforms this one and a writer thread
+places finished tensors in shards planned up front, so about two layers are in memory whatever the model's size.
+Every shape constraint is checked for all layers before anything is written; the output directory is atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
+from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import layer_of
+from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
+from fp4kit.layouts import cutlass, marlin, trtllm
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.output import atomic_directory, check_destination
+
+BACKENDS: dict[str, ModuleType] = {"trtllm": trtllm, "cutlass": cutlass, "marlin": marlin}
+ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PROJS = ("gate_proj", "up_proj", "down_proj")
+QUEUE_DEPTH = 2  # jobs in flight per queue: a layer of a 235B model is ~1 GB
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+
+CanonicalLayer = tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+@dataclass
+class LayoutOptions:
+    backend: str
+    act_dtype: str = "bf16"
+    cutlass_flavor: str = "flashinfer"
+    max_shard_bytes: int = 5 * 10**9
+    overwrite: bool = False
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise Fp4kitError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.act_dtype not in ACT_DTYPES:
+            raise Fp4kitError(f"unknown activation dtype {self.act_dtype!r}; choose bf16 or fp16")
+        if self.cutlass_flavor not in cutlass.KERNEL:
+            raise Fp4kitError(f"unknown CUTLASS flavor {self.cutlass_flavor!r}; choose flashinfer or vllm")
+        if self.backend == "trtllm" and self.act_dtype != "bf16":
+            raise Fp4kitError("trtllm_fp4_block_scale_moe always outputs bfloat16: use --act-dtype bf16")
+
+    def transform_options(self) -> dict[str, object]:
+        """Keyword options of the backend's transform / describe / check_shapes."""
+        if self.backend == "cutlass":
+            return {"flavor": self.cutlass_flavor}
+        if self.backend == "marlin":
+            return {"act_dtype": ACT_DTYPES[self.act_dtype]}
+        return {}
+
+
+@dataclass(frozen=True)
+class MoELayer:
+    layer: int
+    experts: str  # module path of the routed experts, e.g. model.layers.3.mlp.experts
+    members: tuple[tuple[QuantModule, QuantModule, QuantModule], ...]  # per expert: gate, up, down
+    hidden: int
+    intermediate: int
+    has_input_scales: bool
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.members)
+
+    def tensor_name(self, argument: str) -> str:
+        return f"{self.experts}.{argument}"
+
+    def sources(self) -> set[str]:
+        return {n for ms in self.members for m in ms for n in (m.packed, m.block_scale, m.global_scale, m.input_scale)
+                if n}
+
+
+@dataclass
+class LayoutReport:
+    backend: str
+    moe_layers: int
+    num_experts: int
+    passthrough_tensors: int
+    input_bytes: int
+    output_bytes: int
+    output_files: list[str]
+    seconds: float
+
+
+def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
+    """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
+    grouped: dict[str, dict[int, dict[str, QuantModule]]] = {}
+    for module in ckpt.modules:
+        match = _EXPERT.match(module.name)
+        if match:
+            grouped.setdefault(match["experts"], {}).setdefault(int(match["expert"]), {})[match["proj"]] = module
+    layers = [_moe_layer(experts, found) for experts, found in grouped.items()]
+    seen: dict[int, str] = {}
+    for layer in layers:
+        if seen.setdefault(layer.layer, layer.experts) != layer.experts:
+            raise Fp4kitError(f"layer {layer.layer} has experts under two modules: {seen[layer.layer]} and "
+                              f"{layer.experts}")
+    if ckpt.family is not None:
+        expected = ckpt.family.num_experts(ckpt.family.text_config(ckpt.config))
+        for layer in layers:
+            if layer.num_experts != expected:
+                raise Fp4kitError(f"{layer.experts}: {layer.num_experts} quantized experts, config.json says "
+                                  f"{expected}")
+    return sorted(layers, key=lambda lay: lay.layer)
+
+
+def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]]) -> MoELayer:
+    layer = layer_of(experts + ".")
+    if layer is None:
+        raise Fp4kitError(f"{experts}: routed experts outside a `layers.N` module")
+    if sorted(found) != list(range(len(found))):
+        missing = sorted(set(range(max(found) + 1)) - set(found))
+        raise Fp4kitError(f"{experts}: expert {missing[0]} is not an NVFP4 module (experts must be 0..E-1)")
+    members = []
+    for e in sorted(found):
+        lacking = [p for p in PROJS if p not in found[e]]
+        if lacking:
+            raise Fp4kitError(f"{experts}.{e}: {lacking[0]} is not NVFP4-quantized; every expert needs gate, up "
+                              f"and down in NVFP4")
+        members.append(tuple(found[e][p] for p in PROJS))
+    gate = members[0][0]
+    hidden, intermediate = gate.in_features, gate.out_features
+    expected = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
+    for modules in members:
+        for module, shape in zip(modules, expected, strict=True):
+            if (module.out_features, module.in_features) != shape:
+                raise Fp4kitError(f"{module.name}: [{module.out_features}, {module.in_features}], expected "
+                                  f"{list(shape)} like expert 0's (H={hidden}, I={intermediate})")
+    with_input = {m.input_scale is not None for ms in members for m in ms}
+    if len(with_input) != 1:
+        raise Fp4kitError(f"{experts}: some expert projections have input scales and others do not")
+    return MoELayer(layer, experts, tuple(members), hidden, intermediate, with_input.pop())  # type: ignore[arg-type]
+
+
+def check_layers(layers: list[MoELayer], options: LayoutOptions) -> None:
+    """Every constraint the backend puts on shapes and scales, for all layers, before anything is written."""
+    backend = BACKENDS[options.backend]
+    shape_options = {"flavor": options.cutlass_flavor} if options.backend == "cutlass" else {}
+    for layer in layers:
+        try:
+            backend.check_shapes(layer.num_experts, layer.hidden, layer.intermediate, **shape_options)
+        except Fp4kitError as exc:
+            raise Fp4kitError(f"{layer.experts}: {exc}") from None
+        if options.backend != "marlin" and not layer.has_input_scales:
+            raise Fp4kitError(f"{layer.experts}: --backend {options.backend} runs a W4A4 kernel, which needs "
+                              f"activation (input) scales, and this checkpoint is weight-only: use --backend marlin")
+
+
+def kernel_tensors(layer: MoELayer, options: LayoutOptions) -> dict[str, PlannedTensor]:
+    """Argument name -> planned output tensor, found by transforming one all-zero expert of the layer's shape:
+    every kernel tensor is [E, ...], so only the leading dimension changes."""
+    hidden, inter = layer.hidden, layer.intermediate
+
+    def zero(rows: int, cols: int) -> NVFP4Tensor:
+        return NVFP4Tensor(torch.zeros(1, rows, cols // 2, dtype=torch.uint8),
+                           torch.zeros(1, rows, cols // BLOCK, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.ones(1, dtype=torch.float64))
+
+    one = torch.ones(1, dtype=torch.float64)
+    sample = BACKENDS[options.backend].transform(zero(2 * inter, hidden), zero(hidden, inter), one, one,
+                                                 **options.transform_options())
+    return {arg: PlannedTensor(layer.tensor_name(arg), t.dtype, (layer.num_experts, *t.shape[1:]))
+            for arg, t in sample.items()}
+
+
+def read_layer(ckpt: QuantizedCheckpoint, layer: MoELayer) -> CanonicalLayer:
+    """The layer's canonical stacked w13 / w2 and per-expert input divisors (None for weight-only checkpoints)."""
+    num, hidden, inter = layer.num_experts, layer.hidden, layer.intermediate
+    packed13 = torch.empty(num, 2 * inter, hidden // 2, dtype=torch.uint8)
+    scale13 = torch.empty(num, 2 * inter, hidden // BLOCK, dtype=torch.float8_e4m3fn)
+    packed2 = torch.empty(num, hidden, inter // 2, dtype=torch.uint8)
+    scale2 = torch.empty(num, hidden, inter // BLOCK, dtype=torch.float8_e4m3fn)
+    global13, global2, input13, input2 = (torch.empty(num, dtype=torch.float64) for _ in range(4))
+    for e, (gate_module, up_module, down_module) in enumerate(layer.members):
+        (gate, gate_in), (up, up_in), (down, down_in) = (ckpt.read(m) for m in (gate_module, up_module, down_module))
+        _require_shared(f"{layer.experts}.{e}", "weight global", gate.global_scale_div, up.global_scale_div)
+        _require_shared(f"{layer.experts}.{e}", "input", gate_in, up_in)
+        packed13[e, :inter], packed13[e, inter:], packed2[e] = gate.packed, up.packed, down.packed
+        scale13[e, :inter], scale13[e, inter:], scale2[e] = gate.block_scale, up.block_scale, down.block_scale
+        global13[e], global2[e] = gate.global_scale_div, down.global_scale_div
+        if layer.has_input_scales:
+            input13[e], input2[e] = gate_in, down_in
+    return (NVFP4Tensor(packed13, scale13, global13), NVFP4Tensor(packed2, scale2, global2),
+            input13 if layer.has_input_scales else None, input2 if layer.has_input_scales else None)
+
+
+def _require_shared(expert: str, what: str, gate: torch.Tensor | None, up: torch.Tensor | None) -> None:
+    if gate is not None and up is not None and not torch.equal(gate, up):
+        raise Fp4kitError(f"{expert}: gate and up have different {what} scales ({float(gate):.6g} vs "
+                          f"{float(up):.6g}); fused w13 kernels hold one per expert, so the layout would change "
+                          f"the model")
+
+
+def _prefetched(jobs: list, produce: Callable[[object], object]) -> Iterator[tuple[object, object]]:
+    """(job, produce(job)) in order, produced a few jobs ahead on a thread (file reads release the GIL)."""
+    slots: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for job in jobs:
+                if stop.is_set():
+                    return
+                slots.put((job, produce(job)))
+            slots.put(None)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            slots.put(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        while (item := slots.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                slots.get_nowait()
+            except queue.Empty:
+                thread.join(0.05)
+
+
+class _BackgroundWriter:
+    """ShardWriter.write on a thread, fed through a bounded queue; the first error is raised to the producer."""
+
+    def __init__(self, writer: ShardWriter):
+        self.writer, self.error = writer, None
+        self.pending: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (tensors := self.pending.get()) is not None:
+            if self.error is None:
+                try:
+                    for name, tensor in tensors.items():
+                        self.writer.write(name, tensor)
+                except BaseException as exc:
+                    self.error = exc
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.error is not None:
+            raise self.error
+        self.pending.put(tensors)
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _jobs(ckpt: QuantizedCheckpoint, layers: list[MoELayer]) -> list[MoELayer | str]:
+    """Output order = source file order; a layer takes the place of its first source tensor."""
+    owner = {name: layer for layer in layers for name in layer.sources()}
+    infos = sorted(ckpt.reader.tensors.values(), key=lambda i: (str(i.file), i.begin))
+    jobs: list[MoELayer | str] = []
+    placed: set[int] = set()
+    for info in infos:
+        layer = owner.get(info.name)
+        if layer is None:
+            jobs.append(info.name)
+        elif layer.layer not in placed:
+            placed.add(layer.layer)
+            jobs.append(layer)
+    return jobs
+
+
+def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
+                      progress: Callable[[int, int], None] | None = None) -> LayoutReport:
+    """Write ``src`` with every MoE layer in ``options.backend``'s kernel layout into ``dst`` (created atomically)."""
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    options.validate()
+    backend, transform_options = BACKENDS[options.backend], options.transform_options()
+    with open_checkpoint(src) as ckpt:
+        check_destination(src, dst, options.overwrite)
+        layers = find_moe_layers(ckpt)
+        if not layers:
+            raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`...experts.E.{{gate,up,down}}_proj`)")
+        check_layers(layers, options)
+        jobs = _jobs(ckpt, layers)
+        reader = ckpt.reader
+        planned = {layer.layer: kernel_tensors(layer, options) for layer in layers}
+        plan = [t for job in jobs for t in (planned[job.layer].values() if isinstance(job, MoELayer)
+                                            else [PlannedTensor(job, reader.info(job).dtype, reader.info(job).shape)])]
+        input_bytes = sum(info.nbytes for info in reader.tensors.values())
+        entries: dict[str, dict] = {}
+        with atomic_directory(dst) as work:
+            writer = ShardWriter(work, plan, options.max_shard_bytes, metadata={"producer": "fp4kit",
+                                                                                 "fp4kit.layout": options.backend})
+            background = _BackgroundWriter(writer)
+            done = 0
+
+            def produce(job: object) -> object:
+                return read_layer(ckpt, job) if isinstance(job, MoELayer) else reader.read(job)  # type: ignore[arg-type]
+
+            try:
+                for job, data in _prefetched(jobs, produce):
+                    if isinstance(job, MoELayer):
+                        tensors = backend.transform(*data, **transform_options)
+                        meta = backend.describe(*data, **transform_options)
+                        entries[str(job.layer)] = layer_entry(job.experts, planned[job.layer], meta)
+                        background.put({job.tensor_name(arg): t for arg, t in tensors.items()})
+                        done += sum(reader.info(n).nbytes for n in job.sources())
+                    else:
+                        background.put({job: data})
+                        done += reader.info(job).nbytes
+                    if progress:
+                        progress(done, input_bytes)
+            finally:
+                background.close()
+            writer.finish()
+            for name in ("config.json", HF_QUANT_CONFIG):
+                if (src / name).is_file():
+                    shutil.copy2(src / name, work / name)
+            copy_side_files(src, work)
+            document = manifest(options.backend, options.cutlass_flavor, ACT_DTYPES[options.act_dtype], ckpt, entries)
+            (work / MANIFEST).write_text(json.dumps(document, indent=2) + "\n")
+    return LayoutReport(options.backend, len(layers), layers[0].num_experts, len(jobs) - len(layers), input_bytes,
+                        writer.total_bytes, writer.files, time.perf_counter() - start)
