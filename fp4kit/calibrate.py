@@ -1,0 +1,285 @@
+"""Activation statistics for W4A4 NVFP4, one decoder layer in memory at a time (issue 3, DESIGN.md §11).
+
+The text model is built on the meta device from config.json, so it costs no memory. One forward of it with every
+decoder layer replaced by a recorder yields the embeddings and, per layer, the exact arguments the full model
+passes (rotary embeddings, causal or chunked masks, position ids; M-RoPE ids for the vision-language families).
+Then each layer in turn gets its weights from SRC in the layout transformers keeps in memory (per-expert tensors
+stacked into the fused [E, 2I, H] parameter, transposed fused tensors transposed back, exactly as transformers'
+loader does), runs every calibration hidden state through transformers' own decoder-layer class, and is dropped.
+
+Statistics per layer:
+- every ``nn.Linear``: amax of its input in that forward (attention, dense MLPs, shared experts);
+- every routed expert, over *all* tokens of the layer (llm-compressor's ``moe_calibrate_all_experts`` semantics):
+  gate/up input amax = amax of the MoE block's input (post-attention-norm hidden states); for Llama-4, whose
+  router score multiplies the expert input, token t reaches expert e as ``h_t * sigmoid(logit_te)``, what it
+  would receive had it been routed there. down_proj input amax = amax of ``act(gate) * up`` of those inputs;
+- routing counts under the real top-k, read from the router transformers ran.
+The hidden states passed on are the layer's own output, i.e. the real router and top-k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fp4kit.checkpoint import CheckpointReader, read_config
+from fp4kit.errors import Fp4kitError
+from fp4kit.families import detect
+
+LayerCallback = Callable[[int, list[torch.Tensor]], None]
+
+
+@dataclass
+class CalibrationResult:
+    input_amax: dict[str, float] = field(default_factory=dict)  # output module name -> amax of its input
+    routing_counts: dict[int, list[int]] = field(default_factory=dict)  # layer -> tokens routed to each expert
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _LayerArguments(nn.Module):
+    """Stands in for decoder layer ``index``: records what the model passes it; the last one ends the forward."""
+
+    def __init__(self, index: int, last: bool, store: dict[int, tuple[tuple, dict]], inputs: list[torch.Tensor]):
+        super().__init__()
+        self.index, self.last, self.store, self.inputs = index, last, store, inputs
+
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if self.index == 0:
+            self.inputs.append(hidden_states)
+        self.store[self.index] = (args, kwargs)
+        if self.last:
+            raise _StopForward
+        return hidden_states
+
+
+@dataclass
+class _TextModel:
+    model: nn.Module  # on the meta device except the embeddings and the rotary embedding
+    layers: list[nn.Module | None]  # the decoder layers, on meta until their turn
+    prefix: str  # checkpoint name prefix of the text model, e.g. "model.language_model."
+    keep_fp32: tuple[str, ...]
+    scales_input: bool  # Llama-4: the router score multiplies the expert input; experts in BMM layout [E, H, 2I]
+
+
+def _text_model(reader: CheckpointReader, src: Path, dtype: torch.dtype, device: torch.device) -> _TextModel:
+    import transformers
+
+    config_dict = read_config(src)
+    family = detect(config_dict)
+    text_config = transformers.AutoConfig.from_pretrained(src).get_text_config()
+    embed_names = [n for n in reader.names() if n.endswith("embed_tokens.weight") and "layers." not in n]
+    if len(embed_names) != 1:
+        raise Fp4kitError(f"{src}: cannot find the text model's embed_tokens.weight (found {embed_names})")
+    prefix = embed_names[0][: -len("embed_tokens.weight")]
+    with torch.device("meta"):
+        model = transformers.AutoModel.from_config(text_config)
+    model.eval()
+    model.rotary_emb = type(model.rotary_emb)(config=model.config).to(device)
+    embedding = reader.read(embed_names[0]).to(device, dtype)
+    model.embed_tokens.load_state_dict({"weight": embedding}, assign=True)
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
+        getattr(model, "_keep_in_fp32_modules", None) or ()
+    )
+    scales_input = family.routing(family.text_config(config_dict)).scales_input
+    return _TextModel(model, list(model.layers), prefix, keep, scales_input)
+
+
+def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """The layer's parameters and buffers from the checkpoint, in the shapes the module holds them."""
+    state: dict[str, torch.Tensor] = {}
+    for key, expected in layer.state_dict().items():
+        name = prefix + key
+        if name in reader:
+            tensor = reader.read(name)
+        elif key.endswith("experts.gate_up_proj"):
+            experts = name[: -len("gate_up_proj")]
+            per_expert = [
+                torch.cat([reader.read(f"{experts}{e}.gate_proj.weight"), reader.read(f"{experts}{e}.up_proj.weight")])
+                for e in range(expected.shape[0])
+                if f"{experts}{e}.gate_proj.weight" in reader
+            ]
+            tensor = torch.stack(per_expert) if per_expert else None
+        elif key.endswith("experts.down_proj"):
+            experts = name[: -len("down_proj")]
+            per_expert = [
+                reader.read(f"{experts}{e}.down_proj.weight")
+                for e in range(expected.shape[0])
+                if f"{experts}{e}.down_proj.weight" in reader
+            ]
+            tensor = torch.stack(per_expert) if per_expert else None
+        else:
+            tensor = None
+        if tensor is None:
+            raise Fp4kitError(f"checkpoint lacks {name}, which transformers' {type(layer).__name__} needs")
+        # transformers' loader transposes fused expert tensors whose shape is not the module's (Transpose check_dims)
+        if tensor.shape != expected.shape and tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected.shape:
+            tensor = tensor.transpose(1, 2)
+        if tensor.shape != expected.shape:
+            raise Fp4kitError(f"{name}: shape {list(tensor.shape)}, transformers expects {list(expected.shape)}")
+        state[key] = tensor
+    return state
+
+
+def _load_layer(text: _TextModel, reader: CheckpointReader, index: int, dtype: torch.dtype, device: torch.device):
+    layer = text.layers[index]
+    assert layer is not None
+    state = _layer_state_dict(reader, layer, f"{text.prefix}layers.{index}.")
+    for key, tensor in state.items():
+        keep_fp32 = any(f".{pattern}." in f".{key}." for pattern in text.keep_fp32)
+        state[key] = tensor.to(device, torch.float32 if keep_fp32 and dtype.itemsize < 4 else dtype).contiguous()
+    layer.load_state_dict(state, assign=True, strict=True)
+    return layer.eval()
+
+
+class _AmaxRecorder:
+    """Running input amax of every Linear and routed expert of one layer, kept on the device until ``flush``."""
+
+    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None):
+        self.layer_prefix = f"{text.prefix}layers.{index}."
+        self.scales_input = text.scales_input
+        self.modules = modules
+        self.amax: dict[str, torch.Tensor] = {}
+        self.counts: torch.Tensor | None = None
+        self.router_output: tuple | None = None
+        self.handles = []
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
+                self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
+            experts = getattr(module, "experts", None)
+            if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+                router = module.router if hasattr(module, "router") else module.gate
+                self.handles.append(router.register_forward_hook(self._router_hook))
+                self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
+
+    def _wanted(self, name: str) -> bool:
+        return self.modules is None or name in self.modules
+
+    def _update(self, name: str, amax: torch.Tensor) -> None:
+        amax = amax.detach().float()
+        self.amax[name] = torch.maximum(self.amax[name], amax) if name in self.amax else amax
+
+    def _linear_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self._update(name, args[0].abs().amax())
+
+        return hook
+
+    def _router_hook(self, module: nn.Module, args: tuple, output: tuple) -> None:
+        self.router_output = output
+
+    def _moe_hook(self, block_name: str, experts: nn.Module):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            assert self.router_output is not None
+            if len(self.router_output) == 3:  # Qwen3 / GLM routers: (logits, top-k weights, top-k ids)
+                logits, top_ids = self.router_output[0], self.router_output[2]
+            else:  # Llama-4 router: (scores, logits), top-k on the logits
+                logits = self.router_output[1]
+                top_ids = torch.topk(logits, module.top_k, dim=1).indices
+            counts = torch.bincount(top_ids.reshape(-1), minlength=logits.shape[-1])
+            self.counts = counts if self.counts is None else self.counts + counts
+            self._expert_amax(f"{block_name}.experts", experts, hidden, logits)
+
+        return hook
+
+    @torch.no_grad()
+    def _expert_amax(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        num_experts = experts.gate_up_proj.shape[0]
+        names = [(f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj") for e in range(num_experts)]
+        if self.modules is not None and not any(n in self.modules for triple in names for n in triple):
+            return
+        hidden_amax = hidden.abs().amax()
+        for e, (gate_name, up_name, down_name) in enumerate(names):
+            if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
+                x = hidden * torch.sigmoid(logits[:, e : e + 1].float()).to(hidden.dtype)
+                x_amax = x.abs().amax()
+                gate_up = x @ experts.gate_up_proj[e]
+            else:
+                x_amax = hidden_amax
+                gate_up = nn.functional.linear(hidden, experts.gate_up_proj[e])
+            gate, up = gate_up.chunk(2, dim=-1)
+            self._update(gate_name, x_amax)
+            self._update(up_name, x_amax)
+            self._update(down_name, (experts.act_fn(gate) * up).abs().amax())
+
+    def flush(self, result: CalibrationResult, index: int) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for name, amax in self.amax.items():
+            if self._wanted(name):
+                result.input_amax[name] = float(amax)
+        if self.counts is not None:
+            result.routing_counts[index] = [int(c) for c in self.counts.cpu()]
+
+
+def _checkpoint_dtype(src: Path) -> torch.dtype:
+    config = read_config(src)
+    text = config.get("text_config") or config
+    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return getattr(torch, str(name), torch.bfloat16) if name else torch.bfloat16
+
+
+@torch.inference_mode()
+def calibrate(
+    src: Path,
+    token_ids: torch.Tensor,
+    device: str = "cpu",
+    batch_size: int = 8,
+    modules: set[str] | None = None,
+    dtype: torch.dtype | None = None,
+    on_layer: LayerCallback | None = None,
+) -> CalibrationResult:
+    """Input amax of every Linear (``modules``: only those names) and routing counts, streaming SRC by layer.
+
+    ``token_ids`` int64 [S, L]; ``dtype`` defaults to the checkpoint's (config.json), bf16 if it names none.
+    ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
+    """
+    src = Path(src)
+    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.numel() == 0:
+        raise Fp4kitError(f"calibration token ids must be a non-empty int64 [samples, seq_len] tensor, got "
+                          f"{token_ids.dtype}{list(token_ids.shape)}")
+    if batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
+    torch_device = torch.device(device)
+    dtype = dtype or _checkpoint_dtype(src)
+    result = CalibrationResult()
+    with CheckpointReader(src) as reader:
+        text = _text_model(reader, src, dtype, torch_device)
+        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size)
+        for index in range(len(text.layers)):
+            layer = _load_layer(text, reader, index, dtype, torch_device)
+            recorder = _AmaxRecorder(text, layer, index, modules)
+            for b, hidden in enumerate(hidden_batches):
+                args, kwargs = layer_args[tuple(hidden.shape)][index]
+                hidden_batches[b] = layer(hidden, *args, **kwargs)
+            recorder.flush(result, index)
+            text.layers[index] = None  # its weights go with it
+            del layer, recorder
+            if on_layer is not None:
+                on_layer(index, hidden_batches)
+    return result
+
+
+def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int):
+    """Embedded hidden states per batch, and per batch shape the arguments the model passes each layer."""
+    hidden_batches: list[torch.Tensor] = []
+    layer_args: dict[tuple[int, ...], dict[int, tuple[tuple, dict]]] = {}
+    count = len(text.layers)
+    for start in range(0, token_ids.shape[0], batch_size):
+        store: dict[int, tuple[tuple, dict]] = {}
+        text.model.layers = nn.ModuleList(
+            [_LayerArguments(i, i == count - 1, store, hidden_batches) for i in range(count)]
+        )
+        try:
+            text.model(input_ids=token_ids[start : start + batch_size], use_cache=False)
+        except _StopForward:
+            pass
+        layer_args.setdefault(tuple(hidden_batches[-1].shape), store)
+    return hidden_batches, layer_args
