@@ -24,6 +24,60 @@ def _e2m1_value(code):
     return tl.where((code & 8) != 0, -value, value)
 
 
+# 4 packed bytes in, their 4 low-nibble and 4 high-nibble values out as f16x2 pairs ($0,$1 and $2,$3). Each nibble's
+# sign goes to bit 15 and its 3 magnitude bits to bits 9-11 of an f16, which then holds value · 2^-14 exactly
+# (0.5 lands on an f16 subnormal, which f16 arithmetic keeps); one f16x2 multiply by 2^14 finishes the decode.
+_E2M1X8_TO_F16_PTX = """
+{
+.reg .b32 t<2>, m<4>, k;
+mov.b32 k, 0x74007400;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 m0, t0, 9;
+and.b32 m0, m0, 0x0E000E00;
+shl.b32 m1, t0, 12;
+and.b32 m1, m1, 0x80008000;
+or.b32 $0, m0, m1;
+mul.rn.f16x2 $0, $0, k;
+shl.b32 m2, t1, 9;
+and.b32 m2, m2, 0x0E000E00;
+shl.b32 m3, t1, 12;
+and.b32 m3, m3, 0x80008000;
+or.b32 $1, m2, m3;
+mul.rn.f16x2 $1, $1, k;
+shl.b32 m0, t0, 5;
+and.b32 m0, m0, 0x0E000E00;
+shl.b32 m1, t0, 8;
+and.b32 m1, m1, 0x80008000;
+or.b32 $2, m0, m1;
+mul.rn.f16x2 $2, $2, k;
+shl.b32 m2, t1, 5;
+and.b32 m2, m2, 0x0E000E00;
+shl.b32 m3, t1, 8;
+and.b32 m3, m3, 0x80008000;
+or.b32 $3, m2, m3;
+mul.rn.f16x2 $3, $3, k;
+}
+"""
+
+
+@triton.jit
+def _e2m1_nibbles(packed, FAST: tl.constexpr):
+    """Packed u8 -> (low-nibble values, high-nibble values); PTX bit tricks on a GPU, integer math otherwise."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            _E2M1X8_TO_F16_PTX,
+            "=r,=r,=r,=r,r",
+            [packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        codes = packed.to(tl.int32)
+        return _e2m1_value(codes & 15), _e2m1_value(codes >> 4)
+
+
 @triton.jit
 def _e4m3_value(byte):
     """FP8 E4M3FN bytes (int32) -> fp32; subnormals explicit so that no flush-to-zero can touch them."""
@@ -94,13 +148,15 @@ def _fake_quant_pair(x_even, x_odd, global_mul, ROWS: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _dequant_pair(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _dequant_pair(
+    packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_BF16: tl.constexpr, FAST: tl.constexpr
+):
     """packed u8 [ROWS, BLOCK_K/2] + scale u8 [ROWS, BLOCK_K/16] -> (even, odd) MMA operands, no global scale.
     e2m1 · e4m3 has at most 5 significant bits: exact in bf16."""
-    codes = packed.to(tl.int32)
+    low, high = _e2m1_nibbles(packed, FAST)
     scale = _e4m3_value(scale_bytes.to(tl.int32))[:, :, None]
-    even = tl.reshape(_e2m1_value(codes & 15), (ROWS, BLOCK_K // 16, 8)) * scale
-    odd = tl.reshape(_e2m1_value(codes >> 4), (ROWS, BLOCK_K // 16, 8)) * scale
+    even = tl.reshape(low.to(tl.float32), (ROWS, BLOCK_K // 16, 8)) * scale
+    odd = tl.reshape(high.to(tl.float32), (ROWS, BLOCK_K // 16, 8)) * scale
     return (
         _to_mma(tl.reshape(even, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
         _to_mma(tl.reshape(odd, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
@@ -186,6 +242,7 @@ def gemm1_swiglu_kernel(
     SCALE_INPUT: tl.constexpr,
     W4A4: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -200,7 +257,8 @@ def gemm1_swiglu_kernel(
     offs_j = tl.arange(0, BLOCK_K // 2)
     offs_s = tl.arange(0, BLOCK_K // 16)
     half_k = hidden_size // 2
-    x_rows = x_ptr + tokens[:, None] * hidden_size + 2 * offs_j[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * hidden_size + offs_k[None, :]
     gate_rows = w_ptr + expert * (2 * inter_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     up_rows = gate_rows + inter_size * half_k
     scale_k = hidden_size // 16
@@ -217,9 +275,9 @@ def gemm1_swiglu_kernel(
     for k0 in range(0, hidden_size, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
-        x_mask = pair_valid[:, None] & j_valid[None, :]
-        x_even = tl.load(x_rows + k0, mask=x_mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_rows + k0 + 1, mask=x_mask, other=0.0).to(tl.float32)
+        x_mask = pair_valid[:, None] & ((k0 + offs_k) < hidden_size)[None, :]
+        x = tl.load(x_rows + k0, mask=x_mask, other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
         if SCALE_INPUT:
             x_even = x_even * routing_weight[:, None]
             x_odd = x_odd * routing_weight[:, None]
@@ -235,6 +293,7 @@ def gemm1_swiglu_kernel(
             BLOCK_N,
             BLOCK_K,
             EMULATE_BF16,
+            FAST_DEQUANT,
         )
         acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
         acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
@@ -244,6 +303,7 @@ def gemm1_swiglu_kernel(
             BLOCK_N,
             BLOCK_K,
             EMULATE_BF16,
+            FAST_DEQUANT,
         )
         acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
         acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
@@ -278,6 +338,7 @@ def gemm2_combine_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_INPUT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -292,25 +353,25 @@ def gemm2_combine_kernel(
     offs_s = tl.arange(0, BLOCK_K // 16)
     half_k = inter_size // 2
     scale_k = inter_size // 16
-    a_rows = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + 2 * offs_j[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_k[None, :]
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
-        a_mask = pair_valid[:, None] & j_valid[None, :]
-        a_even = tl.load(a_rows + k0, mask=a_mask, other=0.0)
-        a_odd = tl.load(a_rows + k0 + 1, mask=a_mask, other=0.0)
+        a = tl.load(a_rows + k0, mask=pair_valid[:, None] & ((k0 + offs_k) < inter_size)[None, :], other=0.0)
         if EMULATE_BF16:
-            a_even = a_even.to(tl.float32)
-            a_odd = a_odd.to(tl.float32)
+            a = a.to(tl.float32)
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
         w_even, w_odd = _dequant_pair(
             tl.load(w_rows + k0 // 2, mask=n_valid[:, None] & j_valid[None, :], other=0),
             tl.load(w_scales + k0 // 16, mask=n_valid[:, None] & s_valid[None, :], other=0),
             BLOCK_N,
             BLOCK_K,
             EMULATE_BF16,
+            FAST_DEQUANT,
         )
         acc = _mma(a_even, w_even, acc, EMULATE_BF16)
         acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)

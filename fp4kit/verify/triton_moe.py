@@ -38,6 +38,7 @@ class KernelConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
+    fast_dequant: bool = True  # PTX nibble decode on a GPU (integer math under the interpreter regardless)
 
 
 DECODE_CONFIG = KernelConfig()
@@ -183,7 +184,7 @@ def fused_moe(
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
         inter, num_pairs, top_k, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
-        EMULATE_BF16=emulate_bf16,
+        EMULATE_BF16=emulate_bf16, FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
@@ -195,6 +196,7 @@ def fused_moe(
         moe_weights.w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
         num_pairs, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
+        FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
