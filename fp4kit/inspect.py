@@ -7,7 +7,8 @@ Checks (each finding names the check, the module and a ratio where one applies):
   block scales. missing_input_scale: a W4A4 module without its activation scale.
 - expert_input_scale_spread: experts of one layer and projection with different input scales; under expert
   parallelism each rank reduces them over its own experts, so results depend on the EP size.
-- quantized_router: a router / gate Linear stored quantized (engines load routers in bf16/fp32).
+- quantized_router / quantized_embedding: a router / gate or an embedding stored quantized (engines load them
+  unquantized; llm-compressor 0.14's model_free_ptq quantizes embed_tokens).
 - nonfinite_weight: NaN or Inf in an unquantized floating tensor.
 - backend_constraint: only for the backends / EP size asked for (CUTLASS gated MoE: I % 64, H % 64; Marlin:
   H % 128, I % 64; TRT-LLM and FlashInfer CUTLASS: E % ep). Without a request they are listed, not counted.
@@ -27,6 +28,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpo
 from fp4kit.layouts import cutlass, marlin
 
 ROUTER = re.compile(r"(\.mlp\.gate|\.feed_forward\.router|shared_expert_gate|\.router)$")
+EMBEDDING = re.compile(r"(embed_tokens|embedding|embeddings)$")
 EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 EP_SIZES = (2, 4, 8, 16, 32, 64)
 BACKENDS = ("cutlass", "marlin", "trtllm")
@@ -94,6 +96,8 @@ def _module_scales(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Fin
         problems.append(Finding("missing_input_scale", m.name, "W4A4 module has no input scale"))
     if ROUTER.search(m.name):
         problems.append(Finding("quantized_router", m.name, "router/gate is quantized; engines expect it unquantized"))
+    if EMBEDDING.search(m.name):
+        problems.append(Finding("quantized_embedding", m.name, "embedding is quantized; engines load it unquantized"))
     return weight_div, input_div
 
 
