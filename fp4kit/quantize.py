@@ -20,7 +20,7 @@ import torch
 from fp4kit.checkpoint import CheckpointReader, ShardWriter, copy_side_files, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats import compressed_tensors as ct
-from fp4kit.nvfp4 import quantize_group
+from fp4kit.nvfp4 import NonFiniteError, quantize_group
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
 
@@ -131,10 +131,13 @@ class _BackgroundWriter:
 
 def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions) -> dict:
     device = torch.device(options.device)
-    for c, w in zip(group.members, weights, strict=True):
-        if not torch.isfinite(w).all():
-            raise Fp4kitError(f"{c.linear.source.tensor}: NaN or Inf in a weight to be quantized ({c.linear.module})")
-    quantized = quantize_group([w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale)
+    try:
+        quantized = quantize_group([w.to(device) for w in weights], options.exact_fp32_global_scale)
+    except NonFiniteError:
+        bad = next(c for c, w in zip(group.members, weights, strict=True) if not torch.isfinite(w).all())
+        raise Fp4kitError(
+            f"{bad.linear.source.tensor}: NaN or Inf in a weight to be quantized ({bad.linear.module})"
+        ) from None
     out: dict[str, torch.Tensor] = {}
     for c, q in zip(group.members, quantized, strict=True):
         out.update(ct.encode(c.linear.module, q))
