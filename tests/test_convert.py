@@ -1,0 +1,208 @@
+"""`fp4kit convert`: lossless both ways on every family, W4A4 scales exact, llm-compressor input, bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4kit.checkpoint import CheckpointReader
+from fp4kit.convert import convert_checkpoint
+from fp4kit.fixtures import FIXTURES
+from fp4kit.formats import compressed_tensors as ct
+from fp4kit.formats.detect import CT, MO, open_checkpoint, stored_scale
+
+
+def tensor_bytes(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]:
+    reader = CheckpointReader(path)
+    return {n: (i.dtype, i.shape, reader.read(n).reshape(-1).view(torch.uint8).numpy().tobytes())
+            for n, i in reader.tensors.items()}
+
+
+def rewrite(src: Path, dst: Path, edit, config_edit=None) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` with ``edit(tensors)`` applied to its tensors (and to its config)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if config_edit:
+        config = json.loads((dst / "config.json").read_text())
+        config_edit(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def with_input_scales(src: Path, dst: Path, seed: int = 0) -> Path:
+    """fp4kit's NVFP4A16 output made W4A4: a bf16-valued input multiplier per module, different per expert."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def add(tensors: dict) -> None:
+        for name in [n for n in tensors if n.endswith(".weight_packed")]:
+            value = (100 + 400 * torch.rand(1, generator=generator)).bfloat16().float()
+            tensors[name.replace(".weight_packed", ".input_global_scale")] = value
+
+    def config(cfg: dict) -> None:
+        cfg["quantization_config"] = ct.quantization_config("nvfp4", cfg["quantization_config"]["ignore"])
+
+    return rewrite(src, dst, add, config)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_compressed_tensors_modelopt_round_trip_is_byte_exact(family, tiny_nvfp4a16, tmp_path):
+    src = tiny_nvfp4a16(family)
+    to_mo = convert_checkpoint(src, tmp_path / "mo", MO)
+    back = convert_checkpoint(tmp_path / "mo", tmp_path / "ct", CT)
+    assert to_mo.quantized_modules == back.quantized_modules > 20
+    assert tensor_bytes(src) == tensor_bytes(tmp_path / "ct")
+    assert json.loads((src / "config.json").read_text()) == json.loads((tmp_path / "ct" / "config.json").read_text())
+    assert not (tmp_path / "ct" / "hf_quant_config.json").exists()
+    mo_names = CheckpointReader(tmp_path / "mo").names()
+    assert not [n for n in mo_names if n.endswith((".weight_packed", "global_scale"))]
+    hf = json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())["quantization"]
+    assert hf["quant_algo"] == "W4A16_NVFP4" and hf["group_size"] == 16 and "kv_cache_quant_algo" in hf
+
+
+def test_w4a4_round_trips_both_ways_byte_exact(tiny_nvfp4a16, tmp_path):
+    src = with_input_scales(tiny_nvfp4a16("qwen3_moe"), tmp_path / "w4a4")
+    convert_checkpoint(src, tmp_path / "mo", MO)
+    convert_checkpoint(tmp_path / "mo", tmp_path / "ct", CT)
+    assert tensor_bytes(src) == tensor_bytes(tmp_path / "ct")
+    convert_checkpoint(tmp_path / "ct", tmp_path / "mo2", MO)
+    assert tensor_bytes(tmp_path / "mo") == tensor_bytes(tmp_path / "mo2")
+    with open_checkpoint(tmp_path / "mo") as ckpt:
+        assert ckpt.dialect == MO and ckpt.scheme == "nvfp4"
+        assert all(m.input_scale for m in ckpt.modules)
+
+
+def test_llama4_experts_fuse_only_when_lossless(tiny_nvfp4a16, tmp_path):
+    """fp4kit's Llama-4 experts carry per-expert scales: kept per-expert. With layer-wide scales they fuse."""
+    src = tiny_nvfp4a16("llama4")
+    report = convert_checkpoint(src, tmp_path / "per_expert", MO)
+    assert report.fused_tensors == 0 and len(report.notes) == 4
+
+    def share(tensors: dict) -> None:
+        for name in [n for n in tensors if ".experts." in n and n.endswith("weight_global_scale")]:
+            tensors[name] = tensors[name.split(".experts.")[0] + ".experts.0.down_proj.weight_global_scale"].clone()
+
+    # Rescaling only the global scales changes the weights' values, not the layout under test.
+    shared = rewrite(src, tmp_path / "shared", share)
+    report = convert_checkpoint(shared, tmp_path / "fused", MO)
+    assert report.fused_tensors == 4
+    names = CheckpointReader(tmp_path / "fused").tensors
+    assert names["language_model.model.layers.0.feed_forward.experts.gate_up_proj"].shape == (4, 32, 64)
+    convert_checkpoint(tmp_path / "fused", tmp_path / "back", CT)
+    assert tensor_bytes(shared) == tensor_bytes(tmp_path / "back")
+
+
+@pytest.fixture(scope="module")
+def llm_compressor_outputs(tiny, tmp_path_factory):
+    """llm-compressor 0.14.0.1 checkpoints of the tiny Qwen3-MoE: `oneshot` NVFP4 (W4A4, calibrated) and
+    `model_free_ptq` NVFP4A16."""
+    pytest.importorskip("llmcompressor")
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import model_free_ptq, oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    root = tmp_path_factory.mktemp("llmc")
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(tiny("qwen3_moe"), dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * 16] * 4})
+    oneshot(model=model, dataset=data, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=ignore),
+            num_calibration_samples=4, max_seq_length=16)
+    model.save_pretrained(root / "oneshot", save_compressed=True)
+    model_free_ptq(tiny("qwen3_moe"), root / "model_free", scheme="NVFP4A16", ignore=ignore)
+    return {"oneshot": root / "oneshot", "model_free": root / "model_free"}
+
+
+@pytest.mark.parametrize("producer", ["oneshot", "model_free"])
+def test_llm_compressor_checkpoints_convert_to_equal_weights(producer, llm_compressor_outputs, tmp_path):
+    src = llm_compressor_outputs[producer]
+    convert_checkpoint(src, tmp_path / "mo", MO)
+    with open_checkpoint(src) as a, open_checkpoint(tmp_path / "mo") as b:
+        assert a.dialect == CT and b.dialect == MO and a.scheme == b.scheme
+        assert a.scheme == ("nvfp4" if producer == "oneshot" else "nvfp4a16")
+        theirs = {m.name: m for m in b.modules}
+        for m in a.modules:
+            wa, ia = a.read(m)
+            wb, ib = b.read(theirs[m.name])
+            assert torch.equal(wa.dequantize(), wb.dequantize()), m.name
+            # Equal as either dialect stores them (the float64 divisors may differ below fp32 resolution).
+            assert (ia is None and ib is None) or all(
+                torch.equal(stored_scale(d, ia), stored_scale(d, ib)) for d in (CT, MO))
+    convert_checkpoint(tmp_path / "mo", tmp_path / "ct", CT)
+    ours = tensor_bytes(tmp_path / "ct")
+    theirs_bytes = tensor_bytes(src)
+    assert ours.keys() == theirs_bytes.keys()
+    for name, (dtype, shape, data) in theirs_bytes.items():  # llm-compressor stores [1]-shaped scales as we do
+        assert ours[name] == (dtype, shape, data), name
+
+
+def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    from fp4kit import cli
+
+    monkeypatch.setattr(sys, "argv", ["fp4kit", *args])
+    code = 0
+    try:
+        cli.main()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_cli_converts(monkeypatch, capsys, tiny_nvfp4a16, tmp_path):
+    code, out = run_cli(monkeypatch, capsys, "convert", str(tiny_nvfp4a16("qwen3_moe")), str(tmp_path / "o"),
+                        "--to", "modelopt")
+    assert code == 0 and "compressed-tensors -> modelopt" in out
+    assert (tmp_path / "o" / "hf_quant_config.json").exists()
+
+
+def drop(name: str):
+    return lambda tensors: tensors.pop(name)
+
+
+def retype(name: str, dtype: torch.dtype):
+    def edit(tensors: dict) -> None:
+        tensors[name] = tensors[name].view(torch.uint8).to(dtype) if dtype != torch.uint8 else \
+            tensors[name].view(torch.uint8)
+    return edit
+
+
+EXPERT0 = "model.layers.0.mlp.experts.0"
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("unknown", "unknown dialect"),
+    ("mixed", "mixed dialects"),
+    ("missing_global", "missing global scale"),
+    ("missing_block", "missing block scale"),
+    ("wrong_dtype", "dtype torch.uint8, expected torch.float8_e4m3fn"),
+    ("missing_input", "missing input scale"),
+    ("other_format", "is not NVFP4"),
+])
+def test_bad_input_exits_2_with_one_line(case, message, monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_path):
+    good = tiny_nvfp4a16("qwen3_moe")
+    src = {
+        "unknown": lambda: tiny("qwen3_moe"),
+        "mixed": lambda: rewrite(good, tmp_path / "bad", lambda t: t.update(
+            {f"{EXPERT0}.gate_proj.weight_scale_2": torch.tensor(1.0)})),
+        "missing_global": lambda: rewrite(good, tmp_path / "bad", drop(f"{EXPERT0}.up_proj.weight_global_scale")),
+        "missing_block": lambda: rewrite(good, tmp_path / "bad", drop(f"{EXPERT0}.up_proj.weight_scale")),
+        "wrong_dtype": lambda: rewrite(good, tmp_path / "bad", retype(f"{EXPERT0}.up_proj.weight_scale", torch.uint8)),
+        "missing_input": lambda: rewrite(with_input_scales(good, tmp_path / "w4a4"), tmp_path / "bad",
+                                         drop(f"{EXPERT0}.up_proj.input_global_scale")),
+        "other_format": lambda: rewrite(good, tmp_path / "bad", lambda t: None,
+                                        lambda c: c["quantization_config"].update(format="float-quantized")),
+    }[case]()
+    code, out = run_cli(monkeypatch, capsys, "convert", str(src), str(tmp_path / "out"), "--to", "modelopt")
+    assert code == 2, out
+    assert message in out and out.startswith("error: ") and out.count("\n") == 1
+    assert not (tmp_path / "out").exists()
