@@ -113,7 +113,43 @@ def block_amax(weight: torch.Tensor) -> torch.Tensor:
     return amax
 
 
-def quantize(weight: torch.Tensor, global_mul: torch.Tensor, amax_per_block: torch.Tensor | None = None) -> NVFP4Tensor:
+def encode_blocks(blocks: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 codes of blocks [..., K/16, 16] divided by their per-block divisor [..., K/16] (fp32 math)."""
+    scaled = blocks.to(torch.float32) / divisor.unsqueeze(-1)
+    return pack_codes(e2m1_codes(scaled.flatten(-2)))
+
+
+_compiled_encode = None
+COMPILE_MIN_ELEMENTS = 1 << 20
+
+
+def _encode_blocks_compiled(blocks: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor | None:
+    """encode_blocks fused into one vectorized CPU loop by torch.compile (~10x less CPU time than eager), or None
+    when compilation is unavailable. Only the fp32 part is compiled: inductor keeps bf16 intermediates in fp32, which
+    would change the block scales' bf16 rounding, while fp32 division and compares are exact in any loop order."""
+    global _compiled_encode
+    if _compiled_encode is False:
+        return None
+    try:
+        if _compiled_encode is None:
+            _compiled_encode = torch.compile(encode_blocks, dynamic=False)
+        torch._dynamo.mark_dynamic(blocks, 0)
+        torch._dynamo.mark_dynamic(divisor, 0)
+        return _compiled_encode(blocks, divisor)
+    except Exception as exc:  # no C++ toolchain, unsupported platform: eager gives the same bytes
+        import warnings
+
+        warnings.warn(f"torch.compile unavailable ({type(exc).__name__}); quantizing with eager torch", stacklevel=2)
+        _compiled_encode = False
+        return None
+
+
+def quantize(
+    weight: torch.Tensor,
+    global_mul: torch.Tensor,
+    amax_per_block: torch.Tensor | None = None,
+    compile_cpu: bool = False,
+) -> NVFP4Tensor:
     """Quantize [..., N, K] (K % 16 == 0) with a given fp32 multiplier global scale G.
 
     Math as compressed-tensors: s = fp8(G * (amax_blk / 6)) with amax_blk / 6 in the weight's dtype,
@@ -128,14 +164,20 @@ def quantize(weight: torch.Tensor, global_mul: torch.Tensor, amax_per_block: tor
     block_scale_f32 = scale.to(torch.float8_e4m3fn).to(torch.float32)
     block_scale_f32 = torch.where(block_scale_f32 == 0, ZERO_BLOCK_SCALE, block_scale_f32)
     divisor = block_scale_f32 / global_mul
-    scaled = weight.unflatten(-1, (-1, BLOCK)).to(torch.float32) / divisor.unsqueeze(-1)
-    codes = e2m1_codes(scaled.flatten(-2))
-    return NVFP4Tensor(pack_codes(codes), block_scale_f32.to(torch.float8_e4m3fn),
+    blocks = weight.unflatten(-1, (-1, BLOCK))
+    packed = None
+    if compile_cpu and weight.device.type == "cpu" and weight.numel() >= COMPILE_MIN_ELEMENTS:
+        packed = _encode_blocks_compiled(blocks, divisor)
+    if packed is None:
+        packed = encode_blocks(blocks, divisor)
+    return NVFP4Tensor(packed, block_scale_f32.to(torch.float8_e4m3fn),
                        (1.0 / global_mul.double().cpu()).reshape(()))
 
 
-def quantize_group(weights: list[torch.Tensor], exact_fp32: bool = False) -> list[NVFP4Tensor]:
+def quantize_group(
+    weights: list[torch.Tensor], exact_fp32: bool = False, compile_cpu: bool = False
+) -> list[NVFP4Tensor]:
     """Quantize tensors that a kernel fuses (gate+up, q+k+v) with one shared global scale."""
     amaxes = [block_amax(w) for w in weights]
     global_mul = global_scale_mul(torch.stack([a.amax() for a in amaxes]).amax(), exact_fp32)
-    return [quantize(w, global_mul, a) for w, a in zip(weights, amaxes, strict=True)]
+    return [quantize(w, global_mul, a, compile_cpu) for w, a in zip(weights, amaxes, strict=True)]

@@ -40,6 +40,7 @@ class QuantizeOptions:
     max_shard_bytes: int = 5 * 10**9
     overwrite: bool = False
     exact_fp32_global_scale: bool = False
+    compile_cpu: bool = True  # fuse the CPU encode loop with torch.compile for large tensors (same bytes)
 
 
 @dataclass
@@ -132,7 +133,9 @@ class _BackgroundWriter:
 def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions) -> dict:
     device = torch.device(options.device)
     try:
-        quantized = quantize_group([w.to(device) for w in weights], options.exact_fp32_global_scale)
+        quantized = quantize_group(
+            [w.to(device) for w in weights], options.exact_fp32_global_scale, options.compile_cpu
+        )
     except NonFiniteError:
         bad = next(c for c, w in zip(group.members, weights, strict=True) if not torch.isfinite(w).all())
         raise Fp4kitError(

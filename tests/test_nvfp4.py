@@ -129,3 +129,19 @@ def test_cuda_matches_cpu():
     gpu = quantize_group([w.cuda()])[0]
     assert torch.equal(cpu.packed, gpu.packed.cpu())
     assert torch.equal(cpu.block_scale.view(torch.uint8), gpu.block_scale.view(torch.uint8).cpu())
+
+
+def test_compiled_cpu_encode_gives_the_same_bytes():
+    """The torch.compile'd CPU loop (used for large tensors) against eager, on data with ties and zero blocks."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(1024, 1024, generator=gen)
+    w[::7, :64] = 0
+    w[3::5] = torch.randint(-24, 25, (w[3::5].shape), generator=gen).float() / 4
+    w = w.bfloat16()
+    eager = quantize_group([w])[0]
+    compiled = quantize_group([w], compile_cpu=True)[0]
+    from fp4kit import nvfp4
+
+    assert callable(nvfp4._compiled_encode), "torch.compile path did not run"
+    assert torch.equal(eager.packed, compiled.packed)
+    assert torch.equal(eager.block_scale.view(torch.uint8), compiled.block_scale.view(torch.uint8))
