@@ -26,6 +26,9 @@ def quantize(
     exact_fp32_global_scale: Annotated[
         bool, typer.Option(help="compute weight global scales in fp32 (default: as llm-compressor, in bf16)")
     ] = False,
+    compile: Annotated[
+        bool, typer.Option("--compile/--no-compile", help="fuse the CPU encode loop with torch.compile (same bytes)")
+    ] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -35,7 +38,7 @@ def quantize(
     options = QuantizeOptions(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
-        exact_fp32_global_scale=exact_fp32_global_scale,
+        exact_fp32_global_scale=exact_fp32_global_scale, compile_cpu=compile,
     )
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
     if not quiet:
