@@ -32,25 +32,30 @@ for them since their kernels need equal local expert counts.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from fp4kit.checkpoint import INDEX_NAME, CheckpointReader, PlannedTensor, copy_side_files, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.placement import LayerPlacement, check_ep, imbalance, load_stats, place
-from fp4kit.shard_io import FileEntry, HashedShardWriter, link_files, read_ahead, sha256_file, write_json
+from fp4kit.shard_copy import FileEntry, ShardCopier, file_jobs, sha256_file
+from fp4kit.shard_io import (
+    INDEX_NAME,
+    ShardLayout,
+    SourceTensor,
+    copy_side_files,
+    hard_link,
+    read_config,
+    read_tensors,
+    write_json,
+)
+from fp4kit.shard_scales import unify_input_scales
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
-# Tensor leaf -> which value of a layer is the one of largest amax: the smallest multiplier / the largest divisor.
-INPUT_SCALE_LEAVES: dict[str, Callable[[list[float]], float]] = {"input_global_scale": min, "input_scale": max}
 LAYOUT_MANIFEST = "fp4kit_layout.json"
 MANIFEST = "fp4kit_shard.json"
 EXPERT_MAP = "expert_map.json"
@@ -143,34 +148,6 @@ def _check_complete(experts: dict[str, ExpertTensor], modules: dict[int, str], n
                                   f"or lack a projection")
 
 
-def unify_input_scales(
-    reader: CheckpointReader, inventory: ExpertInventory
-) -> tuple[dict[str, torch.Tensor], dict, int]:
-    """Per layer and fused projection, the activation scale of largest amax, for every expert (module docstring).
-
-    Returns (tensor name -> replacement, for every expert scale tensor; {"<layer>": {"w13"|"w2": {leaf: value}}};
-    how many tensors changed value)."""
-    groups: dict[tuple[int, str, str], list[str]] = {}
-    for name, t in inventory.experts.items():
-        if t.leaf in INPUT_SCALE_LEAVES:
-            groups.setdefault((t.layer, "w2" if t.proj == "down_proj" else "w13", t.leaf), []).append(name)
-    replacements: dict[str, torch.Tensor] = {}
-    record: dict[str, dict[str, dict[str, float]]] = {}
-    changed = 0
-    for (layer, proj, leaf), names in sorted(groups.items()):
-        tensors = {n: reader.read(n) for n in names}
-        values = [float(v) for t in tensors.values() for v in t.reshape(-1).tolist()]
-        usable = [v for v in values if v > 0 and v != float("inf")]
-        if not usable or any(t.numel() != 1 for t in tensors.values()):
-            raise Fp4kitError(f"{inventory.modules[layer]}: no usable per-tensor {leaf} on any expert ({proj})")
-        value = INPUT_SCALE_LEAVES[leaf](usable)
-        for n, t in tensors.items():
-            replacements[n] = torch.full_like(t, value)
-            changed += not torch.equal(replacements[n], t)
-        record.setdefault(str(layer), {}).setdefault(proj, {})[leaf] = value
-    return replacements, record, changed
-
-
 def _refuse_layout(src: Path, num_experts: int, ep: int) -> None:
     from fp4kit.layouts import check_expert_parallel
 
@@ -208,45 +185,43 @@ def shard_checkpoint(
     if (src / LAYOUT_MANIFEST).exists():
         _refuse_layout(src, num_experts, options.ep)
     check_destination(src, dst, options.overwrite)
-    with CheckpointReader(src) as reader:
-        inventory = scan_experts(reader.names(), num_experts)
-        if not inventory.modules:
-            raise Fp4kitError(f"{src}: no routed expert tensors (`...experts.E.{{gate,up,down}}_proj.*`) found")
-        placements = _placements(options, config, num_experts, inventory.layers)
-        scales, scale_record, changed = unify_input_scales(reader, inventory)
-        order = sorted(reader.names(), key=lambda n: (str(reader.info(n).file), reader.info(n).begin))
+    tensors = read_tensors(src)
+    inventory = scan_experts(list(tensors), num_experts)
+    if not inventory.modules:
+        raise Fp4kitError(f"{src}: no routed expert tensors (`...experts.E.{{gate,up,down}}_proj.*`) found")
+    placements = _placements(options, config, num_experts, inventory.layers)
+    scales, scale_record, changed = unify_input_scales(tensors, inventory)
+    by_owner: dict[int | None, list[SourceTensor]] = {rank: [] for rank in [None, *range(options.ep)]}
+    for t in sorted(tensors.values(), key=lambda t: (str(t.file), t.begin)):  # source order: sequential reads
+        expert = inventory.experts.get(t.name)
+        by_owner[None if expert is None else placements[expert.layer].rank_of[expert.expert]].append(t)
+    input_bytes, done = sum(t.nbytes for t in tensors.values()), 0
 
-        def owner(name: str) -> int | None:
-            t = inventory.experts.get(name)
-            return None if t is None else placements[t.layer].rank_of[t.expert]
+    def moved(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress:
+            progress(done, input_bytes)
 
-        def plan(rank: int | None) -> list[PlannedTensor]:
-            infos = (reader.info(n) for n in order if owner(n) == rank)
-            return [PlannedTensor(i.name, i.dtype, i.shape) for i in infos]
-
-        input_bytes = sum(reader.info(n).nbytes for n in order)
-        with atomic_directory(dst) as work:
-            writers = [HashedShardWriter(work / rank_dir_name(r), plan(r), options.max_shard_bytes, "experts")
-                       for r in range(options.ep)]
-            shared = HashedShardWriter(work / SHARED_DIR, plan(None), options.max_shard_bytes, "shared")
-            try:
-                done = 0
-                for name, tensor in read_ahead(reader, order):
-                    rank = owner(name)
-                    (shared if rank is None else writers[rank]).write(name, scales.get(name, tensor))
-                    done += tensor.numel() * tensor.element_size()
-                    if progress:
-                        progress(done, input_bytes)
-            except BaseException:
-                for w in (*writers, shared):
-                    w.abort()
-                raise
-            shared_files = shared.finish()
-            shared_files.update(_copy_small_files(src, work / SHARED_DIR))
-            for rank, writer in enumerate(writers):
-                _finish_rank(work, rank, writer, shared, shared_files, placements, options, num_experts, scale_record)
-            write_json(work / MANIFEST, _summary(family.name, num_experts, options, inventory, placements,
-                                                 scale_record, shared_files))
+    with atomic_directory(dst) as work:
+        layouts = {rank: ShardLayout(work / (SHARED_DIR if rank is None else rank_dir_name(rank)), owned,
+                                     options.max_shard_bytes, "shared" if rank is None else "experts")
+                   for rank, owned in by_owner.items()}
+        copier = ShardCopier(moved)
+        try:
+            for rank, layout in layouts.items():
+                for file, (runs, writes) in file_jobs(layout, by_owner[rank], scales).items():
+                    copier.fill(layout.directory / file, runs, writes)
+            checksums = copier.results()
+        finally:
+            copier.close()
+        files = {rank: {f: checksums[out.directory / f] for f in out.files} for rank, out in layouts.items()}
+        shared_files = {**files[None], **_copy_small_files(src, work / SHARED_DIR)}
+        for rank in range(options.ep):
+            _finish_rank(work, rank, layouts[rank], layouts[None], {**files[rank], **shared_files}, shared_files,
+                         placements, options, num_experts, scale_record)
+        write_json(work / MANIFEST, _summary(family.name, num_experts, options, inventory, placements,
+                                             scale_record, shared_files))
     return ShardReport(
         family=family.name, num_experts=num_experts, ep=options.ep, placement=options.placement,
         moe_layers=len(inventory.modules),
@@ -259,23 +234,17 @@ def shard_checkpoint(
 
 def _copy_small_files(src: Path, shared_dir: Path) -> dict[str, FileEntry]:
     """config.json (quantization_config kept), hf_quant_config.json and the side files, byte for byte."""
-    copied = [name for name in ("config.json", "hf_quant_config.json") if (src / name).is_file()]
-    for name in copied:
-        shutil.copy2(src / name, shared_dir / name)
-    copied += copy_side_files(src, shared_dir)
-    ours = {MANIFEST, EXPERT_MAP, INDEX_NAME}
-    return {rel: sha256_file(shared_dir / rel) for rel in copied if rel not in ours}
+    copied = copy_side_files(src, shared_dir, skip={MANIFEST, EXPERT_MAP, LAYOUT_MANIFEST})
+    return {rel: sha256_file(shared_dir / rel) for rel in copied}
 
 
-def _finish_rank(work: Path, rank: int, writer: HashedShardWriter, shared: HashedShardWriter,
+def _finish_rank(work: Path, rank: int, layout: ShardLayout, shared: ShardLayout, files: dict[str, FileEntry],
                  shared_files: dict[str, FileEntry], placements: dict[int, LayerPlacement], options: ShardOptions,
                  num_experts: int, scale_record: dict) -> None:
     rank_dir = work / rank_dir_name(rank)
-    files = writer.finish()
-    link_files(work / SHARED_DIR, rank_dir, list(shared_files))
-    files.update(shared_files)
-    weight_map = {**shared.weight_map(), **writer.weight_map()}
-    index = {"metadata": {"total_size": shared.total_bytes + writer.total_bytes},
+    hard_link(work / SHARED_DIR, rank_dir, list(shared_files))
+    weight_map = {**shared.weight_map(), **layout.weight_map()}
+    index = {"metadata": {"total_size": shared.total_bytes + layout.total_bytes},
              "weight_map": dict(sorted(weight_map.items()))}
     write_json(rank_dir / INDEX_NAME, index)
     expert_map = {"ep_size": options.ep, "ep_rank": rank, "num_experts": num_experts, "placement": options.placement,

@@ -1,140 +1,182 @@
-"""File plumbing for `fp4kit shard`: a shard writer that checksums its files as it fills them, read-ahead of
-source tensors on a thread, hard links and small JSON files."""
+"""safetensors checkpoint directories read and laid out from their headers alone, without importing torch.
+
+`fp4kit shard` moves bytes and never does tensor math, so it works on header metadata (names, dtype strings,
+shapes, byte ranges) and raw bytes. This mirrors fp4kit.checkpoint's CheckpointReader / ShardWriter layout (same
+validation, same shard split and header format) minus the torch import, which costs seconds of start-up.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
-import queue
+import shutil
 import struct
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from fp4kit.errors import Fp4kitError
 
-from fp4kit.checkpoint import INDEX_NAME, CheckpointReader, PlannedTensor, ShardWriter
-
-READ_AHEAD = 4  # tensors in flight between the reader thread and the writer
-_HASH_CHUNK = 1 << 22
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
+            "I8": 1, "U8": 1, "BOOL": 1}
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
 @dataclass(frozen=True)
-class FileEntry:
-    sha256: str
-    nbytes: int
-
-    def as_json(self) -> dict[str, object]:
-        return {"sha256": self.sha256, "bytes": self.nbytes}
-
-
-def sha256_file(path: Path) -> FileEntry:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return FileEntry(digest.hexdigest(), path.stat().st_size)
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-
-
-class HashedShardWriter:
-    """fp4kit.checkpoint.ShardWriter into a new ``directory`` whose files are named ``{stem}-0000i-of-0000n``.
-
-    Each file's sha256 is computed from the bytes as they are written, so no file is read back, as long as the
-    tensors arrive in plan order (a file written out of order is hashed from disk at ``finish``)."""
-
-    def __init__(self, directory: Path, plan: list[PlannedTensor], max_shard_bytes: int, stem: str):
-        directory.mkdir(parents=True)
-        self.directory = directory
-        self.writer = ShardWriter(directory, plan, max_shard_bytes, metadata={"producer": "fp4kit"})
-        count = len(self.writer.files)
-        self.names = [f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        self.hashers = []
-        self.next_offset = []
-        for fname in self.writer.files:
-            with open(directory / fname, "rb") as f:
-                head = f.read(8)
-                header = head + f.read(struct.unpack("<Q", head)[0])
-            self.hashers.append(hashlib.sha256(header))
-            self.next_offset.append(len(header))
-        self.out_of_order: set[int] = set()
+class SourceTensor:
+    name: str
+    file: Path
+    dtype: str  # safetensors dtype string: F32, BF16, U8, F8_E4M3, ...
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
 
     @property
-    def total_bytes(self) -> int:
-        return self.writer.total_bytes
+    def nbytes(self) -> int:
+        return self.end - self.begin
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        file_idx, offset, _ = self.writer.slots[name]
-        self.writer.write(name, tensor)
-        if offset != self.next_offset[file_idx]:
-            self.out_of_order.add(file_idx)
-            return
-        data = _tensor_bytes(tensor)
-        self.hashers[file_idx].update(data)
-        self.next_offset[file_idx] += len(data)
+
+def read_config(root: Path) -> dict:
+    if not root.is_dir():
+        raise Fp4kitError(f"{root}: not a directory")
+    path = root / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise Fp4kitError(f"{path}: missing (fp4kit needs the model's config.json)") from None
+    except json.JSONDecodeError as exc:
+        raise Fp4kitError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def _shard_files(root: Path) -> list[Path]:
+    index = root / INDEX_NAME
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise Fp4kitError(f"{index}: not a valid safetensors index") from None
+        for name in files:
+            if not (root / name).exists():
+                raise Fp4kitError(f"{root / name}: shard named in {INDEX_NAME} is missing")
+        return [root / f for f in files]
+    if (root / SINGLE_NAME).exists():
+        return [root / SINGLE_NAME]
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise Fp4kitError(f"{root}: no safetensors files (and no {INDEX_NAME})")
+    return found
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise Fp4kitError(f"{path}: truncated safetensors file (no header)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8 or header_len > 100_000_000:
+            raise Fp4kitError(f"{path}: truncated or corrupt safetensors header")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise Fp4kitError(f"{path}: corrupt safetensors header") from None
+    return header, 8 + header_len
+
+
+def read_tensors(root: Path) -> dict[str, SourceTensor]:
+    """Every tensor of checkpoint directory ``root``, from the shard headers, checked against the file sizes."""
+    tensors: dict[str, SourceTensor] = {}
+    for path in _shard_files(root):
+        header, data_start = _read_header(path)
+        size = path.stat().st_size
+        header.pop("__metadata__", None)
+        for name, entry in header.items():
+            try:
+                dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise Fp4kitError(f"{path}: tensor {name} has a malformed header entry") from None
+            if dtype not in ITEMSIZE:
+                raise Fp4kitError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+            if data_start + end > size:
+                raise Fp4kitError(f"{path}: truncated shard (tensor {name} ends past the end of the file)")
+            if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
+                raise Fp4kitError(f"{path}: tensor {name} has {end - begin} bytes, its shape needs "
+                                  f"{math.prod(shape) * ITEMSIZE[dtype]}")
+            tensors[name] = SourceTensor(name, path, dtype, shape, data_start + begin, data_start + end)
+    return tensors
+
+
+def read_bytes(tensor: SourceTensor) -> bytes:
+    with open(tensor.file, "rb") as f:
+        f.seek(tensor.begin)
+        data = f.read(tensor.nbytes)
+    if len(data) != tensor.nbytes:
+        raise Fp4kitError(f"{tensor.file}: truncated while reading tensor {tensor.name}")
+    return data
+
+
+class ShardLayout:
+    """Output shards of one directory for ``tensors`` (in that order), named ``{stem}-0000i-of-0000n.safetensors``:
+    split at ``max_shard_bytes`` like fp4kit.checkpoint.ShardWriter, headers written, files sized; the data is
+    placed afterwards at ``slots[name] = (file, absolute offset)``."""
+
+    def __init__(self, directory: Path, tensors: list[SourceTensor], max_shard_bytes: int, stem: str):
+        groups: list[list[SourceTensor]] = [[]]
+        filled = 0
+        for t in tensors:
+            if groups[-1] and filled + t.nbytes > max_shard_bytes:
+                groups.append([])
+                filled = 0
+            groups[-1].append(t)
+            filled += t.nbytes
+        directory.mkdir(parents=True)
+        self.directory = directory
+        self.files = [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        self.slots: dict[str, tuple[str, int]] = {}
+        self.total_bytes = 0
+        for fname, group in zip(self.files, groups, strict=True):
+            header: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "fp4kit"}}
+            offset = 0
+            for t in group:
+                header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+                offset += t.nbytes
+            header_bytes = json.dumps(header, separators=(",", ":")).encode()
+            header_bytes += b" " * (-len(header_bytes) % 8)
+            data_start = 8 + len(header_bytes)
+            with open(directory / fname, "wb") as f:
+                f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+                f.truncate(data_start + offset)
+            for t in group:
+                self.slots[t.name] = (fname, data_start + header[t.name]["data_offsets"][0])  # type: ignore[index]
+            self.total_bytes += offset
 
     def weight_map(self) -> dict[str, str]:
-        return {name: self.names[slot[0]] for name, slot in self.writer.slots.items()}
-
-    def finish(self) -> dict[str, FileEntry]:
-        """Close the files, give them their final names; returns name -> checksum."""
-        self.writer.finish()
-        (self.directory / INDEX_NAME).unlink(missing_ok=True)  # the caller writes the index it needs
-        entries = {}
-        for i, (old, new) in enumerate(zip(self.writer.files, self.names, strict=True)):
-            os.rename(self.directory / old, self.directory / new)
-            if i in self.out_of_order:
-                entries[new] = sha256_file(self.directory / new)
-            else:
-                entries[new] = FileEntry(self.hashers[i].hexdigest(), self.next_offset[i])
-        return entries
-
-    def abort(self) -> None:
-        self.writer.abort()
+        return {name: file for name, (file, _) in self.slots.items()}
 
 
-def read_ahead(reader: CheckpointReader, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) in order, each read whole into its own buffer, a few tensors ahead on a thread."""
-    slots: queue.Queue = queue.Queue(maxsize=READ_AHEAD)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for name in names:
-                if stop.is_set():
-                    return
-                slots.put((name, reader.read(name)))
-            slots.put(None)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            slots.put(exc)
-
-    thread = threading.Thread(target=produce, daemon=True)
-    thread.start()
-    try:
-        while (item := slots.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                thread.join(0.05)
+def copy_side_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
+    """config.json, hf_quant_config.json and everything else that is not a weight file, an index or named in
+    ``skip`` (tokenizer, templates, processors), byte for byte; returns their paths relative to ``dst``."""
+    copied = []
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_dir() or rel.parts[0].startswith(".") or str(rel) in skip:
+            continue
+        if path.name == INDEX_NAME or path.name.endswith(WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
+            continue
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dst / rel)
+        copied.append(str(rel))
+    return copied
 
 
-def link_files(src_dir: Path, dst_dir: Path, relpaths: list[str]) -> None:
-    """Hard-link each ``src_dir/rel`` to ``dst_dir/rel`` (same inode: the bytes are stored once)."""
+def hard_link(src_dir: Path, dst_dir: Path, relpaths: list[str]) -> None:
+    """``dst_dir/rel`` becomes another name of ``src_dir/rel`` (same inode: the bytes are stored once)."""
     for rel in relpaths:
-        target = dst_dir / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.link(src_dir / rel, target)
+        (dst_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(src_dir / rel, dst_dir / rel)
 
 
 def write_json(path: Path, obj: object) -> None:

@@ -342,19 +342,19 @@ def test_layout_input_needs_equal_local_counts(quantized, tmp_path) -> None:
 
 
 def test_interrupted_run_leaves_nothing_and_rerun_finishes(quantized, tmp_path, monkeypatch) -> None:
-    import fp4kit.shard_io as shard_io
+    import fp4kit.shard_copy as shard_copy
     from fp4kit.output import partial_dir
 
     src, dst = quantized("glm4_moe"), tmp_path / "out"
-    original, calls = shard_io.HashedShardWriter.write, []
+    original, calls = shard_copy.ShardCopier.fill, []
 
-    def dying_write(self, name, tensor):
-        calls.append(name)
-        if len(calls) == 40:
+    def dying_fill(self, path, runs, tensors):
+        calls.append(path)
+        if len(calls) == 3:
             raise KeyboardInterrupt
-        original(self, name, tensor)
+        original(self, path, runs, tensors)
 
-    monkeypatch.setattr(shard_io.HashedShardWriter, "write", dying_write)
+    monkeypatch.setattr(shard_copy.ShardCopier, "fill", dying_fill)
     with pytest.raises(KeyboardInterrupt):
         shard_checkpoint(src, dst, ShardOptions(ep=2))
     assert not dst.exists() and not partial_dir(dst).exists()

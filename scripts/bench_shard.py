@@ -1,0 +1,176 @@
+"""Benchmark `fp4kit shard --ep N` against a plain copy of the same checkpoint (issue 6: target >= 0.8x a copy).
+
+    python scripts/bench_shard.py --layers 4 [--ep 8] [--placement linear] [--repeats 3] [--workdir DIR] [--bf16]
+
+Builds an NVFP4A16 compressed-tensors checkpoint laid out exactly as `fp4kit quantize` writes one for a model with
+Qwen3-30B-A3B's shapes (fp4kit.synthetic's tensor plan: hidden 2048, moe_intermediate 768, 128 experts, 32/4 heads of
+128) and N layers: the same names, dtypes, shapes and 4 GB shards, filled with random bytes instead of quantized
+weights, because quantizing on a small CPU box takes minutes and sharding never looks at the values. --bf16 shards
+fp4kit.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses (DESIGN.md §10):
+
+  copy    cp -r SRC DST: the I/O floor for writing the same bytes
+  shard   python -m fp4kit shard SRC DST --ep N --placement P (balanced: skewed synthetic routing statistics)
+
+One run = the process's wall time plus an fsync of every file it wrote (fp4kit fsyncs its shards itself; cp does not,
+so without it cp would be credited with unflushed writes). Before every run the source is read once into the page
+cache (untimed) and the previous output is deleted. Reported: median of R runs, the ratio copy / shard (>= 1 means
+shard is as fast as a copy), peak RSS (/usr/bin/time -v) and the disk use of the output (hard links counted once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TIME_BIN = "/usr/bin/time"
+
+
+def build_source(workdir: Path, layers: int, bf16: bool) -> Path:
+    from fp4kit.synthetic import write_synthetic_qwen3_moe
+
+    if bf16:
+        raw = workdir / f"qwen3moe-{layers}l-bf16"
+        if not (raw / "config.json").exists():
+            shutil.rmtree(raw, ignore_errors=True)
+            write_synthetic_qwen3_moe(raw, num_layers=layers)
+        return raw
+    quantized = workdir / f"qwen3moe-{layers}l-nvfp4a16-synthetic"
+    if not (quantized / "config.json").exists():
+        shutil.rmtree(quantized, ignore_errors=True)
+        write_nvfp4_like_quantize(quantized, layers)
+    return quantized
+
+
+def write_nvfp4_like_quantize(path: Path, layers: int) -> None:
+    import torch
+
+    from fp4kit.checkpoint import PlannedTensor, ShardWriter
+    from fp4kit.formats import compressed_tensors as ct
+    from fp4kit.synthetic import REAL_SHARD_BYTES, Qwen3MoeDims, qwen3_moe_config, qwen3_moe_tensor_plan
+
+    dims = Qwen3MoeDims(layers)
+    kept_bf16 = ("lm_head.weight", "mlp.gate.weight", "norm.weight", "embed_tokens.weight")
+    plan: list[PlannedTensor] = []
+    for t in qwen3_moe_tensor_plan(dims):
+        if t.name.endswith(kept_bf16):
+            plan.append(t)
+        else:
+            plan.extend(ct.planned(t.name.removesuffix(".weight"), t.shape[0], t.shape[1], with_input_scale=False))
+    pool = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    pool = torch.where((pool & 0x7F) == 0x7F, pool ^ 1, pool)  # no fp8 / bf16 NaN patterns
+    path.mkdir(parents=True)
+    writer = ShardWriter(path, plan, REAL_SHARD_BYTES, metadata={"producer": "fp4kit"})
+    for i, t in enumerate(plan):
+        start = (i * 4096) % (pool.numel() - t.nbytes) if t.nbytes < pool.numel() else 0
+        data = pool[start:start + t.nbytes] if t.nbytes <= pool.numel() else pool.repeat(t.nbytes // pool.numel() + 1)
+        if t.dtype == torch.float32:
+            writer.write(t.name, torch.full(t.shape, 2688.0 / (1 + i % 7)))
+        else:
+            writer.write(t.name, data[: t.nbytes].view(t.dtype).reshape(t.shape))
+    writer.finish()
+    config = qwen3_moe_config(dims)
+    config["quantization_config"] = ct.quantization_config("nvfp4a16", ["lm_head", "re:.*mlp.gate$"])
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def skewed_stats(src: Path, path: Path) -> Path:
+    config = json.loads((src / "config.json").read_text())
+    experts = config["num_experts"]
+    layers = {str(i): [int(10_000 / (1 + (e + 7 * i) % experts)) for e in range(experts)]
+              for i in range(config["num_hidden_layers"])}
+    path.write_text(json.dumps({"model_type": config["model_type"], "num_experts": experts, "layers": layers}))
+    return path
+
+
+def warm(src: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def timed(command: list[str], out: Path) -> tuple[float, int]:
+    """(wall seconds including fsync of the output, peak RSS in bytes) of one process."""
+    with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
+        start = time.perf_counter()
+        subprocess.run([TIME_BIN, "-v", "-o", log.name, *command], check=True)
+        fsync_tree(out)
+        seconds = time.perf_counter() - start
+        rss_kb = next(int(line.rsplit(":", 1)[1]) for line in log.read().splitlines()
+                      if "Maximum resident set size" in line)
+    return seconds, rss_kb * 1024
+
+
+def disk_bytes(root: Path) -> int:
+    inodes = {p.stat().st_ino: p.stat().st_blocks * 512 for p in root.rglob("*") if p.is_file()}
+    return sum(inodes.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ep", type=int, default=8)
+    parser.add_argument("--placement", default="linear", choices=("linear", "round-robin", "balanced"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "fp4kit-bench-shard")
+    parser.add_argument("--bf16", action="store_true", help="shard the bf16 checkpoint instead of the NVFP4 one")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    src = build_source(args.workdir, args.layers, args.bf16)
+    source_bytes = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    copy_dst, shard_dst = args.workdir / "copy", args.workdir / "shard"
+    shard_cmd = [sys.executable, "-m", "fp4kit", "shard", str(src), str(shard_dst), "--ep", str(args.ep),
+                 "--placement", args.placement, "--quiet", "--overwrite"]
+    if args.placement == "balanced":
+        shard_cmd += ["--stats", str(skewed_stats(src, args.workdir / "stats.json"))]
+    commands = {"copy": ["cp", "-r", str(src), str(copy_dst)], "shard": shard_cmd}
+    outputs = {"copy": copy_dst, "shard": shard_dst}
+    runs: dict[str, list[tuple[float, int]]] = {"copy": [], "shard": []}
+    for _ in range(args.repeats):
+        for tool in ("copy", "shard"):  # interleaved, so drift in the machine's load hits both alike
+            shutil.rmtree(outputs[tool], ignore_errors=True)
+            warm(src)
+            runs[tool].append(timed(commands[tool], outputs[tool]))
+    results = {}
+    for tool, measured in runs.items():
+        seconds = statistics.median(s for s, _ in measured)
+        rss = sorted(measured)[len(measured) // 2][1]
+        results[tool] = {"seconds": seconds, "all_seconds": [s for s, _ in measured], "peak_rss_bytes": rss,
+                         "gb_per_s": source_bytes / seconds / 1e9, "disk_bytes": disk_bytes(outputs[tool])}
+    ratio = results["copy"]["seconds"] / results["shard"]["seconds"]
+    summary = {"source": src.name, "source_bytes": source_bytes, "ep": args.ep, "placement": args.placement,
+               "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+               "results": results, "shard_speed_vs_copy": ratio}
+    print(f"source {src.name}: {source_bytes / 1e9:.2f} GB; --ep {args.ep} --placement {args.placement}; "
+          f"median of {args.repeats}")
+    for tool, r in results.items():
+        print(f"  {tool:5s} {r['seconds']:7.2f} s  {r['gb_per_s']:.3f} GB/s  "
+              f"peak RSS {r['peak_rss_bytes'] / 1e6:7.0f} MB  disk {r['disk_bytes'] / 1e9:.2f} GB  "
+              f"runs {', '.join(f'{s:.2f}' for s in r['all_seconds'])}")
+    print(f"  shard runs at {ratio:.2f}x the speed of a plain copy (target >= 0.8x)")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
