@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -31,7 +32,8 @@ def inspect(
         for line in _text(report):
             typer.echo(line)
     if not report.clean:
-        raise typer.Exit(1)
+        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
+        sys.exit(1)
 
 
 def _text(report) -> list[str]:
