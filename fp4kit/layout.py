@@ -316,13 +316,17 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
             done = 0
 
             def produce(job: object) -> object:
-                return read_layer(ckpt, job) if isinstance(job, MoELayer) else reader.read(job)  # type: ignore[arg-type]
+                if not isinstance(job, MoELayer):
+                    return reader.read(job)  # type: ignore[arg-type]
+                layer = read_layer(ckpt, job)
+                # describe runs here, beside the reads, because it can cost a pass over the layer (Marlin's factor)
+                return layer, backend.describe(*layer, **transform_options)
 
             try:
                 for job, data in _prefetched(jobs, produce):
                     if isinstance(job, MoELayer):
-                        tensors = backend.transform(*data, **transform_options)
-                        meta = backend.describe(*data, **transform_options)
+                        layer, meta = data  # type: ignore[misc]
+                        tensors = backend.transform(*layer, **transform_options)
                         entries[str(job.layer)] = layer_entry(job.experts, planned[job.layer], meta)
                         background.put({job.tensor_name(arg): t for arg, t in tensors.items()})
                         done += sum(reader.info(n).nbytes for n in job.sources())

@@ -1,0 +1,118 @@
+"""`fp4kit layout`: kernel tensors replace the experts, everything else is copied byte for byte, the manifest names
+every tensor; bad input (not NVFP4, unknown backend, violated shape constraint) is one line and exit 2, and nothing is
+left behind, also when a layer fails half-way through."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _layout_sources import shared_source
+from safetensors.torch import load_file, save_file
+
+from fp4kit.checkpoint import DTYPES, CheckpointReader
+from fp4kit.layout_manifest import MANIFEST
+from fp4kit.output import partial_dir
+
+
+def run_cli(monkeypatch, capsys, *args: object) -> tuple[int, str]:
+    from fp4kit import cli
+
+    monkeypatch.setattr(sys, "argv", ["fp4kit", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def w4a4(tmp_path_factory) -> Path:
+    return shared_source(tmp_path_factory, hidden=256, intermediate=64)
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory) -> Path:
+    return shared_source(tmp_path_factory, hidden=96, intermediate=48)
+
+
+def raw(reader: CheckpointReader, name: str) -> bytes:
+    return bytes(reader.read(name).reshape(-1).view(torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass", "marlin"])
+def test_layout_replaces_experts_and_copies_everything_else(monkeypatch, capsys, w4a4, tmp_path, backend):
+    out = tmp_path / "out"
+    code, err = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", backend, "--quiet")
+    assert (code, err) == (0, "")
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["backend"] == backend and sorted(manifest["layers"]) == ["0", "1"]
+    assert manifest["kernel"]["version"] in ("0.7.2.post1", "0.33")
+    assert (out / "config.json").read_bytes() == (w4a4 / "config.json").read_bytes()
+    with CheckpointReader(w4a4) as source, CheckpointReader(out) as written:
+        kernel_names = set()
+        for layer in manifest["layers"].values():
+            assert (layer["num_experts"], layer["hidden_size"], layer["intermediate_size"]) == (8, 256, 64)
+            for spec in layer["tensors"].values():
+                info = written.info(spec["name"])
+                assert (info.dtype, list(info.shape)) == (DTYPES[spec["dtype"]], spec["shape"])
+                assert spec["name"].startswith(layer["module"] + ".")
+                kernel_names.add(spec["name"])
+        copied = [n for n in source.names() if ".experts." not in n]
+        assert set(written.names()) == kernel_names | set(copied)
+        for name in copied:
+            assert raw(source, name) == raw(written, name), name
+
+
+def test_overwrite_replaces_a_non_empty_destination(monkeypatch, capsys, w4a4, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    code, err = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", "cutlass")
+    assert code == 2 and "--overwrite" in err
+    code, _ = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", "cutlass", "--overwrite", "-q")
+    assert code == 0 and not (out / "stale.txt").exists() and (out / MANIFEST).exists()
+
+
+BAD = {  # name -> (source, extra arguments, words the one-line error must contain)
+    "unknown backend": ("w4a4", ["--backend", "cuda"], ["unknown backend 'cuda'", "trtllm"]),
+    "not nvfp4": ("bf16", ["--backend", "marlin"], ["no NVFP4 quantization config"]),
+    "weight-only for W4A4": ("a16", ["--backend", "trtllm"], ["weight-only", "--backend marlin"]),
+    "cutlass I % 64": ("padded", ["--backend", "cutlass"], ["I = 48", "multiple of 64"]),
+    "marlin H % 128": ("padded", ["--backend", "marlin"], ["H = 96", "multiple of 128"]),
+    "trtllm fp16": ("w4a4", ["--backend", "trtllm", "--act-dtype", "fp16"], ["bfloat16"]),
+    "unknown flavor": ("w4a4", ["--backend", "cutlass", "--cutlass-flavor", "sglang"], ["unknown CUTLASS flavor"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_line_exit_2_and_leaves_nothing(monkeypatch, capsys, w4a4, padded, tmp_path, case):
+    which, extra, needles = BAD[case]
+    source = {"w4a4": w4a4, "padded": padded, "a16": w4a4.parent / "nvfp4a16", "bf16": w4a4.parent / "bf16"}[which]
+    out = tmp_path / "out"
+    code, err = run_cli(monkeypatch, capsys, "layout", source, out, *extra)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err
+    assert not out.exists() and not partial_dir(out).exists()
+
+
+def test_a_layer_failing_mid_stream_leaves_no_output(monkeypatch, capsys, w4a4, tmp_path):
+    """Gate and up of one expert of the last layer carry different global scales: found only when that layer is read,
+    after earlier layers were written; the atomic output directory must vanish."""
+    source = tmp_path / "src"
+    source.mkdir()
+    tensors = load_file(w4a4 / "model.safetensors")
+    name = "model.layers.1.mlp.experts.5.up_proj.weight_global_scale"
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    (source / "config.json").write_bytes((w4a4 / "config.json").read_bytes())
+    out = tmp_path / "out"
+    code, err = run_cli(monkeypatch, capsys, "layout", source, out, "--backend", "trtllm")
+    assert code == 2 and "experts.5: gate and up have different weight global scales" in err
+    assert not out.exists() and not partial_dir(out).exists()
