@@ -13,12 +13,10 @@ Every shape constraint is checked for all layers before anything is written; the
 from __future__ import annotations
 
 import json
-import queue
 import re
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +28,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of
 from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
+from fp4kit.layout_streaming import BackgroundWriter, prefetched
 from fp4kit.layouts import cutlass, marlin, trtllm
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.output import atomic_directory, check_destination
@@ -212,67 +211,6 @@ def _require_shared(expert: str, what: str, gate: torch.Tensor | None, up: torch
                           f"the model")
 
 
-def _prefetched(jobs: list, produce: Callable[[object], object]) -> Iterator[tuple[object, object]]:
-    """(job, produce(job)) in order, produced a few jobs ahead on a thread (file reads release the GIL)."""
-    slots: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    stop = threading.Event()
-
-    def run() -> None:
-        try:
-            for job in jobs:
-                if stop.is_set():
-                    return
-                slots.put((job, produce(job)))
-            slots.put(None)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            slots.put(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        while (item := slots.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                thread.join(0.05)
-
-
-class _BackgroundWriter:
-    """ShardWriter.write on a thread, fed through a bounded queue; the first error is raised to the producer."""
-
-    def __init__(self, writer: ShardWriter):
-        self.writer, self.error = writer, None
-        self.pending: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (tensors := self.pending.get()) is not None:
-            if self.error is None:
-                try:
-                    for name, tensor in tensors.items():
-                        self.writer.write(name, tensor)
-                except BaseException as exc:
-                    self.error = exc
-
-    def put(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.error is not None:
-            raise self.error
-        self.pending.put(tensors)
-
-    def close(self) -> None:
-        self.pending.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-
-
 def _jobs(ckpt: QuantizedCheckpoint, layers: list[MoELayer]) -> list[MoELayer | str]:
     """Output order = source file order; a layer takes the place of its first source tensor."""
     owner = {name: layer for layer in layers for name in layer.sources()}
@@ -312,7 +250,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
         with atomic_directory(dst) as work:
             writer = ShardWriter(work, plan, options.max_shard_bytes, metadata={"producer": "fp4kit",
                                                                                  "fp4kit.layout": options.backend})
-            background = _BackgroundWriter(writer)
+            background = BackgroundWriter(writer, QUEUE_DEPTH)
             done = 0
 
             def produce(job: object) -> object:
@@ -323,7 +261,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                 return layer, backend.describe(*layer, **transform_options)
 
             try:
-                for job, data in _prefetched(jobs, produce):
+                for job, data in prefetched(jobs, produce, QUEUE_DEPTH):
                     if isinstance(job, MoELayer):
                         layer, meta = data  # type: ignore[misc]
                         tensors = backend.transform(*layer, **transform_options)
