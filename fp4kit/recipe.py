@@ -1,0 +1,341 @@
+"""Recipes: one YAML file per model describing a whole fp4kit job (docs/pipelines.md).
+
+A recipe names the BF16 (or already NVFP4) model directory, its family, and the steps to run, each a top-level key
+with its options: ``quantize``, ``repair``, ``layout``, ``shard``, ``verify``. Steps always run in that order; a step
+that is absent, ``null`` or ``false`` is skipped, ``true`` or ``{}`` runs it with its defaults.
+
+Errors name the key and where it was set: ``recipe.yaml:12: shard.ep: ...`` for the file, ``--set shard.ep=3: ...``
+for a command-line override. Every check that can be made before any work is done is made here: the schema, the
+family against the model's config.json, and each backend's shape and expert-parallel constraints.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fp4kit.errors import Fp4kitError
+
+STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
+KeyPath = tuple[str | int, ...]
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class QuantizeStep(_Options):
+    """fp4kit.quantize.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
+
+    scheme: Literal["nvfp4", "nvfp4a16"] = "nvfp4"
+    format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    device: str = "cpu"
+    ignore: list[str] = Field(default_factory=list)
+    targets: list[str] = Field(default_factory=list)
+    default_ignore: bool = True
+    exact_fp32_global_scale: bool = False
+    compile: bool = True
+    max_shard_size: str = "5GB"
+    calib: str | None = None  # calibration file (.jsonl/.txt/.parquet); None: the built-in English set
+    samples: int | None = Field(default=None, ge=1)  # None: fp4kit quantize's default
+    seq_len: int | None = Field(default=None, ge=1)
+    moe_input_scales: str | None = None
+
+
+class RepairStep(_Options):
+    """fp4kit.convert: rewrite in dialect ``to``; ``fix`` also puts fused groups on shared scales (convert --repair)."""
+
+    to: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    fix: bool = True
+    max_shard_size: str = "5GB"
+
+
+class LayoutStep(_Options):
+    backend: Literal["cutlass", "trtllm", "marlin"]
+    act_dtype: Literal["bf16", "fp16"] = "bf16"
+    cutlass_flavor: Literal["flashinfer", "vllm"] = "flashinfer"
+    max_shard_size: str = "5GB"
+
+
+class ShardStep(_Options):
+    ep: int = Field(ge=1)
+    placement: Literal["linear", "round-robin", "balanced"] = "linear"
+    stats: str | None = None  # routing statistics JSON, needed by placement balanced
+    max_shard_size: str = "5GB"
+
+
+class VerifyStep(_Options):
+    """fp4kit.verify.checks.VerifyOptions; the pipeline fills in the checkpoint, source, layout and shards."""
+
+    source: bool = True  # compare with the BF16 model when the recipe quantizes it
+    layers: list[int] | None = None  # MoE layers to check; None: all
+    tokens: list[int] = Field(default_factory=lambda: [1, 16, 256, 4096])  # batch sizes of random hidden states
+    backend: Literal["auto", "reference", "triton", "flashinfer-cutlass", "flashinfer-trtllm", "marlin"] = "auto"
+    mode: Literal["w4a16", "w4a4"] | None = None  # None: w4a4 when the checkpoint has activation scales
+    device: str | None = None  # None: cuda when available
+    seed: int = 0
+    tol_kernel: Annotated[float, Field(strict=False, gt=0)] = 1e-2
+    tol_source: Annotated[float | None, Field(strict=False, gt=0)] = None
+    fail_run: bool = True  # a failed check makes `fp4kit run` exit 1 (after writing the summary)
+
+
+class Recipe(_Options):
+    name: str
+    model: str  # local directory of the source checkpoint (BF16; NVFP4 when the recipe has no quantize step)
+    family: str  # fp4kit family name (fp4kit.families), checked against the model's config.json
+    workdir: str | None = None
+    quantize: QuantizeStep | None = None
+    repair: RepairStep | None = None
+    layout: LayoutStep | None = None
+    shard: ShardStep | None = None
+    verify: VerifyStep | None = None
+
+    @model_validator(mode="after")
+    def _steps_fit_together(self) -> Recipe:
+        from fp4kit.families import FAMILIES
+
+        names = [f.name for f in FAMILIES]
+        if self.family not in names:
+            raise _KeyError(("family",), f"unknown model family {self.family!r}; fp4kit knows {', '.join(names)}")
+        if not self.steps():
+            raise _KeyError((), f"no steps: add at least one of {', '.join(STEP_ORDER)}")
+        weight_only = self.quantize is not None and self.quantize.scheme == "nvfp4a16"
+        if self.layout and self.layout.backend != "marlin" and weight_only:
+            raise _KeyError(("layout", "backend"), f"{self.layout.backend} runs a W4A4 kernel, which needs activation "
+                                                   f"scales: use quantize.scheme nvfp4, or layout.backend marlin")
+        if self.shard and self.shard.placement == "balanced" and self.shard.stats is None:
+            raise _KeyError(("shard", "stats"), "placement balanced needs routing statistics (shard.stats: FILE)")
+        return self
+
+    def steps(self) -> list[str]:
+        return [step for step in STEP_ORDER if getattr(self, step) is not None]
+
+    def step_options(self, step: str) -> dict:
+        section = getattr(self, step)
+        return section.model_dump(mode="json") if section is not None else {}
+
+
+class _KeyError(ValueError):
+    """A cross-field problem, raised inside validation with the key it concerns."""
+
+    def __init__(self, key: KeyPath, message: str):
+        super().__init__(message)
+        self.key, self.message = key, message
+
+
+@dataclass
+class Origins:
+    """Where every key of a recipe was set, to point errors at it."""
+
+    file: str
+    lines: dict[KeyPath, int] = field(default_factory=dict)
+    overrides: dict[KeyPath, str] = field(default_factory=dict)
+
+    def where(self, key: KeyPath) -> str:
+        for end in range(len(key), -1, -1):
+            if key[:end] in self.overrides:
+                return f"--set {self.overrides[key[:end]]}"
+            if key[:end] in self.lines:
+                return f"{self.file}:{self.lines[key[:end]]}"
+        return self.file
+
+    def error(self, key: KeyPath, message: str) -> Fp4kitError:
+        name = ".".join(str(k) for k in key)
+        return Fp4kitError(f"{self.where(key)}: {name + ': ' if name else ''}{message}")
+
+
+@dataclass
+class LoadedRecipe:
+    recipe: Recipe
+    origins: Origins
+    path: Path
+
+
+def _key_lines(node: yaml.Node, origins: Origins, prefix: KeyPath = ()) -> None:
+    """Record the 1-based line of every mapping key and list item; refuse duplicate keys (PyYAML keeps the last)."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = (*prefix, key_node.value)
+            if key in origins.lines:
+                raise Fp4kitError(f"{origins.file}:{key_node.start_mark.line + 1}: {'.'.join(map(str, key))}: "
+                                  f"duplicate key (first at line {origins.lines[key]})")
+            origins.lines[key] = key_node.start_mark.line + 1
+            _key_lines(value_node, origins, key)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            origins.lines[(*prefix, index)] = item.start_mark.line + 1
+            _key_lines(item, origins, (*prefix, index))
+
+
+def _read_yaml(path: Path, origins: Origins) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError):
+        raise Fp4kitError(f"{path}: recipe file not found") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise Fp4kitError(f"{path}{line}: not valid YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise Fp4kitError(f"{path}:1: a recipe is a mapping of keys (model, family, quantize, ...), got "
+                          f"{type(data).__name__}")
+    _key_lines(node, origins)
+    return data
+
+
+def apply_overrides(data: dict, overrides: Sequence[str], origins: Origins) -> None:
+    """``key.sub=value`` pairs; values are read as YAML scalars (``8`` is an int, ``null`` removes a step)."""
+    for text in overrides:
+        key_text, sep, value_text = text.partition("=")
+        key = tuple(part.strip() for part in key_text.split("."))
+        if not sep or not all(key):
+            raise Fp4kitError(f"--set {text}: expected KEY=VALUE, e.g. --set shard.ep=8")
+        try:
+            value = yaml.safe_load(value_text) if value_text.strip() else None
+        except yaml.YAMLError:
+            value = value_text
+        target = data
+        for depth, part in enumerate(key[:-1]):
+            if not isinstance(target.get(part), dict):
+                if target.get(part) not in (None, True):
+                    raise Fp4kitError(f"--set {text}: {'.'.join(key[: depth + 1])} is not a mapping of options")
+                target[part] = {}
+            target = target[part]
+        target[key[-1]] = value
+        origins.overrides[key] = text
+
+
+def _normalize_steps(data: dict) -> None:
+    for step in STEP_ORDER:
+        if data.get(step) is True:
+            data[step] = {}
+        elif data.get(step) is False:
+            data[step] = None
+
+
+def _first_error(exc: ValidationError, origins: Origins) -> Fp4kitError:
+    error = exc.errors()[0]
+    key: KeyPath = tuple(error["loc"])
+    more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+    context = error.get("ctx", {}).get("error")
+    if isinstance(context, _KeyError):
+        return origins.error((*key, *context.key), context.message + more)
+    if error["type"] == "extra_forbidden":
+        parent = _section_model(key[:-1])
+        known = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(key[-1]), known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+        return origins.error(key, f"unknown key{hint}{more}")
+    if error["type"] == "missing":
+        return origins.error(key, f"missing (required){more}")
+    if error["type"] == "model_type":
+        return origins.error(key, f"expected a mapping of options, got {error['input']!r}{more}")
+    return origins.error(key, f"{error['msg']}, got {error['input']!r}{more}")
+
+
+def _section_model(key: KeyPath) -> type[BaseModel] | None:
+    if not key:
+        return Recipe
+    annotation = Recipe.model_fields.get(str(key[0]))
+    if len(key) == 1 and annotation is not None:
+        return next((a for a in getattr(annotation.annotation, "__args__", ()) if isinstance(a, type)
+                     and issubclass(a, BaseModel)), None)
+    return None
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe:
+    """Read, override and validate a recipe (schema and cross-field rules; no file besides the recipe is read)."""
+    path = Path(path)
+    origins = Origins(str(path))
+    data = _read_yaml(path, origins)
+    data.setdefault("name", path.stem)
+    apply_overrides(data, overrides, origins)
+    _normalize_steps(data)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise _first_error(exc, origins) from None
+    return LoadedRecipe(recipe, origins, path)
+
+
+def check_against_model(loaded: LoadedRecipe) -> None:
+    """Checks that need the model's config.json: family, backend shape rules, EP size, step availability."""
+    from fp4kit.checkpoint import read_config
+    from fp4kit.families import detect
+
+    recipe, origins = loaded.recipe, loaded.origins
+    model = Path(recipe.model)
+    if not (model / "config.json").is_file():
+        raise origins.error(("model",), f"{model}: no config.json there (a local checkpoint directory is needed)")
+    try:
+        config = read_config(model)
+        family = detect(config)
+    except Fp4kitError as exc:
+        raise origins.error(("model",), str(exc)) from None
+    if family.name != recipe.family:
+        raise origins.error(("family",), f"{recipe.family} does not match the model: its config.json "
+                                         f"(model_type {config.get('model_type')!r}) is a {family.name} model")
+    text = family.text_config(config)
+    experts, hidden, inter = family.num_experts(text), int(text["hidden_size"]), family.moe_intermediate(text)
+    _check_backend(loaded, experts, hidden, inter)
+    _check_available(loaded)
+
+
+def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) -> None:
+    from fp4kit.layout import BACKENDS
+    from fp4kit.placement import check_ep
+
+    recipe, origins = loaded.recipe, loaded.origins
+    ep = recipe.shard.ep if recipe.shard else 1
+    if recipe.shard:
+        try:
+            check_ep(experts, ep)
+        except Fp4kitError as exc:
+            raise origins.error(("shard", "ep"), str(exc).removeprefix(f"--ep {ep}: ")) from None
+    if recipe.layout is None:
+        return
+    backend = BACKENDS[recipe.layout.backend]
+    flavor = {"flavor": recipe.layout.cutlass_flavor} if recipe.layout.backend == "cutlass" else {}
+    try:
+        backend.check_shapes(experts, hidden, inter, **flavor)
+    except Fp4kitError as exc:
+        raise origins.error(("layout", "backend"), f"{recipe.layout.backend}: {exc}") from None
+    try:
+        backend.check_shapes(experts, hidden, inter, ep=ep, **flavor)
+    except Fp4kitError as exc:
+        raise origins.error(("shard", "ep"), f"{ep} with layout.backend {recipe.layout.backend}: {exc}") from None
+
+
+def _check_available(loaded: LoadedRecipe) -> None:
+    """Options this fp4kit's library functions do not take yet fail here, before any step runs."""
+    from fp4kit import quantize
+    from fp4kit.convert import convert_checkpoint
+
+    recipe, origins = loaded.recipe, loaded.origins
+    if recipe.quantize is not None:
+        section = recipe.quantize
+        if section.format not in quantize.FORMATS:
+            raise origins.error(("quantize", "format"), f"this fp4kit quantize writes {', '.join(quantize.FORMATS)} "
+                                                        f"only; convert afterwards with repair.to: {section.format}")
+        fields = set(quantize.QuantizeOptions.__dataclass_fields__)
+        if section.scheme == "nvfp4" and "calib" not in fields:
+            raise origins.error(("quantize", "scheme"), "this fp4kit's quantize cannot calibrate activation scales "
+                                                        "yet, so it writes nvfp4a16 only")
+        for name in ("calib", "samples", "seq_len", "moe_input_scales"):
+            if getattr(section, name) is not None and name not in fields:
+                raise origins.error(("quantize", name), "this fp4kit's quantize does not calibrate yet")
+    can_repair = "repair" in inspect.signature(convert_checkpoint).parameters
+    if recipe.repair is not None and recipe.repair.fix and not can_repair:
+        raise origins.error(("repair", "fix"), "this fp4kit's convert cannot repair scales yet; "
+                                               "use repair.fix: false to change the dialect only")

@@ -1,0 +1,162 @@
+"""The steps of `fp4kit run`: each calls one library function with the recipe's options and returns what it reports.
+
+Data flow: quantize reads the model; repair reads quantize's output (or the model); layout and shard read the dialect
+checkpoint (repair's, else quantize's, else the model); verify reads all of them (and the model, for
+the quantized-vs-BF16 check). shard takes the dialect checkpoint,
+not the layout, because fp4kit shard does not split layout outputs yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fp4kit.recipe import Recipe
+
+Progress = Callable[[int, int], None] | None
+SOURCE = "model"  # the upstream name of the recipe's model directory
+
+
+@dataclass
+class StepContext:
+    recipe: Recipe
+    outputs: dict[str, Path]  # step name -> its finished output directory; SOURCE -> the model directory
+    progress: Progress = None
+
+    def checkpoint(self) -> Path:
+        """The newest dialect checkpoint: repair's, else quantize's, else the model."""
+        return next(self.outputs[s] for s in ("repair", "quantize", SOURCE) if s in self.outputs)
+
+
+def upstream(step: str, recipe: Recipe) -> list[str]:
+    """What a step reads, as step names (or SOURCE); their completion keys go into the step's own key."""
+    present = recipe.steps()
+    if step == "quantize":
+        return [SOURCE]
+    if step == "verify":
+        return [SOURCE, *(s for s in present if s != "verify")]
+    for candidate in ("repair", "quantize") if step != "repair" else ("quantize",):
+        if candidate in present:
+            return [candidate]
+    return [SOURCE]
+
+
+def input_files(step: str, recipe: Recipe) -> list[Path]:
+    """Files named in a step's options whose contents change its output."""
+    if step == "quantize" and recipe.quantize and recipe.quantize.calib:
+        return [Path(recipe.quantize.calib)]
+    if step == "shard" and recipe.shard and recipe.shard.stats:
+        return [Path(recipe.shard.stats)]
+    return []
+
+
+def report_dict(report: object) -> dict:
+    return dataclasses.asdict(report) if dataclasses.is_dataclass(report) else dict(report)  # type: ignore[arg-type]
+
+
+def run_quantize(ctx: StepContext, dst: Path) -> dict:
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    section = ctx.recipe.quantize
+    assert section is not None
+    kwargs: dict[str, object] = {
+        "scheme": section.scheme, "format": section.format, "device": section.device, "ignore": section.ignore,
+        "targets": section.targets, "default_ignore": section.default_ignore,
+        "exact_fp32_global_scale": section.exact_fp32_global_scale, "compile_cpu": section.compile,
+        "max_shard_bytes": parse_size(section.max_shard_size), "overwrite": True,
+    }
+    # Calibration options (W4A4): passed only when set, so QuantizeOptions' own defaults apply otherwise.
+    for name in ("calib", "samples", "seq_len", "moe_input_scales"):
+        value = getattr(section, name)
+        if value is not None:
+            kwargs[name] = Path(value) if name == "calib" else value
+    return report_dict(quantize_checkpoint(ctx.outputs[SOURCE], dst, QuantizeOptions(**kwargs), ctx.progress))
+
+
+def run_repair(ctx: StepContext, dst: Path) -> dict:
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.convert import convert_checkpoint
+
+    section = ctx.recipe.repair
+    assert section is not None
+    src = ctx.outputs.get("quantize", ctx.outputs[SOURCE])
+    extra = {"repair": section.fix} if "repair" in inspect.signature(convert_checkpoint).parameters else {}
+    report = convert_checkpoint(src, dst, section.to, overwrite=True,
+                                max_shard_bytes=parse_size(section.max_shard_size), progress=ctx.progress, **extra)
+    return report_dict(report)
+
+
+def run_layout(ctx: StepContext, dst: Path) -> dict:
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.layout import LayoutOptions, layout_checkpoint
+
+    section = ctx.recipe.layout
+    assert section is not None
+    options = LayoutOptions(backend=section.backend, act_dtype=section.act_dtype, cutlass_flavor=section.cutlass_flavor,
+                            max_shard_bytes=parse_size(section.max_shard_size), overwrite=True)
+    return report_dict(layout_checkpoint(ctx.checkpoint(), dst, options, ctx.progress))
+
+
+def run_shard(ctx: StepContext, dst: Path) -> dict:
+    from fp4kit.checkpoint import parse_size
+    from fp4kit.shard import ShardOptions, shard_checkpoint
+
+    section = ctx.recipe.shard
+    assert section is not None
+    options = ShardOptions(ep=section.ep, placement=section.placement,
+                           stats=Path(section.stats) if section.stats else None,
+                           max_shard_bytes=parse_size(section.max_shard_size), overwrite=True)
+    return report_dict(shard_checkpoint(ctx.checkpoint(), dst, options, ctx.progress))
+
+
+def run_verify(ctx: StepContext, dst: Path) -> dict:
+    from fp4kit.output import atomic_directory
+
+    try:
+        from fp4kit.verify.checks import VerifyOptions
+        from fp4kit.verify.runner import verify_checkpoint
+    except ImportError:  # TODO(issue 7): drop this fallback once `fp4kit verify` is committed
+        return _health_only(ctx, dst)
+    section, recipe = ctx.recipe.verify, ctx.recipe
+    assert section is not None
+    import torch
+
+    options = VerifyOptions(
+        source=ctx.outputs[SOURCE] if section.source and recipe.quantize else None, layers=section.layers,
+        tokens=section.tokens, backend=section.backend, ep_shards=ctx.outputs.get("shard"),
+        layouts=[ctx.outputs["layout"]] if "layout" in ctx.outputs else [], mode=section.mode,
+        device=section.device or ("cuda" if torch.cuda.is_available() else "cpu"), seed=section.seed,
+        tol_kernel=section.tol_kernel, tol_source=section.tol_source,
+    )
+    report = verify_checkpoint(ctx.checkpoint(), options, ctx.progress)
+    with atomic_directory(dst) as work:
+        report.write_json(work / "report.json")
+    return report.to_json()
+
+
+def _health_only(ctx: StepContext, dst: Path) -> dict:
+    """Interim verify: `fp4kit inspect`'s health checks of the checkpoint, under the recipe's backend and EP size."""
+    from fp4kit.inspect import inspect_checkpoint
+    from fp4kit.output import atomic_directory
+
+    recipe = ctx.recipe
+    report = inspect_checkpoint(ctx.checkpoint(), [recipe.layout.backend] if recipe.layout else [],
+                                recipe.shard.ep if recipe.shard else None)
+    results = [{"layer": None, "check": f"inspect:{p.check}", "target": p.module, "passed": False, "detail": p.detail}
+               for p in report.problems]
+    document = {"passed": report.clean, "notes": ["fp4kit.verify is not available: ran inspect's health checks only"],
+                "results": results or [{"layer": None, "check": "inspect", "target": str(ctx.checkpoint()),
+                                        "passed": True, "detail": "no problems found"}]}
+    with atomic_directory(dst) as work:
+        (work / "report.json").write_text(json.dumps(document, indent=2) + "\n")
+    return document
+
+
+STEP_FUNCTIONS: dict[str, Callable[[StepContext, Path], dict]] = {
+    "quantize": run_quantize, "repair": run_repair, "layout": run_layout, "shard": run_shard, "verify": run_verify,
+}
