@@ -1,0 +1,71 @@
+"""`fp4kit verify`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def _ints(text: str | None, what: str) -> list[int] | None:
+    from fp4kit.errors import Fp4kitError
+
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise Fp4kitError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def verify(
+    ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint (compressed-tensors, ModelOpt or `fp4kit layout`)")],
+    source: Annotated[Path | None, typer.Option(help="the BF16 checkpoint CKPT was made from")] = None,
+    layers: Annotated[str | None, typer.Option(help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
+    tokens: Annotated[str, typer.Option(help="batch sizes of random hidden states")] = "1,16,256,4096",
+    backend: Annotated[str, typer.Option(
+        help="auto, reference, triton, flashinfer-cutlass, flashinfer-trtllm or marlin")] = "auto",
+    ep_shards: Annotated[Path | None, typer.Option(help="output of `fp4kit shard` made from CKPT")] = None,
+    layout: Annotated[list[Path] | None, typer.Option(
+        help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")] = None,
+    mode: Annotated[str | None, typer.Option(
+        help="w4a16 or w4a4 (default: w4a4 when CKPT has activation scales)")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write a per-layer error plot (PNG, needs matplotlib)")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
+    seed: Annotated[int, typer.Option(help="seed of the random hidden states")] = 0,
+    tol_kernel: Annotated[float, typer.Option(help="kernel vs reference, relative error")] = 1e-2,
+    tol_source: Annotated[float | None, typer.Option(
+        help="quantized vs BF16 source, relative error (default 0.25 for w4a16, 0.35 for w4a4)")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+) -> None:
+    """Check that CKPT's MoE layers compute what the source model computes: kernels vs reference, quantized vs
+    BF16, layout outputs, EP splits, NaN/Inf routing rows. Exit 0 pass, 1 fail, 2 unusable input."""
+    import torch
+
+    from fp4kit.verify.checks import VerifyOptions
+    from fp4kit.verify.report import check_plot_available, plot_report, print_report
+    from fp4kit.verify.runner import verify_checkpoint
+
+    if plot is not None:
+        check_plot_available()
+    options = VerifyOptions(
+        source=source, layers=_ints(layers, "--layers"), tokens=_ints(tokens, "--tokens") or [], backend=backend,
+        ep_shards=ep_shards, layouts=list(layout or []), mode=mode,
+        device=device or ("cuda" if torch.cuda.is_available() else "cpu"), seed=seed, tol_kernel=tol_kernel,
+        tol_source=tol_source,
+    )
+    report = verify_checkpoint(ckpt, options)
+    if json_path is not None:
+        report.write_json(json_path)
+    if plot is not None:
+        plot_report(report, plot)
+    if not quiet:
+        print_report(report)
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(verify)

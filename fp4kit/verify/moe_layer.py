@@ -1,0 +1,293 @@
+"""One MoE layer of a checkpoint, read into the form the verify checks compute with.
+
+Three kinds of quantized input are read into the same canonical stacked NVFP4 experts (w13 [E, 2I, H] in [w1; w3]
+row order, w2 [E, H, I], float64 [E] divisors), plus the router, GLM's correction bias and the shared expert:
+
+- a dialect checkpoint (compressed-tensors or ModelOpt, through `fp4kit.formats.detect`);
+- a layout checkpoint (`fp4kit layout`, `fp4kit_layout.json`): its kernel tensors are undone by the backend's exact
+  inverse (`fp4kit.layouts.<backend>.undo`), which also checks the stored scalars and padding;
+- one rank directory of an EP split (`fp4kit shard`): only the experts its `expert_map.json` holds.
+
+The BF16 source reads the same layer as fp32 dense experts, whichever expert layout the family stores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fp4kit.checkpoint import CheckpointReader, read_config
+from fp4kit.errors import Fp4kitError
+from fp4kit.families import detect
+from fp4kit.families.base import Family, linear_candidates
+from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.layout import find_moe_layers
+from fp4kit.layout import read_layer as read_canonical_layer
+from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.plan import QuantGroup, read_group_weights
+from fp4kit.routing import RoutingSpec
+from fp4kit.shard import EXPERT_MAP
+from fp4kit.shard import MANIFEST as SHARD_MANIFEST
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")  # GLM, Llama-4
+ROUTER_MODULES = ("gate", "router")  # Qwen3 / GLM, Llama-4
+_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+
+
+@dataclass
+class Router:
+    weight: Tensor  # fp32 [E, H]
+    correction_bias: Tensor | None  # fp32 [E] (GLM)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return hidden.float() @ self.weight.to(hidden.device).T
+
+
+@dataclass
+class QuantizedMoe:
+    """A layer's routed experts in canonical NVFP4 (input divisors None for weight-only checkpoints)."""
+
+    layer: int
+    experts_module: str
+    w13: NVFP4Tensor
+    w2: NVFP4Tensor
+    input_div13: Tensor | None
+    input_div2: Tensor | None
+    router: Router
+    shared: tuple[Tensor, Tensor] | None  # dense fp32 shared expert (w13 [2Is, H], w2 [H, Is])
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.packed.shape[0]
+
+
+@dataclass
+class SourceMoe:
+    """The BF16 source's layer: dense fp32 experts w13 [E, 2I, H], w2 [E, H, I]."""
+
+    w13: Tensor
+    w2: Tensor
+    router: Router
+    shared: tuple[Tensor, Tensor] | None
+
+
+def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
+    family = detect(config)
+    return family, family.routing(family.text_config(config))
+
+
+def _router(reader: CheckpointReader, experts_module: str) -> Router:
+    parent = experts_module.removesuffix(".experts")
+    for leaf in ROUTER_MODULES:
+        if f"{parent}.{leaf}.weight" in reader:
+            bias = f"{parent}.gate.e_score_correction_bias"
+            return Router(
+                reader.read(f"{parent}.{leaf}.weight").float(), reader.read(bias).float() if bias in reader else None
+            )
+    raise Fp4kitError(f"{experts_module}: no router weight ({parent}.gate.weight or {parent}.router.weight)")
+
+
+def _dense_or_quantized(
+    reader: CheckpointReader, quantized: dict[str, QuantModule], ckpt: QuantizedCheckpoint | None, module: str
+) -> Tensor | None:
+    if module in quantized and ckpt is not None:
+        return ckpt.read_weight(quantized[module]).dequantize()
+    return reader.read(f"{module}.weight").float() if f"{module}.weight" in reader else None
+
+
+def _shared_expert(
+    reader: CheckpointReader, experts_module: str, ckpt: QuantizedCheckpoint | None
+) -> tuple[Tensor, Tensor] | None:
+    parent = experts_module.removesuffix(".experts")
+    quantized = {m.name: m for m in ckpt.modules} if ckpt is not None else {}
+    for leaf in SHARED_EXPERT_MODULES:
+        gate, up, down = (_dense_or_quantized(reader, quantized, ckpt, f"{parent}.{leaf}.{p}") for p in PROJS)
+        if gate is not None and up is not None and down is not None:
+            return torch.cat([gate, up]), down
+    return None
+
+
+class QuantizedModel:
+    """An NVFP4 checkpoint (dialect or layout) opened for verification; ``layer(i)`` reads one MoE layer."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if (self.root / SHARD_MANIFEST).is_file() and not (self.root / "config.json").is_file():
+            raise Fp4kitError(
+                f"{self.root} is an EP split (`fp4kit shard`): pass the unsharded checkpoint as CKPT "
+                f"and this directory as --ep-shards"
+            )
+        self.config = read_config(self.root)
+        self.family, self.spec = model_spec(self.config)
+        self.layout: dict | None = None
+        if (self.root / LAYOUT_MANIFEST).is_file():
+            from fp4kit.layout_manifest import read_manifest
+
+            self.layout = read_manifest(self.root)
+        self.ckpt = open_checkpoint(self.root)
+        if self.layout is not None:
+            self.experts_modules = {int(k): v["module"] for k, v in self.layout["layers"].items()}
+            self._layers = {}
+        else:
+            self._layers = {layer.layer: layer for layer in find_moe_layers(self.ckpt)}
+            self.experts_modules = {k: v.experts for k, v in self._layers.items()}
+        if not self.experts_modules:
+            raise Fp4kitError(f"{self.root}: no MoE layer with NVFP4 routed experts")
+
+    @property
+    def kind(self) -> str:
+        return f"layout ({self.layout['backend']})" if self.layout else f"{self.ckpt.dialect} ({self.ckpt.scheme})"
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.experts_modules)
+
+    def layer(self, index: int) -> QuantizedMoe:
+        if index not in self.experts_modules:
+            raise Fp4kitError(
+                f"layer {index} is not an NVFP4 MoE layer of {self.root} (MoE layers: "
+                f"{','.join(map(str, self.layers))})"
+            )
+        module = self.experts_modules[index]
+        if self.layout is not None:
+            w13, w2, div13, div2 = undo_layout(self.root, index)
+        else:
+            w13, w2, div13, div2 = read_canonical_layer(self.ckpt, self._layers[index])
+        reader = self.ckpt.reader
+        return QuantizedMoe(
+            index, module, w13, w2, div13, div2, _router(reader, module), _shared_expert(reader, module, self.ckpt)
+        )
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def __enter__(self) -> QuantizedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def undo_layout(root: str | Path, layer: int) -> tuple[NVFP4Tensor, NVFP4Tensor, Tensor | None, Tensor | None]:
+    """A layout checkpoint's layer back in canonical form (Fp4kitError when the stored tensors are inconsistent)."""
+    from fp4kit.layout import BACKENDS
+    from fp4kit.runtime import read_layer
+
+    tensors, meta, document = read_layer(root, layer)
+    return BACKENDS[document["backend"]].undo(tensors, meta)
+
+
+def layout_transform(
+    root: str | Path, layer: int, w13: NVFP4Tensor, w2: NVFP4Tensor, div13: Tensor | None, div2: Tensor | None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(stored kernel tensors, what the layout's transform writes for these canonical weights) of one layer."""
+    from fp4kit.layout import BACKENDS
+    from fp4kit.runtime import read_layer
+
+    tensors, _, document = read_layer(root, layer)
+    options: dict[str, object] = {}
+    if document["backend"] == "marlin":
+        options = {"act_dtype": getattr(torch, document["act_dtype"])}
+    elif document["backend"] == "cutlass":
+        options = {"flavor": document["options"].get("flavor", "flashinfer")}
+    return tensors, BACKENDS[document["backend"]].transform(w13, w2, div13, div2, **options)
+
+
+def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -> SourceMoe:
+    """The BF16 source's routed experts of the layer whose quantized experts live at ``experts_module``."""
+    root = Path(root)
+    config = read_config(root)
+    family = detect(config)
+    text_config = family.text_config(config)
+    with CheckpointReader(root) as reader:
+        shapes = {n: tuple(reader.info(n).shape) for n in reader.names() if n.startswith(experts_module + ".")}
+        candidates = linear_candidates(shapes, text_config, family.moe_intermediate(text_config))
+        found = {c.linear.module: c for c in candidates}
+        members = []
+        for e in range(num_experts):
+            missing = [p for p in PROJS if f"{experts_module}.{e}.{p}" not in found]
+            if missing:
+                raise Fp4kitError(
+                    f"{root}: source has no {experts_module}.{e}.{missing[0]} (does --source hold the "
+                    f"model this checkpoint was made from?)"
+                )
+            members.extend(found[f"{experts_module}.{e}.{p}"] for p in PROJS)
+        weights = [w.float() for w in read_group_weights(reader, QuantGroup(members))]
+        w13 = torch.stack([torch.cat(weights[3 * e : 3 * e + 2]) for e in range(num_experts)])
+        w2 = torch.stack([weights[3 * e + 2] for e in range(num_experts)])
+        return SourceMoe(w13, w2, _router(reader, experts_module), _shared_expert(reader, experts_module, None))
+
+
+@dataclass
+class RankExperts:
+    rank: int
+    held: Tensor  # bool [E]: experts whose tensors this rank stores
+    mapped: Tensor  # bool [E]: experts its expert_map.json says it holds
+    moe: QuantizedMoe  # non-held experts are all-zero weights with unit scales
+
+
+def read_rank_layer(rank_dir: str | Path, rank: int, layer: int, experts_module: str, num_experts: int) -> RankExperts:
+    """One EP rank's local experts of a layer, stacked at their global ids (zeros elsewhere)."""
+    rank_dir = Path(rank_dir)
+    try:
+        expert_map = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"][str(layer)]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise Fp4kitError(f"{rank_dir}: no usable {EXPERT_MAP} entry for layer {layer} ({exc})") from None
+    if len(expert_map) != num_experts:
+        raise Fp4kitError(
+            f"{rank_dir / EXPERT_MAP}: layer {layer} maps {len(expert_map)} experts, expected {num_experts}"
+        )
+    mapped = torch.tensor([int(local) >= 0 for local in expert_map])
+    with open_checkpoint(rank_dir) as ckpt:
+        found: dict[int, dict[str, QuantModule]] = {}
+        for module in ckpt.modules:
+            match = _EXPERT.match(module.name)
+            if match and match["experts"] == experts_module:
+                found.setdefault(int(match["expert"]), {})[match["proj"]] = module
+        held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
+        if not bool(held.any()):
+            raise Fp4kitError(f"{rank_dir}: no NVFP4 experts of {experts_module}")
+        moe = _stack_held(ckpt, found, held, layer, experts_module)
+        moe.router = _router(ckpt.reader, experts_module)
+    return RankExperts(rank, held, mapped, moe)
+
+
+def _stack_held(
+    ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModule]], held: Tensor, layer: int, experts_module: str
+) -> QuantizedMoe:
+    first = found[int(held.nonzero()[0])]
+    hidden, inter = first["gate_proj"].in_features, first["gate_proj"].out_features
+    num = held.shape[0]
+    w13 = NVFP4Tensor(
+        torch.zeros(num, 2 * inter, hidden // 2, dtype=torch.uint8),
+        torch.zeros(num, 2 * inter, hidden // BLOCK, dtype=torch.float8_e4m3fn),
+        torch.ones(num, dtype=torch.float64),
+    )
+    w2 = NVFP4Tensor(
+        torch.zeros(num, hidden, inter // 2, dtype=torch.uint8),
+        torch.zeros(num, hidden, inter // BLOCK, dtype=torch.float8_e4m3fn),
+        torch.ones(num, dtype=torch.float64),
+    )
+    div13, div2 = torch.ones(num, dtype=torch.float64), torch.ones(num, dtype=torch.float64)
+    has_input = True
+    for e in held.nonzero().flatten().tolist():
+        (gate, gate_in), (up, _), (down, down_in) = (ckpt.read(found[e][p]) for p in PROJS)
+        w13.packed[e] = torch.cat([gate.packed, up.packed])
+        w13.block_scale[e] = torch.cat([gate.block_scale, up.block_scale])
+        w2.packed[e], w2.block_scale[e] = down.packed, down.block_scale
+        w13.global_scale_div[e], w2.global_scale_div[e] = gate.global_scale_div, down.global_scale_div
+        if gate_in is None or down_in is None:
+            has_input = False
+        else:
+            div13[e], div2[e] = gate_in, down_in
+    router = Router(torch.zeros(0), None)  # replaced by the caller
+    return QuantizedMoe(
+        layer, experts_module, w13, w2, div13 if has_input else None, div2 if has_input else None, router, None
+    )

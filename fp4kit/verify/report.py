@@ -1,0 +1,159 @@
+"""What `fp4kit verify` found: a rich table for the terminal, a JSON document, and an optional per-layer error plot.
+
+JSON (format ``fp4kit-verify``, version 1)::
+
+    {"format", "version", "checkpoint", "kind", "family", "mode", "device", "passed", "seconds",
+     "tolerances": {"kernel", "source"}, "notes": [...],
+     "backends": [{"name", "ran", "reason"}],
+     "results": [{"layer", "check", "target", "passed", "error", "tolerance", "tokens", "detail"}]}
+
+``error`` is a relative Frobenius error ||got - expected|| / ||expected|| (null for pass/fail checks).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.verify.checks import CheckResult
+
+FORMAT, VERSION = "fp4kit-verify", 1
+
+
+@dataclass
+class BackendStatus:
+    name: str
+    ran: bool
+    reason: str
+
+
+@dataclass
+class VerifyReport:
+    checkpoint: str
+    kind: str
+    family: str
+    mode: str
+    device: str
+    backends: list[BackendStatus]
+    tol_kernel: float
+    tol_source: float
+    results: list[CheckResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    def add_failure(self, layer: int, check: str, target: str, detail: str) -> None:
+        self.results.append(CheckResult(layer, check, target, False, detail=detail))
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "checkpoint": self.checkpoint,
+            "kind": self.kind,
+            "family": self.family,
+            "mode": self.mode,
+            "device": self.device,
+            "passed": self.passed,
+            "seconds": round(self.seconds, 3),
+            "tolerances": {"kernel": self.tol_kernel, "source": self.tol_source},
+            "notes": self.notes,
+            "backends": [asdict(b) for b in self.backends],
+            "results": [asdict(r) for r in self.results],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, str]]:
+    """One row per (check, target): layers, worst error against its tolerance, failures, first failure's detail."""
+    groups: dict[tuple[str, str], list[CheckResult]] = {}
+    for result in report.results:
+        groups.setdefault((result.check, result.target), []).append(result)
+    rows = []
+    for (check, target), results in groups.items():
+        errors = [r for r in results if r.error is not None]
+        worst = max(errors, key=lambda r: r.error or 0.0) if errors else None
+        failed = [r for r in results if not r.passed]
+        skipped = [r for r in results if r.detail.startswith("skipped")]
+        shown = failed[0] if failed else (worst or results[0])
+        error = "" if worst is None else f"{worst.error:.3g} (≤ {worst.tolerance:.3g})"
+        detail = shown.detail if failed or not worst else f"worst: layer {worst.layer}, {worst.tokens} tokens"
+        if worst is not None and worst.detail and not failed:
+            detail += f", {worst.detail}"
+        if skipped and not failed:
+            detail += f"; {len(skipped)} skipped ({skipped[0].detail.removeprefix('skipped: ')})"
+        layers = sorted({r.layer for r in results})
+        status = "FAIL" if failed else "pass"
+        rows.append((check, target, ",".join(map(str, layers)), error, status, detail))
+    return rows
+
+
+def print_report(report: VerifyReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]{report.checkpoint}[/]: {report.family}, {report.kind}, mode {report.mode}, device {report.device}"
+    )
+    for note in report.notes:
+        console.print(f"  {note}")
+    backends = Table(title="backends", show_edge=False)
+    for column in ("backend", "status", "why"):
+        backends.add_column(column)
+    for status in report.backends:
+        backends.add_row(status.name, "[green]ran[/]" if status.ran else "[yellow]skipped[/]", status.reason)
+    console.print(backends)
+    table = Table(title="checks", show_edge=False)
+    for column in ("check", "target", "layers", "worst error (tolerance)", "result", "detail"):
+        table.add_column(column, overflow="fold")
+    for check, target, layers, error, status, detail in _summary_rows(report):
+        table.add_row(check, target, layers, error, "[red]FAIL[/]" if status == "FAIL" else "[green]pass[/]", detail)
+    console.print(table)
+    verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
+    failures = sum(not r.passed for r in report.results)
+    console.print(
+        f"{verdict}: {len(report.results) - failures}/{len(report.results)} checks passed in {report.seconds:.1f} s"
+    )
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise Fp4kitError("--plot needs matplotlib (pip install matplotlib)") from None
+
+
+def plot_report(report: VerifyReport, path: str | Path) -> None:
+    """Per-layer worst relative error of each (check, target) with an error value, on a log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, dict[int, float]] = {}
+    for r in report.results:
+        if r.error is not None:
+            points = series.setdefault(f"{r.check}: {r.target}", {})
+            points[r.layer] = max(points.get(r.layer, 0.0), r.error)
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    for label, points in series.items():
+        layers = sorted(points)
+        axes.plot(layers, [max(points[layer], 1e-12) for layer in layers], marker="o", label=label)
+    axes.axhline(report.tol_kernel, linestyle="--", color="grey", linewidth=0.8)
+    axes.axhline(report.tol_source, linestyle=":", color="grey", linewidth=0.8)
+    axes.set_yscale("log")
+    axes.set_xlabel("layer")
+    axes.set_ylabel("relative error (worst over token counts)")
+    axes.set_title(f"fp4kit verify: {Path(report.checkpoint).name} ({report.mode})")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,125 @@
+"""`fp4kit verify` as a library call: pick the mode and the backends, then run the checks layer by layer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.verify.backends import BACKENDS, enable_triton_interpreter
+from fp4kit.verify.checks import DEFAULT_TOL_SOURCE, LayerVerifier, VerifyOptions, activation_divisors, load_source
+from fp4kit.verify.moe_layer import QuantizedModel
+from fp4kit.verify.report import BackendStatus, VerifyReport
+
+MODES = ("w4a16", "w4a4")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise Fp4kitError(f"unknown device {name!r}; use cpu or cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise Fp4kitError(f"--device {name}: no CUDA device is available")
+    return torch.device(name)
+
+
+def select_backends(requested: str, device: torch.device, mode: str) -> list[BackendStatus]:
+    """Every backend with ran/skipped and why; ``requested`` other than auto must be able to run."""
+    if requested != "auto" and requested not in BACKENDS:
+        raise Fp4kitError(f"unknown backend {requested!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if device.type == "cpu":
+        enable_triton_interpreter()
+    statuses = []
+    for name, backend in BACKENDS.items():
+        ok, reason = backend.available(device)
+        if ok and mode not in backend.modes:
+            ok, reason = False, f"runs {'/'.join(backend.modes)} only; this run is {mode}"
+        if requested not in ("auto", name) and name != "reference":
+            ok, reason = False, f"not requested (--backend {requested})"
+        statuses.append(BackendStatus(name, ok, reason))
+    chosen = next(s for s in statuses if s.name == requested) if requested != "auto" else None
+    if chosen is not None and not chosen.ran:
+        raise Fp4kitError(f"--backend {requested} cannot run here: {chosen.reason}")
+    return statuses
+
+
+def _mode(model: QuantizedModel, requested: str | None) -> str:
+    if requested is not None and requested not in MODES:
+        raise Fp4kitError(f"unknown mode {requested!r}; choose w4a16 or w4a4")
+    return requested or ("w4a4" if model.ckpt.scheme == "nvfp4" else "w4a16")
+
+
+def _layers(model: QuantizedModel, requested: list[int] | None) -> list[int]:
+    if not requested:
+        return model.layers
+    unknown = [layer for layer in requested if layer not in model.layers]
+    if unknown:
+        raise Fp4kitError(
+            f"layer {unknown[0]} is not an NVFP4 MoE layer of {model.root} (MoE layers: "
+            f"{','.join(map(str, model.layers))})"
+        )
+    return list(requested)
+
+
+def _check_inputs(options: VerifyOptions) -> None:
+    if not options.tokens or any(t < 1 for t in options.tokens):
+        raise Fp4kitError("--tokens must be positive token counts, e.g. 1,16,256")
+    for path in [options.source, options.ep_shards, *options.layouts]:
+        if path is not None and not Path(path).is_dir():
+            raise Fp4kitError(f"{path}: not a directory")
+
+
+def verify_checkpoint(
+    ckpt: str | Path, options: VerifyOptions, progress: Callable[[int, int], None] | None = None
+) -> VerifyReport:
+    """Run every check that ``options`` asks for on each selected MoE layer of ``ckpt``."""
+    start = time.perf_counter()
+    _check_inputs(options)
+    device = resolve_device(options.device)
+    with QuantizedModel(ckpt) as model:
+        mode = _mode(model, options.mode)
+        layers = _layers(model, options.layers)
+        statuses = select_backends(options.backend, device, mode)
+        report = VerifyReport(
+            str(ckpt),
+            model.kind,
+            model.family.name,
+            mode,
+            str(device),
+            statuses,
+            options.tol_kernel,
+            options.tol_source or DEFAULT_TOL_SOURCE[mode],
+        )
+        ran = [s.name for s in statuses if s.ran]
+        for done, index in enumerate(layers):
+            try:
+                moe = model.layer(index)
+            except Fp4kitError as exc:
+                if model.layout is None:
+                    raise
+                report.add_failure(index, "layout", model.root.name, f"undo failed: {exc}")
+                continue
+            if done == 0:
+                activation_divisors(moe, mode)  # unusable input (w4a4 without scales) stops here, exit 2
+            runners = {}
+            for name in ran:
+                try:
+                    runners[name] = BACKENDS[name].prepare(moe, model.spec, activation_divisors(moe, mode), device)
+                except Exception as exc:
+                    if name == "reference":
+                        raise
+                    report.add_failure(index, "kernel", name, f"could not prepare: {exc!r}"[:300])
+            verifier = LayerVerifier(model, moe, options, mode, runners, device)
+            source = load_source(options, moe)
+            verifier.kernels_and_source(source)
+            verifier.routing_robustness()
+            verifier.layouts(source)
+            if options.ep_shards is not None:
+                verifier.expert_parallel(Path(options.ep_shards))
+            report.results.extend(verifier.results)
+            if progress:
+                progress(done + 1, len(layers))
+    report.seconds = time.perf_counter() - start
+    return report
