@@ -108,6 +108,21 @@ def read_tensors(root: Path) -> dict[str, SourceTensor]:
     return tensors
 
 
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1024' -> bytes (fp4kit.checkpoint.parse_size's rules)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper()
+    number = s.rstrip("KMGTIB")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if s[len(number):] not in units or value <= 0:
+        raise Fp4kitError(f"cannot read size {text!r} (use e.g. 5GB or 500MB)")
+    return int(value * units[s[len(number):]])
+
+
 def read_bytes(tensor: SourceTensor) -> bytes:
     with open(tensor.file, "rb") as f:
         f.seek(tensor.begin)
