@@ -37,36 +37,39 @@ def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int
         raise Fp4kitError(f"--samples and --seq-len must be at least 1 (got {samples} and {seq_len})")
     if path is None:
         where = resources.files("fp4kit.data").joinpath(DEFAULT_SET)
-        documents = _jsonl_documents(where.read_text(encoding="utf-8").splitlines(), DEFAULT_SET)
+        documents = list(_jsonl_documents(where.read_text(encoding="utf-8").splitlines(), DEFAULT_SET))
         label = f"the default calibration set ({DEFAULT_SET})"
     else:
         path = Path(path)
-        documents = _documents(path)
+        documents = list(_documents(path))  # the whole file is checked before any tokenizing
         label = str(path)
-    needed = samples * seq_len
-    stream: list[int] = []
-    tokenize: Callable[[str], list[int]] | None = None
-    any_document = False
-    for origin, content in documents:
-        any_document = True
-        if isinstance(content, str):
-            if tokenize is None:
-                tokenize = _tokenizer(Path(src), label, byte_fallback_vocab=vocab_size if path is None else None)
-            ids = tokenize(content)
-        else:
-            ids = content
-        bad = next((i for i in ids if i >= vocab_size), None)
-        if bad is not None:
-            raise Fp4kitError(f"{origin}: token id {bad} is outside the model's vocabulary (vocab_size {vocab_size})")
-        stream.extend(ids)
-        if len(stream) >= needed:
-            break
-    if not any_document:
+    if not documents:
         raise Fp4kitError(f"{label}: no calibration samples (the file is empty)")
+    for origin, content in documents:
+        if not isinstance(content, str):
+            _check_vocab(origin, content, vocab_size)
+    tokenize: Callable[[str], list[int]] | None = None
+    if any(isinstance(content, str) for _, content in documents):
+        tokenize = _tokenizer(Path(src), label, byte_fallback_vocab=vocab_size if path is None else None)
+    stream: list[int] = []
+    for origin, content in documents:
+        if isinstance(content, str):
+            assert tokenize is not None
+            content = tokenize(content)
+            _check_vocab(origin, content, vocab_size)  # a tokenizer with more ids than the model's vocabulary
+        stream.extend(content)
+        if len(stream) >= samples * seq_len:
+            break
     windows = min(samples, len(stream) // seq_len)
     if windows == 0:
         raise Fp4kitError(f"{label}: only {len(stream)} tokens, fewer than one sample of --seq-len {seq_len}")
     return torch.tensor(stream[: windows * seq_len], dtype=torch.int64).view(windows, seq_len)
+
+
+def _check_vocab(origin: str, ids: list[int], vocab_size: int) -> None:
+    bad = next((i for i in ids if i >= vocab_size), None)
+    if bad is not None:
+        raise Fp4kitError(f"{origin}: token id {bad} is outside the model's vocabulary (vocab_size {vocab_size})")
 
 
 def _documents(path: Path) -> Iterator[Document]:
