@@ -5,6 +5,7 @@ output (fp4kit.verify.reference.moe_reference, fp32) for N in {1, 2, 4, 8} and e
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -92,37 +93,48 @@ def sharded(quantized, tmp_path_factory):
     return get
 
 
-def _raw(reader: CheckpointReader, name: str) -> bytes:
-    return reader.read(name).reshape(-1).view(torch.uint8).numpy().tobytes()
+@functools.lru_cache(maxsize=8)
+def tensor_bytes(root: Path) -> dict[str, bytes]:
+    """name -> raw bytes of every tensor of a checkpoint directory, read with safetensors itself; where there is an
+    index, checks that it names exactly the tensors of each file."""
+    from safetensors.torch import load_file
+
+    index_path = root / "model.safetensors.index.json"
+    weight_map = json.loads(index_path.read_text())["weight_map"] if index_path.exists() else None
+    files = sorted(set(weight_map.values())) if weight_map else [p.name for p in root.glob("*.safetensors")]
+    out = {}
+    for file in files:
+        for name, tensor in load_file(root / file).items():
+            assert weight_map is None or weight_map[name] == file, name
+            out[name] = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert weight_map is None or set(weight_map) == set(out)
+    return out
 
 
 @pytest.mark.parametrize(("family", "ep", "placement"), _cases())
 def test_ranks_partition_the_experts_and_share_the_rest(sharded, family: str, ep: int, placement: str) -> None:
     src, dst = sharded(family, ep, placement)
     _, _, num_experts = _model(src)
-    with CheckpointReader(src) as source:
-        inventory = scan_experts(source.names(), num_experts)
-        holders: dict[str, list[int]] = {name: [] for name in inventory.experts}
-        shared_inodes: dict[str, set[int]] = {}
-        for rank in range(ep):
-            rank_dir = dst / rank_dir_name(rank)
-            expert_map = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"]
-            with CheckpointReader(rank_dir) as reader:
-                for name in reader.names():
-                    assert _raw(reader, name) == _raw(source, name), name
-                    if name in inventory.experts:
-                        holders[name].append(rank)
-                        t = inventory.experts[name]
-                        assert expert_map[str(t.layer)][t.expert] >= 0
-                assert set(source.names()) - set(inventory.experts) <= set(reader.names())
-                for path in rank_dir.glob("shared-*.safetensors"):
-                    shared_inodes.setdefault(path.name, set()).add(path.stat().st_ino)
-            for layer_map in expert_map.values():
-                local = [lid for lid in layer_map if lid >= 0]
-                assert local == list(range(len(local)))  # local ids follow global order
-        assert all(len(ranks) == 1 for ranks in holders.values()), "an expert on no rank or on two"
-    for name, inodes in shared_inodes.items():
-        assert inodes == {(dst / SHARED_DIR / name).stat().st_ino}, name
+    source = tensor_bytes(src)
+    inventory = scan_experts(list(source), num_experts)
+    holders: dict[str, list[int]] = {name: [] for name in inventory.experts}
+    for rank in range(ep):
+        rank_dir = dst / rank_dir_name(rank)
+        expert_map = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"]
+        tensors = tensor_bytes(rank_dir)
+        for name, data in tensors.items():
+            assert data == source[name], name
+            if name in inventory.experts:
+                holders[name].append(rank)
+                t = inventory.experts[name]
+                assert expert_map[str(t.layer)][t.expert] >= 0
+        assert set(source) - set(inventory.experts) <= set(tensors)  # every non-expert tensor on every rank
+        for path in rank_dir.glob("shared-*.safetensors"):
+            assert path.stat().st_ino == (dst / SHARED_DIR / path.name).stat().st_ino, path  # a hard link
+        for layer_map in expert_map.values():
+            local = [lid for lid in layer_map if lid >= 0]
+            assert local == list(range(len(local)))  # local ids follow global order
+    assert all(len(ranks) == 1 for ranks in holders.values()), "an expert on no rank or on two"
     source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     stored = {p.stat().st_ino: p.stat().st_size for p in dst.rglob("*.safetensors")}
     assert sum(stored.values()) < 1.02 * source_bytes + 2048 * (ep + 1)  # ~1x: headers are all that is added
@@ -210,24 +222,30 @@ def moe_output(root: Path, module: str, layer: int, hidden: torch.Tensor, expert
     return moe_reference(hidden, weights, ids, w13, w2, spec, mask, activation_global_div=act)
 
 
+def hidden_states(src: Path, layer: int) -> torch.Tensor:
+    config, family, _ = _model(src)
+    hidden_size = int(family.text_config(config)["hidden_size"])
+    return torch.randn(TOKENS, hidden_size, generator=torch.Generator().manual_seed(layer))
+
+
+@functools.lru_cache(maxsize=64)
+def unsharded_output(src: Path, module: str, layer: int) -> torch.Tensor:
+    return moe_output(src, module, layer, hidden_states(src, layer), None)
+
+
 def assert_ranks_sum_to_unsharded(src: Path, dst: Path, ep: int) -> None:
     _, _, num_experts = _model(src)
     with CheckpointReader(src) as reader:
         inventory = scan_experts(reader.names(), num_experts)
     for layer, module in inventory.modules.items():
-        hidden = torch.randn(TOKENS, _hidden(src), generator=torch.Generator().manual_seed(layer))
-        full = moe_output(src, module, layer, hidden, None)
+        full = unsharded_output(src, module, layer)
         total = torch.zeros_like(full)
         for rank in range(ep):
             rank_dir = dst / rank_dir_name(rank)
             local = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"][str(layer)]
-            total += moe_output(rank_dir, module, layer, hidden, [g for g, lid in enumerate(local) if lid >= 0])
+            experts = [g for g, lid in enumerate(local) if lid >= 0]
+            total += moe_output(rank_dir, module, layer, hidden_states(src, layer), experts)
         torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-6)
-
-
-def _hidden(src: Path) -> int:
-    config, family, _ = _model(src)
-    return int(family.text_config(config)["hidden_size"])
 
 
 @pytest.mark.parametrize(("family", "ep", "placement"), _cases())
