@@ -39,6 +39,14 @@ class QuantGroup:
     def sources(self) -> list[str]:
         return sorted({c.linear.source.tensor for c in self.members})
 
+    @property
+    def fused_experts_tensor(self) -> str | None:
+        """The fused on-disk expert tensor when this group holds all its experts (layer-wide scale), else None."""
+        experts = {c.linear.source.expert for c in self.members}
+        if None in experts or len(experts) < 2:
+            return None
+        return self.members[0].linear.source.tensor
+
 
 @dataclass
 class ModelPlan:
@@ -57,7 +65,10 @@ def build_plan(
     ignore: list[str] | None = None,
     targets: list[str] | None = None,
     default_ignore: bool = True,
+    modelopt_layout: bool = False,
 ) -> ModelPlan:
+    """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
+    on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down)."""
     family = detect(config)
     text_config = family.text_config(config)
     shapes = {name: info.shape for name, info in reader.tensors.items()}
@@ -84,7 +95,10 @@ def build_plan(
         dtype = reader.info(c.linear.source.tensor).dtype
         if not dtype.is_floating_point or dtype.itemsize == 1:
             raise Fp4kitError(f"{c.linear.source.tensor}: dtype {dtype} cannot be quantized (already quantized?)")
-    groups = [QuantGroup(g) for g in fused_groups(chosen)]
+    grouped = fused_groups(chosen)
+    if modelopt_layout and family.modelopt_fused_experts:
+        grouped = _merge_fused_experts(grouped)
+    groups = [QuantGroup(g) for g in grouped]
     consumed = {c.linear.source.tensor for c in chosen}
     ignored_modules = sorted({_ignore_name(c) for c in candidates if c.linear.source.tensor not in consumed})
     passthrough = [name for name in reader.names() if name not in consumed]
@@ -92,6 +106,21 @@ def build_plan(
     jobs: list[QuantGroup | str] = [*groups, *passthrough]
     jobs.sort(key=lambda j: _order_key(j.members[0].linear.source.tensor if isinstance(j, QuantGroup) else j))
     return ModelPlan(family, config, text_config, groups, passthrough, ignored_modules, jobs)
+
+
+def _merge_fused_experts(groups: list[list[Candidate]]) -> list[list[Candidate]]:
+    by_tensor: dict[str, list[Candidate]] = {}
+    merged: list[list[Candidate]] = []
+    for group in groups:
+        source = group[0].linear.source
+        if source.expert is None:
+            merged.append(group)
+            continue
+        if source.tensor not in by_tensor:
+            by_tensor[source.tensor] = []
+            merged.append(by_tensor[source.tensor])
+        by_tensor[source.tensor].extend(group)
+    return merged
 
 
 def _ignore_name(c: Candidate) -> str:

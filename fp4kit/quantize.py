@@ -20,12 +20,13 @@ import torch
 from fp4kit.checkpoint import CheckpointReader, ShardWriter, copy_side_files, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats import compressed_tensors as ct
-from fp4kit.nvfp4 import NonFiniteError, quantize_group
+from fp4kit.formats import modelopt as mo
+from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
 
 SCHEMES = ("nvfp4a16", "nvfp4")
-FORMATS = ("compressed-tensors",)
+FORMATS = ("compressed-tensors", "modelopt")
 QUEUE_DEPTH = 3
 
 
@@ -130,6 +131,30 @@ class _BackgroundWriter:
             raise self.error
 
 
+def _format_module(options: QuantizeOptions):
+    return mo if options.format == "modelopt" else ct
+
+
+def _fused_output(group: QuantGroup, options: QuantizeOptions) -> tuple[str, str] | None:
+    """(experts module, leaf) when the group is written as one ModelOpt fused expert tensor."""
+    tensor = group.fused_experts_tensor
+    if tensor is None or options.format != "modelopt":
+        return None
+    experts, leaf = tensor.rsplit(".", 1)
+    return experts, leaf
+
+
+def _per_expert(group: QuantGroup, quantized: list[NVFP4Tensor]) -> list[NVFP4Tensor]:
+    """Members are ordered expert by expert (gate then up): join each expert's rows into one [N_total, K]."""
+    by_expert: dict[int, list[NVFP4Tensor]] = {}
+    for c, q in zip(group.members, quantized, strict=True):
+        by_expert.setdefault(c.linear.source.expert, []).append(q)  # type: ignore[arg-type]
+    return [
+        NVFP4Tensor(torch.cat([q.packed for q in qs]), torch.cat([q.block_scale for q in qs]), qs[0].global_scale_div)
+        for _, qs in sorted(by_expert.items())
+    ]
+
+
 def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions) -> dict:
     device = torch.device(options.device)
     try:
@@ -141,21 +166,35 @@ def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: Qu
         raise Fp4kitError(
             f"{bad.linear.source.tensor}: NaN or Inf in a weight to be quantized ({bad.linear.module})"
         ) from None
+    quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
+    fused = _fused_output(group, options)
+    if fused is not None:
+        per_expert = _per_expert(group, quantized)
+        return mo.encode_fused(*fused, per_expert, [None] * len(per_expert))
+    fmt = _format_module(options)
     out: dict[str, torch.Tensor] = {}
     for c, q in zip(group.members, quantized, strict=True):
-        out.update(ct.encode(c.linear.module, q))
-    return {name: t.cpu() for name, t in out.items()}
+        out.update(fmt.encode(c.linear.module, q))
+    return out
 
 
 def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list:
     planned = []
+    fmt = _format_module(options)
+    with_input = options.scheme == "nvfp4"
     for job in plan.jobs:
-        if isinstance(job, QuantGroup):
-            for c in job.members:
-                lin = c.linear
-                planned.extend(ct.planned(lin.module, lin.out_features, lin.in_features, options.scheme == "nvfp4"))
-        else:
+        if not isinstance(job, QuantGroup):
             planned.append(planned_passthrough(reader, job))
+            continue
+        fused = _fused_output(job, options)
+        if fused is not None:
+            first = job.members[0].linear
+            num_experts = len({c.linear.source.expert for c in job.members})
+            out_features = sum(c.linear.out_features for c in job.members) // num_experts
+            planned.extend(mo.fused_planned(*fused, num_experts, out_features, first.in_features, with_input))
+            continue
+        for c in job.members:
+            planned.extend(fmt.planned(c.linear.module, c.linear.out_features, c.linear.in_features, with_input))
     return planned
 
 
@@ -179,7 +218,8 @@ def quantize_checkpoint(
     config = read_config(src)
     check_destination(src, dst, options.overwrite)
     with CheckpointReader(src) as reader:
-        plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore)
+        plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
+                          modelopt_layout=options.format == "modelopt")
         planned = output_plan(reader, plan, options)
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         done = 0
@@ -199,7 +239,12 @@ def quantize_checkpoint(
             finally:
                 background.close()
             writer.finish()
-            write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
+            if options.format == "modelopt":
+                hf_quant = mo.hf_quant_config(options.scheme, plan.ignored_modules)
+                (work / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+                write_config(work, config, mo.quantization_config(options.scheme, plan.ignored_modules))
+            else:
+                write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
             copy_side_files(src, work)
     return QuantizeReport(
         family=plan.family.name,

@@ -35,6 +35,8 @@ class Family:
     routing: Callable[[dict], RoutingSpec]
     ignore: Callable[[dict], list[str]]  # regexes on module names, on top of COMMON_IGNORE
     moe_intermediate: Callable[[dict], int] = field(default=lambda tc: int(tc["moe_intermediate_size"]))
+    # ModelOpt's HF export keeps this family's fused experts fused, with one scale per layer and projection.
+    modelopt_fused_experts: bool = False
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]

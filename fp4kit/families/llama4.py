@@ -18,4 +18,5 @@ FAMILY = Family(
     routing=routing,
     ignore=lambda config: [r"feed_forward\.router$", r"(^|\.)vision_model\.", r"(^|\.)multi_modal_projector\."],
     moe_intermediate=lambda tc: int(tc["intermediate_size"]),
+    modelopt_fused_experts=True,
 )
