@@ -294,15 +294,12 @@ def check_against_model(loaded: LoadedRecipe) -> None:
 
 def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) -> None:
     from fp4kit.layout import BACKENDS
-    from fp4kit.placement import check_ep
 
     recipe, origins = loaded.recipe, loaded.origins
     ep = recipe.shard.ep if recipe.shard else 1
-    if recipe.shard:
-        try:
-            check_ep(experts, ep)
-        except Fp4kitError as exc:
-            raise origins.error(("shard", "ep"), str(exc).removeprefix(f"--ep {ep}: ")) from None
+    if ep > experts:
+        raise origins.error(("shard", "ep"), f"{ep} exceeds the model's {experts} experts per layer: some rank would "
+                                             f"hold none")
     if recipe.layout is None:
         return
     backend = BACKENDS[recipe.layout.backend]
