@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -64,7 +65,8 @@ def verify(
     if not quiet:
         print_report(report)
     if not report.passed:
-        raise typer.Exit(1)
+        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
+        sys.exit(1)
 
 
 def register(app: typer.Typer) -> None:

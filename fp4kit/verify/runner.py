@@ -36,7 +36,7 @@ def select_backends(requested: str, device: torch.device, mode: str) -> list[Bac
         ok, reason = backend.available(device)
         if ok and mode not in backend.modes:
             ok, reason = False, f"runs {'/'.join(backend.modes)} only; this run is {mode}"
-        if requested not in ("auto", name) and name != "reference":
+        if ok and requested not in ("auto", name) and name != "reference":
             ok, reason = False, f"not requested (--backend {requested})"
         statuses.append(BackendStatus(name, ok, reason))
     chosen = next(s for s in statuses if s.name == requested) if requested != "auto" else None
@@ -93,6 +93,20 @@ def verify_checkpoint(
             options.tol_source or DEFAULT_TOL_SOURCE[mode],
         )
         ran = [s.name for s in statuses if s.ran]
+        if device.type == "cpu":
+            triton = "and fp4kit's Triton kernel under TRITON_INTERPRET=1 on tiny shapes" if "triton" in ran else "only"
+            report.notes.append(
+                f"{'no GPU' if not torch.cuda.is_available() else '--device cpu'}: the fp32 reference "
+                f"on the CPU {triton}; no serving kernel ran"
+            )
+        report.notes.append(
+            f"mode {mode}: "
+            + (
+                "weights NVFP4, activations bf16"
+                if mode == "w4a16"
+                else "weights and activations NVFP4 (static activation scales)"
+            )
+        )
         for done, index in enumerate(layers):
             try:
                 moe = model.layer(index)

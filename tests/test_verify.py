@@ -1,0 +1,152 @@
+"""`fp4kit verify` passes on sound checkpoints: tiny fixtures of every family against their BF16 source, W4A4 with
+activation scales, every layout backend undone bit for bit, EP splits whose ranks sum to the unsharded output, and
+NaN/Inf routing rows through every backend that ran; the CLI's exit codes, table and JSON report."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Before anything imports fp4kit's Triton kernels: on a CPU they can only run under the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from _verify_sources import SQUARE, add_input_scales, run_cli  # noqa: E402
+
+from fp4kit.errors import Fp4kitError  # noqa: E402
+from fp4kit.fixtures import FIXTURES, build_fixture  # noqa: E402
+from fp4kit.quantize import quantize_checkpoint  # noqa: E402
+from fp4kit.verify.checks import VerifyOptions  # noqa: E402
+from fp4kit.verify.runner import verify_checkpoint  # noqa: E402
+
+FAST = [1, 16, 256]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matmuls on a busy 2-core machine: OpenMP spinning makes them slower with more threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def square(tmp_path_factory) -> dict[str, Path]:
+    """A Qwen3-MoE with H = I = 128: bf16, NVFP4A16, W4A4, and the layouts and EP split of the W4A4 one."""
+    from fp4kit.layout import LayoutOptions, layout_checkpoint
+    from fp4kit.shard import ShardOptions, shard_checkpoint
+
+    root = tmp_path_factory.mktemp("verify-square")
+    paths = {"bf16": build_fixture("qwen3_moe", root / "bf16", overrides=SQUARE)}
+    quantize_checkpoint(paths["bf16"], root / "nvfp4a16")
+    paths["nvfp4a16"] = root / "nvfp4a16"
+    paths["nvfp4"] = add_input_scales(paths["nvfp4a16"], root / "nvfp4")
+    for backend in ("trtllm", "cutlass"):
+        layout_checkpoint(paths["nvfp4"], root / backend, LayoutOptions(backend=backend))
+        paths[backend] = root / backend
+    layout_checkpoint(paths["nvfp4a16"], root / "marlin", LayoutOptions(backend="marlin"))
+    paths["marlin"] = root / "marlin"
+    shard_checkpoint(paths["nvfp4"], root / "ep4", ShardOptions(ep=4))
+    paths["ep4"] = root / "ep4"
+    return paths
+
+
+def _failures(report) -> list[str]:
+    return [f"layer {r.layer} {r.check} {r.target}: {r.error} {r.detail}" for r in report.results if not r.passed]
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_every_family_passes_against_its_source(tiny, tiny_nvfp4a16, family: str) -> None:
+    report = verify_checkpoint(tiny_nvfp4a16(family), VerifyOptions(source=tiny(family), tokens=FAST,
+                                                                    backend="reference"))
+    assert report.passed, _failures(report)
+    checks = {r.check for r in report.results}
+    assert {"source", "source-expert", "routing"} <= checks
+    assert report.mode == "w4a16"
+    errors = [r.error for r in report.results if r.check == "source"]
+    assert all(0 < e < 0.25 for e in errors)  # quantized, so not zero; inside the NVFP4 band
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("family", ["glm4_moe", "llama4"])
+def test_triton_under_the_interpreter_matches_the_reference(tiny_nvfp4a16, family: str) -> None:
+    report = verify_checkpoint(tiny_nvfp4a16(family), VerifyOptions(tokens=[1, 6], backend="triton"))
+    assert report.passed, _failures(report)
+    kernel = [r for r in report.results if r.check == "kernel" and r.target == "triton"]
+    assert kernel and all(r.error is not None and r.error < 1e-2 for r in kernel)
+    assert {r.target for r in report.results if r.check == "routing"} == {"route", "reference", "triton"}
+
+
+def test_w4a4_layouts_and_ep_split_pass(square) -> None:
+    options = VerifyOptions(source=square["bf16"], tokens=FAST, backend="reference", ep_shards=square["ep4"],
+                            layouts=[square["trtllm"], square["cutlass"]])
+    report = verify_checkpoint(square["nvfp4"], options)
+    assert report.passed, _failures(report)
+    assert report.mode == "w4a4"
+    layout = [r for r in report.results if r.check == "layout"]
+    assert len(layout) == 2 * 2 and all(r.detail == "bit exact" for r in layout)
+    ep_sum = [r for r in report.results if r.check == "ep-sum"]
+    assert len(ep_sum) == 2 and all(r.error < 1e-5 for r in ep_sum)
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass", "marlin"])
+def test_a_layout_checkpoint_verifies_on_its_own(square, backend: str) -> None:
+    report = verify_checkpoint(square[backend], VerifyOptions(source=square["bf16"], tokens=[4, 64],
+                                                              backend="reference"))
+    assert report.passed, _failures(report)
+    assert report.kind == f"layout ({backend})"
+    assert [r.detail for r in report.results if r.check == "layout"] == ["bit exact"] * 2
+
+
+def test_marlin_layout_of_the_weight_only_checkpoint(square) -> None:
+    report = verify_checkpoint(square["nvfp4a16"], VerifyOptions(tokens=[8], backend="reference",
+                                                                 layouts=[square["marlin"]]))
+    assert report.passed, _failures(report)
+
+
+def test_cli_passes_writes_json_and_reports_skipped_backends(monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_path):
+    out = tmp_path / "report.json"
+    code, stdout, err = run_cli(monkeypatch, capsys, "verify", tiny_nvfp4a16("qwen3_moe"), "--source",
+                                tiny("qwen3_moe"), "--tokens", "1,8", "--layers", "1", "--json", out,
+                                "--device", "cpu", "--backend", "reference")
+    assert code == 0, stdout + err
+    assert "PASS" in stdout and "skipped" in stdout
+    document = json.loads(out.read_text())
+    assert document["format"] == "fp4kit-verify" and document["passed"] is True
+    assert {r["layer"] for r in document["results"]} == {1}
+    backends = {b["name"]: b for b in document["backends"]}
+    assert backends["reference"]["ran"] is True
+    assert backends["flashinfer-trtllm"]["ran"] is False and backends["flashinfer-trtllm"]["reason"]
+    if not torch.cuda.is_available():
+        assert "no GPU" in backends["marlin"]["reason"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--mode", "w4a4"], "weight-only"),
+    (["--layers", "7"], "not an NVFP4 MoE layer"),
+    (["--backend", "flashinfer-trtllm"], "cannot run here"),
+    (["--backend", "nope"], "unknown backend"),
+    (["--tokens", "0"], "--tokens"),
+])
+def test_cli_unusable_input_exits_2(monkeypatch, capsys, tiny_nvfp4a16, extra: list[str], message: str) -> None:
+    if extra[-1] == "flashinfer-trtllm" and torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    code, _, err = run_cli(monkeypatch, capsys, "verify", tiny_nvfp4a16("qwen3_moe"), "--device", "cpu", *extra)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_bf16_checkpoint_is_unusable(monkeypatch, capsys, tiny) -> None:
+    code, _, err = run_cli(monkeypatch, capsys, "verify", tiny("qwen3_moe"), "--device", "cpu")
+    assert code == 2 and err.startswith("error:")
+
+
+def test_ep_split_as_ckpt_is_refused(square) -> None:
+    with pytest.raises(Fp4kitError, match="--ep-shards"):
+        verify_checkpoint(square["ep4"], VerifyOptions(tokens=[1], backend="reference"))
