@@ -12,6 +12,7 @@ Every shape constraint is checked for all layers before anything is written; the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -36,7 +37,7 @@ from fp4kit.output import atomic_directory, check_destination
 BACKENDS: dict[str, ModuleType] = {"trtllm": trtllm, "cutlass": cutlass, "marlin": marlin}
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PROJS = ("gate_proj", "up_proj", "down_proj")
-QUEUE_DEPTH = 2  # jobs in flight per queue: a layer of a 235B model is ~1 GB
+QUEUE_DEPTH = 1  # jobs waiting per queue: a layer of a 235B model is ~1 GB, so about five are in memory
 _EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 CanonicalLayer = tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -256,15 +257,15 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
             def produce(job: object) -> object:
                 if not isinstance(job, MoELayer):
                     return reader.read(job)  # type: ignore[arg-type]
-                layer = read_layer(ckpt, job)
+                canonical = read_layer(ckpt, job)
                 # describe runs here, beside the reads, because it can cost a pass over the layer (Marlin's factor)
-                return layer, backend.describe(*layer, **transform_options)
+                return canonical, backend.describe(*canonical, **transform_options)
 
             try:
                 for job, data in prefetched(jobs, produce, QUEUE_DEPTH):
                     if isinstance(job, MoELayer):
-                        layer, meta = data  # type: ignore[misc]
-                        tensors = backend.transform(*layer, **transform_options)
+                        canonical, meta = data  # type: ignore[misc]
+                        tensors = backend.transform(*canonical, **transform_options)
                         entries[str(job.layer)] = layer_entry(job.experts, planned[job.layer], meta)
                         background.put({job.tensor_name(arg): t for arg, t in tensors.items()})
                         done += sum(reader.info(n).nbytes for n in job.sources())
@@ -273,8 +274,12 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                         done += reader.info(job).nbytes
                     if progress:
                         progress(done, input_bytes)
-            finally:
                 background.close()
+            except BaseException:
+                with contextlib.suppress(BaseException):  # the first error is the one to report
+                    background.close()
+                writer.abort()
+                raise
             writer.finish()
             for name in ("config.json", HF_QUANT_CONFIG):
                 if (src / name).is_file():
