@@ -214,7 +214,7 @@ def _prepare_flashinfer_trtllm(
             routing_logits=logits.float() if grouped else logits.to(torch.bfloat16),
             routing_bias=None if bias is None else bias.to(device, torch.bfloat16),
             hidden_states=hidden_fp4,
-            hidden_states_scale=hidden_sf.view(torch.float8_e4m3fn).reshape(-1),
+            hidden_states_scale=hidden_sf.view(torch.float8_e4m3fn).reshape(hidden_fp4.shape[0], -1),
             **tensors,
             gemm1_bias=None,
             gemm1_alpha=None,
@@ -225,7 +225,7 @@ def _prepare_flashinfer_trtllm(
             top_k=spec.top_k,
             n_group=spec.n_group if grouped else None,
             topk_group=spec.topk_group if grouped else None,
-            routed_scaling_factor=spec.routed_scaling_factor,
+            routed_scaling_factor=spec.routed_scaling_factor if grouped else None,
             routing_method_type=_ROUTING_METHOD[(spec.kind, spec.renormalize)],
             **trtllm.call_arguments(meta),
         )
