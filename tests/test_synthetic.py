@@ -1,0 +1,72 @@
+"""`fp4kit.synthetic`: the checkpoint is one transformers and fp4kit both read as Qwen3-MoE."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4kit.checkpoint import INDEX_NAME, CheckpointReader, read_config
+from fp4kit.plan import build_plan
+from fp4kit.synthetic import write_synthetic_qwen3_moe
+
+SMALL = dict(num_layers=2, hidden=64, moe_intermediate=32, num_experts=4, top_k=2, num_heads=4, num_kv_heads=2,
+             head_dim=16, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_qwen3_moe(tmp_path_factory.mktemp("synthetic"), **SMALL)
+
+
+def test_transformers_config_accepts_it(small_checkpoint: Path) -> None:
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+
+    config = AutoConfig.from_pretrained(small_checkpoint)
+    assert isinstance(config, Qwen3MoeConfig)
+    assert (config.num_experts, config.num_experts_per_tok, config.head_dim) == (4, 2, 16)
+
+
+def test_tensors_match_the_transformers_model(small_checkpoint: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(small_checkpoint))
+    with CheckpointReader(small_checkpoint) as reader:
+        ours = {name: reader.info(name).shape for name in reader.names()}
+    # transformers 5 fuses experts in memory; per-expert tensors on disk are what Qwen3 checkpoints ship.
+    expected = {}
+    for name, param in model.state_dict().items():
+        if ".mlp.experts." not in name:
+            expected[name] = tuple(param.shape)
+    assert {n: s for n, s in ours.items() if ".mlp.experts." not in n} == expected
+    assert ours["model.layers.1.mlp.experts.3.gate_proj.weight"] == (32, 64)
+    assert ours["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 32)
+
+
+def test_fp4kit_plans_it(small_checkpoint: Path) -> None:
+    with CheckpointReader(small_checkpoint) as reader:
+        plan = build_plan(reader, read_config(small_checkpoint))
+    assert plan.family.name == "qwen3_moe"
+    quantized = sum(len(g.members) for g in plan.groups)
+    assert quantized == 2 * (4 + 3 * 4)  # per layer: q, k, v, o and 4 experts x gate, up, down
+    assert "lm_head" in plan.ignored_modules
+
+
+def test_sharded_with_index_and_seeded(tmp_path: Path) -> None:
+    first = write_synthetic_qwen3_moe(tmp_path / "a", max_shard_bytes=100_000, **SMALL)
+    again = write_synthetic_qwen3_moe(tmp_path / "b", max_shard_bytes=100_000, threads=1, **SMALL)
+    index = json.loads((first / INDEX_NAME).read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    with CheckpointReader(first) as a, CheckpointReader(again) as b:
+        for name in a.names():
+            assert a.info(name).dtype == torch.bfloat16
+            assert torch.equal(a.read(name), b.read(name)), name
+
+
+def test_single_shard_still_has_an_index(small_checkpoint: Path) -> None:
+    index = json.loads((small_checkpoint / INDEX_NAME).read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
