@@ -12,7 +12,9 @@ Builds a bf16 checkpoint with Qwen3-30B-A3B's layer shapes (fp4kit.synthetic), q
   mo->ct      fp4kit convert --to compressed-tensors
 
 One run = process wall time plus an fsync of every file it wrote. The source is read once into the page cache
-before each run (untimed); the previous output is deleted. Peak RSS from /usr/bin/time -v when present.
+before each run (untimed); the previous output is deleted. Peak RSS from /usr/bin/time -v when present. `work_s` is
+the time each tool reports for itself (fp4kit convert's "in X s", which excludes the Python/torch start-up but
+includes importing compressed-tensors to build that dialect's config; the copy child's likewise excludes imports).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,6 +39,8 @@ def child_copy(src: Path, dst: Path) -> None:
 
     from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
 
+    start = time.perf_counter()
+
     dst.mkdir(parents=True, exist_ok=True)
     with CheckpointReader(src) as headers:
         infos = list(headers.tensors.values())
@@ -48,6 +53,7 @@ def child_copy(src: Path, dst: Path) -> None:
     writer.finish()
     copy_side_files(src, dst)
     shutil.copy2(src / "config.json", dst / "config.json")
+    print(f"in {time.perf_counter() - start:.2f} s")
 
 
 def fsync_tree(directory: Path) -> None:
@@ -68,7 +74,8 @@ def warm(directory: Path) -> None:
                     pass
 
 
-def time_run(command: list[str], src: Path, dst: Path) -> tuple[float, int | None]:
+def time_run(command: list[str], src: Path, dst: Path) -> tuple[float, float, int | None]:
+    """(process seconds incl. fsync, seconds the tool reports for its own work, peak RSS bytes)."""
     shutil.rmtree(dst, ignore_errors=True)
     warm(src)
     wrapped = [TIME_BIN, "-v", *command] if os.path.exists(TIME_BIN) else command
@@ -81,7 +88,8 @@ def time_run(command: list[str], src: Path, dst: Path) -> tuple[float, int | Non
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     rss = [int(line.rsplit(":", 1)[1]) * 1024 for line in done.stderr.splitlines()
            if "Maximum resident set size" in line]
-    return seconds, (rss[0] if rss else None)
+    work = re.search(r" in ([0-9.]+) s", done.stdout)
+    return seconds, float(work.group(1)) if work else float("nan"), (rss[0] if rss else None)
 
 
 def main() -> None:
@@ -116,21 +124,24 @@ def main() -> None:
     tools = {
         "copy": ([sys.executable, __file__, "--child", "copy", "--src", str(ct_dir), "--dst", str(work / "out")],
                  ct_dir),
-        "ct->mo": ([*fp4kit, str(ct_dir), str(work / "out"), "--to", "modelopt", "-q"], ct_dir),
-        "mo->ct": ([*fp4kit, str(mo_dir), str(work / "out"), "--to", "compressed-tensors", "-q"], mo_dir),
+        "ct->mo": ([*fp4kit, str(ct_dir), str(work / "out"), "--to", "modelopt"], ct_dir),
+        "mo->ct": ([*fp4kit, str(mo_dir), str(work / "out"), "--to", "compressed-tensors"], mo_dir),
     }
     results = {}
     for _ in range(args.repeats):  # interleaved, so that load on the machine hits every tool alike
         for tool, (command, src) in tools.items():
             results.setdefault(tool, []).append(time_run(command, src, work / "out"))
     shutil.rmtree(work / "out", ignore_errors=True)
-    anchor = statistics.median(s for s, _ in results["copy"])
+    anchor = statistics.median(s for s, _, _ in results["copy"])
+    anchor_work = statistics.median(w for _, w, _ in results["copy"])
     rows = []
     for tool, runs in results.items():
-        seconds = statistics.median(s for s, _ in runs)
-        rss = max((r for _, r in runs if r), default=None)
-        rows.append({"tool": tool, "median_s": round(seconds, 2), "runs_s": [round(s, 2) for s, _ in runs],
+        seconds = statistics.median(s for s, _, _ in runs)
+        work = statistics.median(w for _, w, _ in runs)
+        rss = max((r for _, _, r in runs if r), default=None)
+        rows.append({"tool": tool, "median_s": round(seconds, 2), "runs_s": [round(s, 2) for s, _, _ in runs],
                      "GB_per_s": round(size / seconds / 1e9, 3), "speed_vs_copy": round(anchor / seconds, 2),
+                     "work_s": round(work, 2), "work_speed_vs_copy": round(anchor_work / work, 2),
                      "peak_rss_MB": None if rss is None else round(rss / 1e6)})
     print(json.dumps({"checkpoint_bytes": size, "layers": args.layers, "experts": args.experts, "cpus": os.cpu_count(),
                       "results": rows}, indent=2))

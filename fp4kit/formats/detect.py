@@ -88,16 +88,20 @@ class QuantizedCheckpoint:
     reader: CheckpointReader
     exact_scales: dict[str, float] = field(default_factory=dict)
     _rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    _divisors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def divisor(self, name: str) -> torch.Tensor:
         """The canonical float64 divisor held by scale tensor ``name``."""
-        stored = self.reader.read(name).reshape(())
-        exact = self.exact_scales.get(name)
-        if exact is not None:
-            candidate = torch.tensor(exact, dtype=torch.float64)
-            if torch.equal(stored_scale(self.dialect, candidate), stored):
-                return candidate
-        return decoded_scale(self.dialect, stored)
+        if name not in self._divisors:
+            stored = self.reader.read(name).reshape(())
+            value = decoded_scale(self.dialect, stored)
+            exact = self.exact_scales.get(name)
+            if exact is not None:
+                candidate = torch.tensor(exact, dtype=torch.float64)
+                if torch.equal(stored_scale(self.dialect, candidate), stored):
+                    value = candidate
+            self._divisors[name] = value
+        return self._divisors[name]
 
     def read_weight(self, module: QuantModule) -> NVFP4Tensor:
         if module.expert is None:

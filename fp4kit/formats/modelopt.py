@@ -45,6 +45,8 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
     if torch.equal(nearest.double(), divisor):
         return nearest
     multiplier = (1.0 / divisor).float()
+    if torch.equal((1.0 / nearest.double()).float(), multiplier):  # the usual case: the nearest one restores G
+        return nearest
     candidates = [nearest]
     up = down = nearest
     for _ in range(DIVISOR_SEARCH_ULPS):
