@@ -21,6 +21,7 @@ from fp4kit.checkpoint import CheckpointReader, ShardWriter, copy_side_files, re
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
+from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
@@ -42,6 +43,12 @@ class QuantizeOptions:
     overwrite: bool = False
     exact_fp32_global_scale: bool = False
     compile_cpu: bool = True  # fuse the CPU encode loop with torch.compile for large tensors (same bytes)
+    # W4A4 (scheme nvfp4) calibration; calib None = the small packaged default set
+    calib: Path | None = None
+    samples: int = 256
+    seq_len: int = 512
+    batch_size: int = 8
+    moe_input_scales: str = "shared"
 
 
 @dataclass
@@ -59,11 +66,8 @@ class QuantizeReport:
 def _validate(options: QuantizeOptions) -> None:
     if options.scheme not in SCHEMES:
         raise Fp4kitError(f"unknown scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}")
-    if options.scheme == "nvfp4":
-        raise Fp4kitError(
-            "scheme nvfp4 (W4A4) needs calibrated activation scales, which this fp4kit cannot compute yet; "
-            "use --scheme nvfp4a16"
-        )
+    if options.moe_input_scales not in POLICIES:
+        raise Fp4kitError(f"unknown --moe-input-scales {options.moe_input_scales!r}; choose {' or '.join(POLICIES)}")
     if options.format not in FORMATS:
         raise Fp4kitError(f"unknown format {options.format!r}; choose one of {', '.join(FORMATS)}")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
@@ -155,7 +159,9 @@ def _per_expert(group: QuantGroup, quantized: list[NVFP4Tensor]) -> list[NVFP4Te
     ]
 
 
-def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions) -> dict:
+def quantize_tensors(
+    group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions, input_divs: dict[str, torch.Tensor]
+) -> dict:
     device = torch.device(options.device)
     try:
         quantized = quantize_group(
@@ -170,11 +176,13 @@ def quantize_tensors(group: QuantGroup, weights: list[torch.Tensor], options: Qu
     fused = _fused_output(group, options)
     if fused is not None:
         per_expert = _per_expert(group, quantized)
-        return mo.encode_fused(*fused, per_expert, [None] * len(per_expert))
+        first_of_expert = {c.linear.source.expert: c.linear.module for c in reversed(group.members)}
+        inputs = [input_divs.get(first_of_expert[e]) for e in sorted(first_of_expert)]
+        return mo.encode_fused(*fused, per_expert, inputs)
     fmt = _format_module(options)
     out: dict[str, torch.Tensor] = {}
     for c, q in zip(group.members, quantized, strict=True):
-        out.update(fmt.encode(c.linear.module, q))
+        out.update(fmt.encode(c.linear.module, q, input_divs.get(c.linear.module)))
     return out
 
 
@@ -196,6 +204,23 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
         for c in job.members:
             planned.extend(fmt.planned(c.linear.module, c.linear.out_features, c.linear.in_features, with_input))
     return planned
+
+
+def _calibrate(
+    src: Path, plan: ModelPlan, options: QuantizeOptions
+) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
+    """W4A4: a layer-streaming calibration pass over SRC before the quantization pass (weights are read twice,
+    activations for all samples stay in memory, one layer's weights at a time)."""
+    if options.scheme != "nvfp4":
+        return {}, {}
+    from fp4kit.calib_data import load_calibration
+    from fp4kit.calibrate import calibrate
+
+    vocab_size = int(plan.text_config["vocab_size"])
+    token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
+    modules = {c.linear.module for g in plan.groups for c in g.members}
+    result = calibrate(src, token_ids, options.device, options.batch_size, modules)
+    return input_scale_divisors(plan, result.input_amax, options.moe_input_scales), result.routing_counts
 
 
 def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
@@ -220,7 +245,13 @@ def quantize_checkpoint(
     with CheckpointReader(src) as reader:
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=options.format == "modelopt")
+        if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
+            _fused_output(g, options) for g in plan.groups
+        ):
+            raise Fp4kitError(f"--moe-input-scales per-expert: ModelOpt's fused {plan.family.name} experts store one "
+                              "input scale per layer; use shared")
         planned = output_plan(reader, plan, options)
+        input_divs, routing_counts = _calibrate(src, plan, options)
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         done = 0
         with atomic_directory(dst) as work:
@@ -229,7 +260,7 @@ def quantize_checkpoint(
             try:
                 for job, data in _prefetch(reader, plan):
                     if isinstance(job, QuantGroup):
-                        background.put(quantize_tensors(job, data, options))  # type: ignore[arg-type]
+                        background.put(quantize_tensors(job, data, options, input_divs))  # type: ignore[arg-type]
                         done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
                     else:
                         background.put({job: data})  # type: ignore[dict-item]
@@ -246,6 +277,8 @@ def quantize_checkpoint(
             else:
                 write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
             copy_side_files(src, work)
+            if routing_counts:
+                write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),

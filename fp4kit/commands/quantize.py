@@ -26,6 +26,16 @@ def quantize(
     exact_fp32_global_scale: Annotated[
         bool, typer.Option(help="compute weight global scales in fp32 (default: as llm-compressor, in bf16)")
     ] = False,
+    calib: Annotated[
+        Path | None, typer.Option(help="W4A4 calibration text: .jsonl (text or input_ids), .txt or .parquet")
+    ] = None,
+    samples: Annotated[int, typer.Option(help="calibration samples")] = 256,
+    seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
+    batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
+    moe_input_scales: Annotated[
+        str, typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
+                               "per-expert: each expert's own")
+    ] = "shared",
     compile: Annotated[
         bool, typer.Option("--compile/--no-compile", help="fuse the CPU encode loop with torch.compile (same bytes)")
     ] = True,
@@ -38,7 +48,8 @@ def quantize(
     options = QuantizeOptions(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
-        exact_fp32_global_scale=exact_fp32_global_scale, compile_cpu=compile,
+        exact_fp32_global_scale=exact_fp32_global_scale, compile_cpu=compile, calib=calib, samples=samples,
+        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales,
     )
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
     if not quiet:

@@ -1,0 +1,58 @@
+"""Activation (input) global scales for W4A4 from calibration statistics, and the EP-invariant sharing policy."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from fp4kit.nvfp4 import GLOBAL_NUMERATOR
+from fp4kit.plan import ModelPlan
+
+POLICIES = ("shared", "per-expert")
+ROUTING_STATS_NAME = "fp4kit_routing_stats.json"
+
+
+def _projection_key(module: str, expert: int | None) -> str:
+    """Modules that share one input scale under the `shared` policy: a layer's routed experts, per projection."""
+    if expert is None:
+        return module
+    head, _, leaf = module.rpartition(".")
+    experts_path = head.rsplit(".", 1)[0]
+    # gate and up read the same input: one key for both
+    return f"{experts_path}.*.{'gate_up' if leaf in ('gate_proj', 'up_proj') else leaf}"
+
+
+def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: str) -> dict[str, torch.Tensor]:
+    """float64 divisor amax / (448*6) per quantized module. `shared` gives every routed expert of a layer the
+    layer's largest amax per projection (EP-invariant, as ModelOpt writes); a module whose amax is 0 or not finite
+    takes its projection's shared value, and failing that a divisor of 1 (multiplier 1, compressed-tensors' own
+    fallback), so no scale is ever 0, Inf or NaN."""
+    members = [c for g in plan.groups for c in g.members]
+    shared: dict[str, float] = {}
+    for c in members:
+        amax = input_amax.get(c.linear.module, 0.0)
+        if math.isfinite(amax) and amax > 0:
+            key = _projection_key(c.linear.module, c.expert)
+            shared[key] = max(shared.get(key, 0.0), amax)
+    divisors = {}
+    for c in members:
+        amax = input_amax.get(c.linear.module, 0.0)
+        key = _projection_key(c.linear.module, c.expert)
+        if policy == "shared" or not (math.isfinite(amax) and amax > 0):
+            amax = shared.get(key, 0.0)
+        divisor = amax / GLOBAL_NUMERATOR if amax > 0 else 1.0
+        divisors[c.linear.module] = torch.tensor(divisor, dtype=torch.float64)
+    return divisors
+
+
+def write_routing_stats(path: Path, plan: ModelPlan, routing_counts: dict[int, list[int]]) -> None:
+    """Tokens routed to each expert per MoE layer, in the schema `fp4kit shard --stats` reads (fp4kit.placement)."""
+    stats = {
+        "model_type": plan.config.get("model_type"),
+        "num_experts": plan.family.num_experts(plan.text_config),
+        "layers": {str(layer): list(counts) for layer, counts in sorted(routing_counts.items())},
+    }
+    path.write_text(json.dumps(stats, indent=1) + "\n")
