@@ -40,19 +40,21 @@ TOKENS = (1, 16, 64, 4096)
 DEVICE = "cuda"
 DECODE_CANDIDATES = [
     DECODE_CONFIG,
-    replace(DECODE_CONFIG, block_n1=16, block_n2=32),
-    replace(DECODE_CONFIG, block_n1=64, block_n2=128),
-    replace(DECODE_CONFIG, block_k=512, num_stages=3),
-    replace(DECODE_CONFIG, block_k=128, num_stages=5),
-    replace(DECODE_CONFIG, num_warps=8),
-    replace(DECODE_CONFIG, fast_dequant=False),
+    replace(DECODE_CONFIG, num_stages=4),
+    replace(DECODE_CONFIG, block_k=256),
+    replace(DECODE_CONFIG, block_n1=64, block_n2=64),
+    replace(DECODE_CONFIG, block_n2=64, num_stages=4),
+    replace(DECODE_CONFIG, block_n1=64, block_n2=64, num_stages=5),
+    replace(DECODE_CONFIG, block_n1=16, block_n2=16, block_k=256, num_warps=1),
+    replace(DECODE_CONFIG, block_n1=64, block_n2=64, num_warps=4),
 ]
 PREFILL_CANDIDATES = [
     PREFILL_CONFIG,
-    replace(PREFILL_CONFIG, block_m=128, num_warps=8),
     replace(PREFILL_CONFIG, block_k=64, num_stages=4),
-    replace(PREFILL_CONFIG, block_n1=128, block_n2=128, num_warps=8),
-    replace(PREFILL_CONFIG, block_m=64, block_n1=32, block_n2=64, num_warps=4),
+    replace(PREFILL_CONFIG, block_n1=64, num_warps=4),
+    replace(PREFILL_CONFIG, block_m=64, num_warps=4),
+    replace(PREFILL_CONFIG, block_n2=256),
+    replace(PREFILL_CONFIG, num_stages=4),
 ]
 
 
@@ -127,13 +129,14 @@ def errors(got: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
 def check_correctness(name, w13, w2, hidden_size, top_k, generator, fast: bool) -> tuple[list[dict], torch.Tensor]:
     """Kernel vs fp32 reference for W4A16 and W4A4, three routing families; returns rows and W4A4 divisors."""
     num_experts = w13.shape[0]
-    dense13, dense2 = dequantize_experts(w13), dequantize_experts(w2)
+    # The reference runs on the CPU: full fp32 matmuls whatever the GPU's TF32 / reduced-precision settings are.
+    dense13, dense2 = dequantize_experts(w13).cpu(), dequantize_experts(w2).cpu()
     rows = []
     hidden = torch.randn(64, hidden_size, device=DEVICE, generator=generator).to(torch.bfloat16)
     spec = RoutingSpec("softmax_topk", num_experts, top_k)
     weights, ids = route(torch.randn(64, num_experts, device=DEVICE, generator=generator), spec)
     # Static activation scales: one per projection for all experts (EP-independent), from this sample's amax.
-    gate, up = torch.einsum("th,eih->eti", hidden.float(), dense13).chunk(2, dim=-1)
+    gate, up = torch.einsum("th,eih->eti", hidden.float().cpu(), dense13).chunk(2, dim=-1)
     amax13 = hidden.float().abs().amax().double().cpu()
     amax2 = (F.silu(gate) * up).abs().amax().double().cpu()
     divisors = (torch.full((num_experts,), float(amax13) / 2688, dtype=torch.float64),
@@ -154,9 +157,9 @@ def check_correctness(name, w13, w2, hidden_size, top_k, generator, fast: bool) 
                 moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, act_div, device=DEVICE)
                 cfg = replace(default_config(kind_ids.numel(), num_experts), fast_dequant=fast)
                 got = fused_moe(hidden, kind_weights, kind_ids, moe_weights, kind_spec, config=cfg)
-                expected = moe_reference(hidden, kind_weights, kind_ids, dense13, dense2, kind_spec,
+                expected = moe_reference(hidden.cpu(), kind_weights.cpu(), kind_ids.cpu(), dense13, dense2, kind_spec,
                                          activation_global_div=act_div)  # fmt: skip
-                row = {"shape": name, "tokens": tokens, "routing": kind, "mode": mode, **errors(got, expected)}
+                row = {"shape": name, "tokens": tokens, "routing": kind, "mode": mode, **errors(got.cpu(), expected)}
                 rows.append(row)
                 print("check", json.dumps(row), flush=True)
     del dense13, dense2
@@ -216,7 +219,8 @@ def main() -> None:
         shapes = list(SHAPES.items())[:1] if args.quick else list(SHAPES.items())
         device_name, copy_bw = torch.cuda.get_device_name(), copy_bandwidth()
     generator = torch.Generator(device=DEVICE).manual_seed(0)
-    print(f"device {device_name}  copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
+    precision = f"{torch.get_float32_matmul_precision()}, allow_tf32 {torch.backends.cuda.matmul.allow_tf32}"
+    print(f"device {device_name}  copy bandwidth {copy_bw / 1e12:.2f} TB/s  fp32 matmul {precision}", flush=True)
     fast = probe_fast_dequant(generator)
     results = {"device": device_name, "copy_bw": copy_bw, "fast_dequant": fast, "checks": [], "timings": []}
     for name, (num_experts, hidden_size, inter_size, top_k) in shapes:

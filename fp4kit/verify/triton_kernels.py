@@ -24,58 +24,42 @@ def _e2m1_value(code):
     return tl.where((code & 8) != 0, -value, value)
 
 
-# 4 packed bytes in, their 4 low-nibble and 4 high-nibble values out as f16x2 pairs ($0,$1 and $2,$3). Each nibble's
-# sign goes to bit 15 and its 3 magnitude bits to bits 9-11 of an f16, which then holds value · 2^-14 exactly
-# (0.5 lands on an f16 subnormal, which f16 arithmetic keeps); one f16x2 multiply by 2^14 finishes the decode.
-_E2M1X8_TO_F16_PTX = """
+# Decode 4 packed bytes (one register, $4) into the 4 low-nibble and 4 high-nibble values times their block scales
+# ($5, $6: bf16x2 scales of bytes 0,1 and 2,3), as bf16x2 pairs: low $0,$1 and high $2,$3. Each nibble's sign goes to
+# bit 15 and its 3 magnitude bits to bits 6-8 of a bf16, which then holds value · 2^-126 exactly (0.5 lands on a
+# subnormal, which bf16x2 arithmetic keeps); one multiply by 2^126 and one by the scale finish it, both exact.
+_DEQUANT_PTX = tl.constexpr("""
 {
-.reg .b32 t<2>, m<4>, k;
-mov.b32 k, 0x74007400;
+.reg .b32 t<2>, a, b, k;
+mov.b32 k, 0x7E807E80;
 prmt.b32 t0, $4, 0, 0x4140;
 prmt.b32 t1, $4, 0, 0x4342;
-shl.b32 m0, t0, 9;
-and.b32 m0, m0, 0x0E000E00;
-shl.b32 m1, t0, 12;
-and.b32 m1, m1, 0x80008000;
-or.b32 $0, m0, m1;
-mul.rn.f16x2 $0, $0, k;
-shl.b32 m2, t1, 9;
-and.b32 m2, m2, 0x0E000E00;
-shl.b32 m3, t1, 12;
-and.b32 m3, m3, 0x80008000;
-or.b32 $1, m2, m3;
-mul.rn.f16x2 $1, $1, k;
-shl.b32 m0, t0, 5;
-and.b32 m0, m0, 0x0E000E00;
-shl.b32 m1, t0, 8;
-and.b32 m1, m1, 0x80008000;
-or.b32 $2, m0, m1;
-mul.rn.f16x2 $2, $2, k;
-shl.b32 m2, t1, 5;
-and.b32 m2, m2, 0x0E000E00;
-shl.b32 m3, t1, 8;
-and.b32 m3, m3, 0x80008000;
-or.b32 $3, m2, m3;
-mul.rn.f16x2 $3, $3, k;
+shl.b32 a, t0, 6;
+shl.b32 b, t0, 12;
+and.b32 b, b, 0x80008000;
+lop3.b32 $0, a, 0x01C001C0, b, 0xEA;
+mul.rn.bf16x2 $0, $0, k;
+mul.rn.bf16x2 $0, $0, $5;
+shl.b32 a, t1, 6;
+shl.b32 b, t1, 12;
+and.b32 b, b, 0x80008000;
+lop3.b32 $1, a, 0x01C001C0, b, 0xEA;
+mul.rn.bf16x2 $1, $1, k;
+mul.rn.bf16x2 $1, $1, $6;
+shl.b32 a, t0, 2;
+shl.b32 b, t0, 8;
+and.b32 b, b, 0x80008000;
+lop3.b32 $2, a, 0x01C001C0, b, 0xEA;
+mul.rn.bf16x2 $2, $2, k;
+mul.rn.bf16x2 $2, $2, $5;
+shl.b32 a, t1, 2;
+shl.b32 b, t1, 8;
+and.b32 b, b, 0x80008000;
+lop3.b32 $3, a, 0x01C001C0, b, 0xEA;
+mul.rn.bf16x2 $3, $3, k;
+mul.rn.bf16x2 $3, $3, $6;
 }
-"""
-
-
-@triton.jit
-def _e2m1_nibbles(packed, FAST: tl.constexpr):
-    """Packed u8 -> (low-nibble values, high-nibble values); PTX bit tricks on a GPU, integer math otherwise."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            _E2M1X8_TO_F16_PTX,
-            "=r,=r,=r,=r,r",
-            [packed],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        codes = packed.to(tl.int32)
-        return _e2m1_value(codes & 15), _e2m1_value(codes >> 4)
+""")
 
 
 @triton.jit
@@ -120,20 +104,33 @@ def _to_mma(x, EMULATE_BF16: tl.constexpr):
 
 @triton.jit
 def _mma(a, w, acc, EMULATE_BF16: tl.constexpr):
-    """acc + a · wᵀ with fp32 accumulation."""
+    """accᵀ + w · aᵀ with fp32 accumulation, acc kept transposed [N, M]: the dequantized weights are the left
+    operand, which Triton can feed to the tensor cores from registers."""
     if EMULATE_BF16:
-        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        return tl.dot(w, tl.trans(a), acc, input_precision="ieee")
     else:
-        return tl.dot(a, tl.trans(w), acc)
+        return tl.dot(w, tl.trans(a), acc)
+
+
+@triton.jit
+def _load(ptrs, mask, EVEN_K: tl.constexpr, other):
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=other)
 
 
 @triton.jit
 def _fake_quant_blocks(x3, block_amax, global_mul):
-    """x3 [R, NB, W] fp32 with its 16-block amax [R, NB] -> e2m1(q)·s, the exact bf16 product, without 1/G."""
-    block_scale = _round_e4m3(block_amax / 6.0 * global_mul)
-    divisor = block_scale / global_mul
+    """x3 [R, NB, W] fp32 with its 16-block amax [R, NB] -> e2m1(q)·s, the exact bf16 product, without 1/G.
+
+    Divisions are IEEE (div_rn), as in torch: Triton's `/` is approximate on GPUs, and activations hold many exact
+    ties (G_a comes from the amax of the same bf16 tensor), which an approximate quotient rounds the other way."""
+    block_scale = _round_e4m3(tl.math.div_rn(block_amax, tl.full(block_amax.shape, 6.0, tl.float32)) * global_mul)
+    divisor = tl.math.div_rn(block_scale, tl.full(block_scale.shape, 1.0, tl.float32) * global_mul)
     safe_divisor = tl.where(divisor > 0, divisor, 1.0)
-    values = _round_e2m1(x3 / safe_divisor[:, :, None]) * block_scale[:, :, None]
+    values = _round_e2m1(tl.math.div_rn(x3, tl.broadcast_to(safe_divisor[:, :, None], x3.shape)))
+    values = values * block_scale[:, :, None]
     return tl.where(divisor[:, :, None] > 0, values, 0.0)
 
 
@@ -153,14 +150,22 @@ def _dequant_pair(
 ):
     """packed u8 [ROWS, BLOCK_K/2] + scale u8 [ROWS, BLOCK_K/16] -> (even, odd) MMA operands, no global scale.
     e2m1 · e4m3 has at most 5 significant bits: exact in bf16."""
-    low, high = _e2m1_nibbles(packed, FAST)
-    scale = _e4m3_value(scale_bytes.to(tl.int32))[:, :, None]
-    even = tl.reshape(low.to(tl.float32), (ROWS, BLOCK_K // 16, 8)) * scale
-    odd = tl.reshape(high.to(tl.float32), (ROWS, BLOCK_K // 16, 8)) * scale
-    return (
-        _to_mma(tl.reshape(even, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
-        _to_mma(tl.reshape(odd, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
-    )
+    scale = _e4m3_value(scale_bytes.to(tl.int32))
+    if FAST:
+        scale = tl.reshape(
+            tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (ROWS, BLOCK_K // 16, 8)), (ROWS, BLOCK_K // 2)
+        )
+        return tl.inline_asm_elementwise(
+            _DEQUANT_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4
+        )
+    else:
+        codes = packed.to(tl.int32)
+        even = tl.reshape(_e2m1_value(codes & 15), (ROWS, BLOCK_K // 16, 8)) * scale[:, :, None]
+        odd = tl.reshape(_e2m1_value(codes >> 4), (ROWS, BLOCK_K // 16, 8)) * scale[:, :, None]
+        return (
+            _to_mma(tl.reshape(even, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
+            _to_mma(tl.reshape(odd, (ROWS, BLOCK_K // 2)), EMULATE_BF16),
+        )
 
 
 @triton.jit
@@ -243,6 +248,7 @@ def gemm1_swiglu_kernel(
     W4A4: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     FAST_DEQUANT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K, so that loads vectorize
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -270,8 +276,8 @@ def gemm1_swiglu_kernel(
         routing_weight = tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)
     if W4A4:
         act_gmul = tl.load(act_gmul_ptr + expert)
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
@@ -288,8 +294,8 @@ def gemm1_swiglu_kernel(
         w_mask = n_valid[:, None] & j_valid[None, :]
         ws_mask = n_valid[:, None] & s_valid[None, :]
         gate_even, gate_odd = _dequant_pair(
-            tl.load(gate_rows + k0 // 2, mask=w_mask, other=0),
-            tl.load(gate_scales + k0 // 16, mask=ws_mask, other=0),
+            _load(gate_rows + k0 // 2, w_mask, EVEN_K, 0),
+            _load(gate_scales + k0 // 16, ws_mask, EVEN_K, 0),
             BLOCK_N,
             BLOCK_K,
             EMULATE_BF16,
@@ -298,8 +304,8 @@ def gemm1_swiglu_kernel(
         acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
         acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
         up_even, up_odd = _dequant_pair(
-            tl.load(up_rows + k0 // 2, mask=w_mask, other=0),
-            tl.load(up_scales + k0 // 16, mask=ws_mask, other=0),
+            _load(up_rows + k0 // 2, w_mask, EVEN_K, 0),
+            _load(up_scales + k0 // 16, ws_mask, EVEN_K, 0),
             BLOCK_N,
             BLOCK_K,
             EMULATE_BF16,
@@ -308,8 +314,8 @@ def gemm1_swiglu_kernel(
         acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
         acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
     alpha = tl.load(alpha_ptr + expert)
-    gate = acc_gate * alpha
-    inter = gate / (1.0 + tl.exp(-gate)) * (acc_up * alpha)
+    gate = tl.trans(acc_gate) * alpha
+    inter = gate / (1.0 + tl.exp(-gate)) * (tl.trans(acc_up) * alpha)
     if W4A4:
         out_gmul = tl.load(out_gmul_ptr + expert)
         inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
@@ -339,6 +345,7 @@ def gemm2_combine_kernel(
     SCALE_INPUT: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     FAST_DEQUANT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K, so that loads vectorize
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -357,17 +364,18 @@ def gemm2_combine_kernel(
     a_rows = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_k[None, :]
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
-        a = tl.load(a_rows + k0, mask=pair_valid[:, None] & ((k0 + offs_k) < inter_size)[None, :], other=0.0)
+        k_valid = (k0 + offs_k) < inter_size
+        a = tl.load(a_rows + k0, mask=pair_valid[:, None] & k_valid[None, :], other=0.0)
         if EMULATE_BF16:
             a = a.to(tl.float32)
         a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
         w_even, w_odd = _dequant_pair(
-            tl.load(w_rows + k0 // 2, mask=n_valid[:, None] & j_valid[None, :], other=0),
-            tl.load(w_scales + k0 // 16, mask=n_valid[:, None] & s_valid[None, :], other=0),
+            _load(w_rows + k0 // 2, n_valid[:, None] & j_valid[None, :], EVEN_K, 0),
+            _load(w_scales + k0 // 16, n_valid[:, None] & s_valid[None, :], EVEN_K, 0),
             BLOCK_N,
             BLOCK_K,
             EMULATE_BF16,
@@ -375,7 +383,7 @@ def gemm2_combine_kernel(
         )
         acc = _mma(a_even, w_even, acc, EMULATE_BF16)
         acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)
-    acc = acc * tl.load(alpha_ptr + expert)
+    acc = tl.trans(acc) * tl.load(alpha_ptr + expert)
     if not SCALE_INPUT:
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
     out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]

@@ -34,15 +34,15 @@ from fp4kit.routing import RoutingSpec
 class KernelConfig:
     block_m: int = 16
     block_n1: int = 32  # GEMM1 output columns per program (for each of gate and up)
-    block_n2: int = 64
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
+    block_n2: int = 32
+    block_k: int = 128
+    num_warps: int = 2
+    num_stages: int = 3
     fast_dequant: bool = True  # PTX nibble decode on a GPU (integer math under the interpreter regardless)
 
 
 DECODE_CONFIG = KernelConfig()
-PREFILL_CONFIG = KernelConfig(block_m=64, block_n1=64, block_n2=128, block_k=128, num_warps=8, num_stages=3)
+PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3)
 
 
 def default_config(num_pairs: int, num_experts: int) -> KernelConfig:
@@ -185,6 +185,7 @@ def fused_moe(
         inter, num_pairs, top_k, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
         EMULATE_BF16=emulate_bf16, FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
+        EVEN_K=hidden_size % block_k1 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
@@ -196,7 +197,7 @@ def fused_moe(
         moe_weights.w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
         num_pairs, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
-        FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
+        FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16, EVEN_K=inter_size % block_k2 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
