@@ -21,8 +21,8 @@ def run(
     Exit 0 done, 1 a verify check failed, 2 invalid recipe or input."""
     from rich.console import Console
 
-    from fp4kit.run import run_loaded
     from fp4kit.recipe import load_recipe
+    from fp4kit.run import run_loaded
 
     loaded = load_recipe(recipe, set_ or [])
     console = Console(stderr=True, quiet=quiet)
@@ -32,7 +32,8 @@ def run(
     typer.echo(f"summary: {Path(summary.workdir) / 'summary.md'} and summary.json")
     verify = loaded.recipe.verify
     if summary.passed is False and verify is not None and verify.fail_run:
-        raise typer.Exit(1)
+        # not typer.Exit: under cli.main's standalone_mode=False click returns its code instead of exiting
+        raise SystemExit(1)
 
 
 def register(app: typer.Typer) -> None:
