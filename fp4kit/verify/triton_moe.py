@@ -42,7 +42,7 @@ class KernelConfig:
 
 
 DECODE_CONFIG = KernelConfig()
-PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=128, block_n2=128, block_k=128, num_warps=8, num_stages=3)
+PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=64, block_n2=128, block_k=128, num_warps=4, num_stages=3)
 
 
 def default_config(num_pairs: int, num_experts: int) -> KernelConfig:
