@@ -152,3 +152,11 @@ def test_failed_verify_exits_1_after_the_summary(recipe, uninterrupted, tmp_path
     assert exit_.value.code == 1
     assert json.loads((workdir / "summary.json").read_text())["passed"] is False
     assert "FAIL" in (workdir / "summary.md").read_text()
+
+
+def test_repair_step_rewrites_the_dialect_for_the_later_steps(recipe, tmp_path):
+    workdir = tmp_path / "work"
+    summary = run_recipe(recipe, ["repair.to=modelopt", "repair.fix=false"], workdir)
+    assert [s.name for s in summary.steps] == ["quantize", "repair", "layout", "shard", "verify"]
+    assert (workdir / "repair" / "hf_quant_config.json").is_file()
+    assert summary.passed and summary.verify and summary.verify["checkpoint"] == str(workdir / "repair")
