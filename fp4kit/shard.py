@@ -210,8 +210,8 @@ def shard_checkpoint(
         copier = ShardCopier(moved)
         try:
             for rank, layout in layouts.items():
-                for file, (runs, writes) in file_jobs(layout, by_owner[rank], scales).items():
-                    copier.fill(layout.directory / file, runs, writes)
+                for job in file_jobs(layout, by_owner[rank], scales):
+                    copier.fill(job)
             checksums = copier.results()
         finally:
             copier.close()

@@ -135,7 +135,7 @@ def read_bytes(tensor: SourceTensor) -> bytes:
 class ShardLayout:
     """Output shards of one directory for ``tensors`` (in that order), named ``{stem}-0000i-of-0000n.safetensors``:
     split at ``max_shard_bytes`` like fp4kit.checkpoint.ShardWriter, headers written, files sized; the data is
-    placed afterwards at ``slots[name] = (file, absolute offset)``."""
+    placed afterwards at ``slots[name] = (file, absolute offset)``; ``heads[file]`` is what precedes it."""
 
     def __init__(self, directory: Path, tensors: list[SourceTensor], max_shard_bytes: int, stem: str):
         groups: list[list[SourceTensor]] = [[]]
@@ -150,6 +150,7 @@ class ShardLayout:
         self.directory = directory
         self.files = [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
         self.slots: dict[str, tuple[str, int]] = {}
+        self.heads: dict[str, bytes] = {}  # file -> its first bytes: length prefix and header
         self.total_bytes = 0
         for fname, group in zip(self.files, groups, strict=True):
             header: dict[str, object] = {"__metadata__": {"format": "pt", "producer": "fp4kit"}}
@@ -160,8 +161,9 @@ class ShardLayout:
             header_bytes = json.dumps(header, separators=(",", ":")).encode()
             header_bytes += b" " * (-len(header_bytes) % 8)
             data_start = 8 + len(header_bytes)
+            self.heads[fname] = struct.pack("<Q", len(header_bytes)) + header_bytes
             with open(directory / fname, "wb") as f:
-                f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+                f.write(self.heads[fname])
                 f.truncate(data_start + offset)
             for t in group:
                 self.slots[t.name] = (fname, data_start + header[t.name]["data_offsets"][0])  # type: ignore[index]

@@ -8,13 +8,16 @@ Qwen3-30B-A3B's shapes (fp4kit.synthetic's tensor plan: hidden 2048, moe_interme
 weights, because quantizing on a small CPU box takes minutes and sharding never looks at the values. --bf16 shards
 fp4kit.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses (DESIGN.md §10):
 
-  copy    cp -r SRC DST: the I/O floor for writing the same bytes
-  shard   python -m fp4kit shard SRC DST --ep N --placement P (balanced: skewed synthetic routing statistics)
+  copy         cp -r SRC DST: the I/O floor for writing the same bytes (the anchor of the >= 0.8x target)
+  copy+sha256  cp -r SRC DST, then sha256sum of every copied file: a copy with the integrity record shard writes
+  shard        python -m fp4kit shard SRC DST --ep N --placement P (balanced: skewed synthetic routing statistics)
 
 One run = the process's wall time plus an fsync of every file it wrote (fp4kit fsyncs its shards itself; cp does not,
 so without it cp would be credited with unflushed writes). Before every run the source is read once into the page
 cache (untimed) and the previous output is deleted. Reported: median of R runs, the ratio copy / shard (>= 1 means
-shard is as fast as a copy), peak RSS (/usr/bin/time -v) and the disk use of the output (hard links counted once).
+shard is as fast as a copy), CPU seconds (user + system), peak RSS (/usr/bin/time -v), the disk use of the output
+(hard links counted once) and the machine's load average, since on a shared box other processes' load slows the
+CPU-bound part (checksumming) far more than cp's in-kernel copy.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,16 +109,16 @@ def fsync_tree(root: Path) -> None:
             os.close(fd)
 
 
-def timed(command: list[str], out: Path) -> tuple[float, int]:
-    """(wall seconds including fsync of the output, peak RSS in bytes) of one process."""
+def timed(command: list[str], out: Path) -> tuple[float, int, float]:
+    """(wall seconds including fsync of the output, peak RSS in bytes, CPU seconds) of one process."""
     with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
         start = time.perf_counter()
         subprocess.run([TIME_BIN, "-v", "-o", log.name, *command], check=True)
         fsync_tree(out)
         seconds = time.perf_counter() - start
-        rss_kb = next(int(line.rsplit(":", 1)[1]) for line in log.read().splitlines()
-                      if "Maximum resident set size" in line)
-    return seconds, rss_kb * 1024
+        fields = dict(line.strip().rsplit(": ", 1) for line in log.read().splitlines() if ": " in line)
+    cpu = float(fields["User time (seconds)"]) + float(fields["System time (seconds)"])
+    return seconds, int(fields["Maximum resident set size (kbytes)"]) * 1024, cpu
 
 
 def disk_bytes(root: Path) -> int:
@@ -143,31 +145,40 @@ def main() -> None:
                  "--placement", args.placement, "--quiet", "--overwrite"]
     if args.placement == "balanced":
         shard_cmd += ["--stats", str(skewed_stats(src, args.workdir / "stats.json"))]
-    commands = {"copy": ["cp", "-r", str(src), str(copy_dst)], "shard": shard_cmd}
-    outputs = {"copy": copy_dst, "shard": shard_dst}
-    runs: dict[str, list[tuple[float, int]]] = {"copy": [], "shard": []}
+    checked_copy = f"cp -r {src} {copy_dst} && find {copy_dst} -type f -exec sha256sum {{}} + > /dev/null"
+    commands = {"copy": ["cp", "-r", str(src), str(copy_dst)], "copy+sha256": ["sh", "-c", checked_copy],
+                "shard": shard_cmd}
+    outputs = {"copy": copy_dst, "copy+sha256": copy_dst, "shard": shard_dst}
+    runs: dict[str, list[tuple[float, int, float]]] = {tool: [] for tool in commands}
+    load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
-        for tool in ("copy", "shard"):  # interleaved, so drift in the machine's load hits both alike
+        for tool in commands:  # interleaved, so drift in the machine's load hits every tool alike
             shutil.rmtree(outputs[tool], ignore_errors=True)
             warm(src)
             runs[tool].append(timed(commands[tool], outputs[tool]))
+    load_after = os.getloadavg()[0]
     results = {}
     for tool, measured in runs.items():
-        seconds = statistics.median(s for s, _ in measured)
-        rss = sorted(measured)[len(measured) // 2][1]
-        results[tool] = {"seconds": seconds, "all_seconds": [s for s, _ in measured], "peak_rss_bytes": rss,
-                         "gb_per_s": source_bytes / seconds / 1e9, "disk_bytes": disk_bytes(outputs[tool])}
+        median_run = sorted(measured)[len(measured) // 2]
+        results[tool] = {"seconds": median_run[0], "all_seconds": [m[0] for m in measured],
+                         "cpu_seconds": median_run[2], "peak_rss_bytes": median_run[1],
+                         "gb_per_s": source_bytes / median_run[0] / 1e9}
+        if tool != "copy+sha256":
+            results[tool]["disk_bytes"] = disk_bytes(outputs[tool])
     ratio = results["copy"]["seconds"] / results["shard"]["seconds"]
+    ratio_checked = results["copy+sha256"]["seconds"] / results["shard"]["seconds"]
     summary = {"source": src.name, "source_bytes": source_bytes, "ep": args.ep, "placement": args.placement,
                "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-               "results": results, "shard_speed_vs_copy": ratio}
+               "load_average": [load_before, load_after], "results": results, "shard_speed_vs_copy": ratio,
+               "shard_speed_vs_checksummed_copy": ratio_checked}
     print(f"source {src.name}: {source_bytes / 1e9:.2f} GB; --ep {args.ep} --placement {args.placement}; "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; {os.cpu_count()} CPUs, load average {load_before:.1f} -> {load_after:.1f}")
     for tool, r in results.items():
-        print(f"  {tool:5s} {r['seconds']:7.2f} s  {r['gb_per_s']:.3f} GB/s  "
-              f"peak RSS {r['peak_rss_bytes'] / 1e6:7.0f} MB  disk {r['disk_bytes'] / 1e9:.2f} GB  "
-              f"runs {', '.join(f'{s:.2f}' for s in r['all_seconds'])}")
-    print(f"  shard runs at {ratio:.2f}x the speed of a plain copy (target >= 0.8x)")
+        disk = f"  disk {r['disk_bytes'] / 1e9:.2f} GB" if "disk_bytes" in r else ""
+        print(f"  {tool:11s} {r['seconds']:7.2f} s  {r['gb_per_s']:.3f} GB/s  CPU {r['cpu_seconds']:5.1f} s  "
+              f"peak RSS {r['peak_rss_bytes'] / 1e6:5.0f} MB{disk}  runs "
+              + ", ".join(f"{s:.1f}" for s in r["all_seconds"]))
+    print(f"  shard: {ratio:.2f}x the speed of a plain copy (target >= 0.8x), {ratio_checked:.2f}x a checksummed copy")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
 

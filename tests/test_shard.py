@@ -366,11 +366,11 @@ def test_interrupted_run_leaves_nothing_and_rerun_finishes(quantized, tmp_path, 
     src, dst = quantized("glm4_moe"), tmp_path / "out"
     original, calls = shard_copy.ShardCopier.fill, []
 
-    def dying_fill(self, path, runs, tensors):
-        calls.append(path)
+    def dying_fill(self, job):
+        calls.append(job.path)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        original(self, path, runs, tensors)
+        original(self, job)
 
     monkeypatch.setattr(shard_copy.ShardCopier, "fill", dying_fill)
     with pytest.raises(KeyboardInterrupt):
