@@ -5,6 +5,9 @@ change. Per-tensor scales go through the canonical float64 divisor (fp4kit/forma
 fp32 cannot carry in the target form are kept exact). One tensor group at a time is in memory: a reader thread reads
 and re-encodes the next groups while the main thread writes, through a queue of bounded depth.
 
+With ``repair``, fused groups are put on one weight global scale and expert projections on one input scale first
+(fp4kit/repair.py); that changes values by at most half an FP8 block-scale step and is reported.
+
 Llama-4 experts become ModelOpt's fused [E, K/2, N] tensors when every expert of the layer shares the weight and
 input scales (as ModelOpt's own export does); otherwise they stay per-expert, which vLLM also loads, since fusing
 them would change values.
@@ -41,6 +44,7 @@ from fp4kit.formats.detect import (
 )
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.output import atomic_directory, check_destination
+from fp4kit.repair import RepairReport, rescale, unified_scales
 
 QUEUE_DEPTH = 4
 _LLAMA4_EXPERT = re.compile(
@@ -73,15 +77,19 @@ class ConvertReport:
     output_files: list[str]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    repair: RepairReport | None = None
 
 
-def _scales(ckpt: QuantizedCheckpoint) -> dict[str, torch.Tensor]:
-    """Every per-tensor scale of the source as a canonical divisor, keyed by source tensor name (tiny reads)."""
-    names = {n for m in ckpt.modules for n in (m.global_scale, m.input_scale) if n}
-    return {name: ckpt.divisor(name) for name in sorted(names)}
+Scales = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # module -> (weight divisor, input divisor)
 
 
-def _fused_jobs(ckpt: QuantizedCheckpoint, scales: dict[str, torch.Tensor]) -> tuple[list[FusedJob], list[str]]:
+def _scales(ckpt: QuantizedCheckpoint) -> Scales:
+    """Every module's per-tensor scales as canonical divisors (tiny reads, done before any data moves)."""
+    return {m.name: (ckpt.divisor(m.global_scale), m.input_scale and ckpt.divisor(m.input_scale))
+            for m in ckpt.modules}
+
+
+def _fused_jobs(ckpt: QuantizedCheckpoint, scales: Scales) -> tuple[list[FusedJob], list[str]]:
     """Llama-4 expert Linears that can be written in ModelOpt's fused layout without changing a value."""
     by_leaf: dict[tuple[str, str], dict[int, dict[str, QuantModule]]] = {}
     for m in ckpt.modules:
@@ -99,8 +107,8 @@ def _fused_jobs(ckpt: QuantizedCheckpoint, scales: dict[str, torch.Tensor]) -> t
         if len({(m.out_features, m.in_features) for m in members}) != 1:
             notes.append(f"{experts}.{leaf}: experts differ in shape; kept per-expert")
             continue
-        weights = [torch.equal(scales[m.global_scale], scales[members[0].global_scale]) for m in members]
-        inputs = [None if m.input_scale is None else scales[m.input_scale] for m in members]
+        weights = [torch.equal(scales[m.name][0], scales[members[0].name][0]) for m in members]
+        inputs = [scales[m.name][1] for m in members]
         same_inputs = all(i is None for i in inputs) or (
             all(i is not None for i in inputs) and all(torch.equal(i, inputs[0]) for i in inputs))  # type: ignore
         if not (all(weights) and same_inputs):
@@ -148,41 +156,55 @@ def _planned(job: Job, target: str, ckpt: QuantizedCheckpoint) -> list[PlannedTe
     return fmt.planned(job.name, job.out_features, job.in_features, job.input_scale is not None)
 
 
-def _encode(job: Job, target: str, ckpt: QuantizedCheckpoint) -> dict[str, torch.Tensor]:
+def _read(ckpt: QuantizedCheckpoint, module: QuantModule, scales: Scales,
+          repaired: RepairReport | None) -> tuple[NVFP4Tensor, torch.Tensor | None]:
+    """A module's weight on its (possibly repaired) divisor, and its input divisor."""
+    weight = ckpt.read_weight(module)
+    weight_div, input_div = scales[module.name]
+    if not torch.equal(weight.global_scale_div, weight_div):
+        weight, change = rescale(weight, weight_div)
+        if repaired is not None:
+            repaired.modules_changed.append(module.name)
+            repaired.max_abs_change = max(repaired.max_abs_change, change)
+    return weight, input_div
+
+
+def _encode(job: Job, target: str, ckpt: QuantizedCheckpoint, scales: Scales,
+            repaired: RepairReport | None) -> dict[str, torch.Tensor]:
     if isinstance(job, str):
         return {job: ckpt.reader.read(job)}
     if isinstance(job, FusedJob):
         per_expert = 2 if job.leaf == "gate_up_proj" else 1
         weights, inputs = [], []
         for i in range(0, len(job.members), per_expert):
-            parts = [ckpt.read(m) for m in job.members[i : i + per_expert]]
+            parts = [_read(ckpt, m, scales, repaired) for m in job.members[i : i + per_expert]]
             weights.append(NVFP4Tensor(torch.cat([w.packed for w, _ in parts]),
                                        torch.cat([w.block_scale for w, _ in parts]), parts[0][0].global_scale_div))
             inputs.append(parts[0][1])
         return mo.encode_fused(job.experts, job.leaf, weights, inputs)
-    weight, input_div = ckpt.read(job)
+    weight, input_div = _read(ckpt, job, scales, repaired)
     return (ct if target == CT else mo).encode(job.name, weight, input_div)
 
 
-def _scale_names(job: Job, target: str) -> dict[str, str]:
-    """Target scale tensor name -> the source scale tensor whose value it holds."""
+def _scale_names(job: Job, target: str) -> dict[str, tuple[str, int]]:
+    """Target scale tensor name -> (module, 0 for its weight / 1 for its input divisor) whose value it holds."""
     if isinstance(job, str):
         return {}
     if isinstance(job, FusedJob):
         names = mo.fused_names(job.experts, job.leaf)
         first = job.members[0]
-        out = {names[mo.GLOBAL_SCALE]: first.global_scale}
-        return out | ({names[mo.INPUT_SCALE]: first.input_scale} if first.input_scale else {})
+        out = {names[mo.GLOBAL_SCALE]: (first.name, 0)}
+        return out | ({names[mo.INPUT_SCALE]: (first.name, 1)} if first.input_scale else {})
     suffixes = {CT: (".weight_global_scale", ".input_global_scale"), MO: (".weight_scale_2", ".input_scale")}[target]
-    out = {job.name + suffixes[0]: job.global_scale}
-    return out | ({job.name + suffixes[1]: job.input_scale} if job.input_scale else {})
+    out = {job.name + suffixes[0]: (job.name, 0)}
+    return out | ({job.name + suffixes[1]: (job.name, 1)} if job.input_scale else {})
 
 
-def _exact_records(jobs: list[Job], target: str, scales: dict[str, torch.Tensor]) -> dict[str, str]:
+def _exact_records(jobs: list[Job], target: str, scales: Scales) -> dict[str, str]:
     pairs = [(out, src) for job in jobs for out, src in _scale_names(job, target).items()]
     if not pairs:
         return {}
-    values = torch.stack([scales[src] for _, src in pairs])
+    values = torch.stack([scales[module][index] for _, (module, index) in pairs])  # type: ignore[misc]
     needed = needs_exact_record(target, values)
     return {out: float(values[i]).hex() for i, (out, _) in enumerate(pairs) if needed[i]}
 
@@ -230,8 +252,10 @@ def convert_checkpoint(
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 10**9,
     progress: Callable[[int, int], None] | None = None,
+    repair: bool = False,
 ) -> ConvertReport:
-    """Rewrite NVFP4 checkpoint ``src`` in dialect ``to`` into ``dst`` (created atomically)."""
+    """Rewrite NVFP4 checkpoint ``src`` in dialect ``to`` into ``dst`` (created atomically); ``repair`` unifies
+    fused-group weight scales and per-projection expert input scales (fp4kit/repair.py)."""
     if to not in DIALECTS:
         raise Fp4kitError(f"unknown dialect {to!r}; choose one of {', '.join(DIALECTS)}")
     start = time.perf_counter()
@@ -243,6 +267,9 @@ def convert_checkpoint(
             raise Fp4kitError(f"{missing[0]}: missing input scale tensor in a W4A4 checkpoint "
                               f"({len(missing)} modules lack one)")
         scales = _scales(ckpt)
+        repaired = RepairReport() if repair else None
+        if repaired is not None:
+            scales = unified_scales(scales, repaired)
         fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.name == "llama4" \
             else ([], [])
         in_fused = {id(m) for job in fused for m in job.members}
@@ -257,7 +284,7 @@ def convert_checkpoint(
                                  metadata=metadata)
             done = 0
             try:
-                for tensors in _pipelined(jobs, lambda job: _encode(job, to, ckpt)):
+                for tensors in _pipelined(jobs, lambda job: _encode(job, to, ckpt, scales, repaired)):
                     for name, tensor in tensors.items():
                         writer.write(name, tensor)
                         done += tensor.numel() * tensor.element_size()
@@ -281,5 +308,5 @@ def convert_checkpoint(
         family=ckpt.family.name if ckpt.family else "unknown", quantized_modules=len(ckpt.modules),
         fused_tensors=len(fused), passthrough_tensors=len(ckpt.passthrough), exact_scales_recorded=len(exact),
         input_bytes=input_bytes, output_bytes=writer.total_bytes, output_files=writer.files,
-        seconds=time.perf_counter() - start, notes=notes,
+        seconds=time.perf_counter() - start, notes=notes, repair=repaired,
     )

@@ -206,3 +206,35 @@ def test_bad_input_exits_2_with_one_line(case, message, monkeypatch, capsys, tin
     assert code == 2, out
     assert message in out and out.startswith("error: ") and out.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def dequantized_blocks(weight) -> torch.Tensor:
+    from fp4kit.nvfp4 import BLOCK, unpack_e2m1
+
+    values = unpack_e2m1(weight.packed).double().unflatten(-1, (-1, BLOCK))
+    return values * (weight.block_scale.double() * weight.global_scale_div).unsqueeze(-1)
+
+
+def test_repair_removes_every_mismatch_within_half_an_fp8_step(tiny_nvfp4a16, tmp_path):
+    from fp4kit.inspect import inspect_checkpoint
+
+    w4a4 = with_input_scales(tiny_nvfp4a16("qwen3_moe"), tmp_path / "w4a4")  # per-expert input scales: spread
+    bad = rewrite(w4a4, tmp_path / "bad", lambda t: t.update({  # gate/up and q/k/v mismatches, not powers of 2
+        f"{EXPERT0}.up_proj.weight_global_scale": t[f"{EXPERT0}.up_proj.weight_global_scale"] * 1.37,
+        "model.layers.1.self_attn.v_proj.weight_global_scale":
+            t["model.layers.1.self_attn.v_proj.weight_global_scale"] * 0.61}))
+    before = {p.check for p in inspect_checkpoint(bad).problems}
+    assert {"fused_scale_mismatch", "expert_input_scale_spread"} <= before
+    report = convert_checkpoint(bad, tmp_path / "fixed", MO, repair=True)
+    assert report.repair.weight_groups_unified == 2 and report.repair.input_groups_unified >= 4
+    assert inspect_checkpoint(tmp_path / "fixed").clean
+    with open_checkpoint(bad) as a, open_checkpoint(tmp_path / "fixed") as b:
+        fixed = {m.name: m for m in b.modules}
+        for m in a.modules:
+            old, new = a.read_weight(m), b.read_weight(fixed[m.name])
+            # one FP8 E4M3 step of each new block scale: 2^(exponent - 3), subnormals 2^-9
+            exponent = torch.floor(torch.log2(new.block_scale.double().clamp(min=2.0**-6)))
+            step = 2.0 ** (exponent - 3) * float(new.global_scale_div)
+            change = (dequantized_blocks(new) - dequantized_blocks(old)).abs().amax(-1)
+            assert (change <= 6 * step / 2 * (1 + 1e-9)).all(), m.name
+    assert 0 < report.repair.max_abs_change and f"{EXPERT0}.up_proj" in report.repair.modules_changed

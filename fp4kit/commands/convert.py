@@ -15,6 +15,9 @@ def convert(
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
     to: Annotated[str, typer.Option("--to", help="target dialect: compressed-tensors or modelopt")],
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    repair: Annotated[bool, typer.Option(
+        help="one weight global scale per fused group (q/k/v, gate/up) and one input scale per expert projection; "
+             "moves values by at most half an FP8 block-scale step")] = False,
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
@@ -23,12 +26,17 @@ def convert(
     from fp4kit.convert import convert_checkpoint
 
     shard_bytes = parse_size(max_shard_size)
-    report = with_progress(lambda progress: convert_checkpoint(src, dst, to, overwrite, shard_bytes, progress),
+    report = with_progress(lambda progress: convert_checkpoint(src, dst, to, overwrite, shard_bytes, progress, repair),
                            quiet, "converting")
     if quiet:
         return
     for note in report.notes:
         typer.echo(f"note: {note}")
+    if report.repair is not None:
+        r = report.repair
+        typer.echo(f"repair: {r.weight_groups_unified} fused groups put on one weight scale, "
+                   f"{r.input_groups_unified} input-scale groups unified, {len(r.modules_changed)} Linears "
+                   f"rescaled, largest change of a dequantized weight {r.max_abs_change:.3g}")
     rate = report.input_bytes / max(report.seconds, 1e-9)
     fused = f", {report.fused_tensors} fused expert tensors" if report.fused_tensors else ""
     exact = f", {report.exact_scales_recorded} exact scales kept in metadata" if report.exact_scales_recorded else ""
