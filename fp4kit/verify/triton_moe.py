@@ -177,7 +177,7 @@ def fused_moe(
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
     no_scale = moe_weights.alpha13  # any fp32 tensor: never read in W4A16 mode
-    kernels.gemm1_swiglu_kernel[(max_blocks, triton_cdiv(inter_size, block_n1))](
+    kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1))](
         hidden, flat_weights, sorted_pairs, block_expert, num_padded,
         moe_weights.w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act13_gmul if moe_weights.w4a4 else no_scale,
@@ -192,7 +192,7 @@ def fused_moe(
     block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
     alloc = torch.zeros if expert_mask is not None else torch.empty
     pair_out = alloc(num_pairs, hidden_size, dtype=torch.float32, device=device)
-    kernels.gemm2_combine_kernel[(max_blocks, triton_cdiv(hidden_size, block_n2))](
+    kernels.gemm2_combine_kernel[(max_blocks, _cdiv(hidden_size, block_n2))](
         inter, flat_weights, sorted_pairs, block_expert, num_padded,
         moe_weights.w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
         num_pairs, hidden_size, inter_size,
@@ -203,7 +203,7 @@ def fused_moe(
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
