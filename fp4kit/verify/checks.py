@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.nvfp4 import GLOBAL_NUMERATOR
 from fp4kit.routing import RoutingSpec, route
 from fp4kit.verify.backends import BACKENDS, ActivationDiv, Runner, dequantized
 from fp4kit.verify.moe_layer import (
@@ -38,6 +39,7 @@ DEFAULT_TOL_SOURCE = {"w4a16": 0.25, "w4a4": 0.35}
 TOL_EP = 1e-5
 EXPERT_SAMPLE_TOKENS = 64
 SIDE_CHECK_TOKENS = 256  # the largest batch the layout and EP checks use
+UNIT_BATCH_AMAX = 5.0  # about the largest |x| of a few thousand N(0, 1) rows of a few thousand values
 
 
 @dataclass
@@ -122,7 +124,12 @@ class LayerVerifier:
 
     def _hidden(self, num_tokens: int, salt: int = 0) -> Tensor:
         seed = ((self.options.seed * 1_000_003 + self.moe.layer) * 100_003 + num_tokens) * 7 + salt
-        return random_hidden(num_tokens, self.moe.w13.shape[2], seed, self.device)
+        hidden = random_hidden(num_tokens, self.moe.w13.shape[2], seed, self.device)
+        if self.act is not None:
+            # W4A4: bring unit-scale states to the range the static activation scales were calibrated for
+            calibrated_amax = float(self.act[0].median()) * GLOBAL_NUMERATOR
+            hidden = (hidden * (calibrated_amax / UNIT_BATCH_AMAX)).to(torch.bfloat16).float()
+        return hidden
 
     def kernels_and_source(self, source: SourceMoe | None) -> None:
         tol_source = self.options.tol_source or DEFAULT_TOL_SOURCE[self.mode]
@@ -163,13 +170,11 @@ class LayerVerifier:
             self._expert_errors(source, tol_source)
 
     def _expert_errors(self, source: SourceMoe, tolerance: float) -> None:
-        from fp4kit.verify.reference import dequantize_experts
-
         hidden = self._hidden(EXPERT_SAMPLE_TOKENS, salt=1)
-        w13, w2 = dequantize_experts(self.moe.w13), dequantize_experts(self.moe.w2)
+        w13, w2 = dequantized(self.moe, self.device)
         errors = [
             relative_error(
-                swiglu_mlp(hidden, w13[e].to(self.device), w2[e].to(self.device)),
+                swiglu_mlp(hidden, w13[e], w2[e]),
                 swiglu_mlp(hidden, source.w13[e].to(self.device), source.w2[e].to(self.device)),
             )
             for e in range(self.moe.num_experts)
