@@ -197,14 +197,14 @@ class _AmaxRecorder:
             return
         hidden_amax = hidden.abs().amax()
         for e, (gate_name, up_name, down_name) in enumerate(names):
+            weight = experts.gate_up_proj[e]
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
                 x = hidden * torch.sigmoid(logits[:, e : e + 1].float()).to(hidden.dtype)
                 x_amax = x.abs().amax()
-                gate_up = x @ experts.gate_up_proj[e]
+                weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
             else:
-                x_amax = hidden_amax
-                gate_up = nn.functional.linear(hidden, experts.gate_up_proj[e])
-            gate, up = gate_up.chunk(2, dim=-1)
+                x, x_amax = hidden, hidden_amax
+            gate, up = _matmul(x, weight).chunk(2, dim=-1)
             self._update(gate_name, x_amax)
             self._update(up_name, x_amax)
             self._update(down_name, (experts.act_fn(gate) * up).abs().amax())
@@ -217,6 +217,14 @@ class _AmaxRecorder:
                 result.input_amax[name] = float(amax)
         if self.counts is not None:
             result.routing_counts[index] = [int(c) for c in self.counts.cpu()]
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in x's dtype. Half-precision matmuls on CPUs without bf16 units are several times slower than
+    fp32 ones: there, multiply in fp32 and round the product once, as a bf16 GEMM with fp32 accumulation does."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return nn.functional.linear(x.float(), weight.float()).to(x.dtype)
+    return nn.functional.linear(x, weight)
 
 
 def _checkpoint_dtype(src: Path) -> torch.dtype:
@@ -252,6 +260,10 @@ def calibrate(
     result = CalibrationResult()
     with CheckpointReader(src) as reader:
         text = _text_model(reader, src, dtype, torch_device)
+        vocab_size = text.model.config.vocab_size
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+            raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
+                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
         hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size)
         for index in range(len(text.layers)):
             layer = _load_layer(text, reader, index, dtype, torch_device)
