@@ -12,6 +12,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.verify.backends import BACKENDS, enable_triton_interpreter
 from fp4kit.verify.checks import DEFAULT_TOL_SOURCE, LayerVerifier, VerifyOptions, activation_divisors, load_source
 from fp4kit.verify.moe_layer import QuantizedModel
+from fp4kit.verify.output_checks import check_expert_parallel, check_layouts
 from fp4kit.verify.report import BackendStatus, VerifyReport
 
 MODES = ("w4a16", "w4a4")
@@ -129,9 +130,9 @@ def verify_checkpoint(
             source = load_source(options, moe)
             verifier.kernels_and_source(source)
             verifier.routing_robustness()
-            verifier.layouts(source)
+            check_layouts(verifier, source)
             if options.ep_shards is not None:
-                verifier.expert_parallel(Path(options.ep_shards))
+                check_expert_parallel(verifier, Path(options.ep_shards))
             report.results.extend(verifier.results)
             if progress:
                 progress(done + 1, len(layers))

@@ -1,0 +1,159 @@
+"""Checks of what was made from a checkpoint: layout outputs (undone, bit for bit against the checkpoint, and
+against the BF16 source) and EP splits (every expert on one rank, rank outputs summing to the unsharded output)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.routing import route
+from fp4kit.verify.backends import BACKENDS, dequantized
+from fp4kit.verify.checks import (
+    DEFAULT_TOL_SOURCE,
+    SIDE_CHECK_TOKENS,
+    TOL_EP,
+    LayerVerifier,
+    activation_divisors,
+    relative_error,
+    route_batch,
+    shared_output,
+)
+from fp4kit.verify.moe_layer import QuantizedMoe, SourceMoe, layout_transform, read_rank_layer, undo_layout
+from fp4kit.verify.reference import moe_reference
+
+
+def check_layouts(v: LayerVerifier, source: SourceMoe | None) -> None:
+    moe = v.moe
+    if v.model.layout is not None:
+        stored, rebuilt = layout_transform(
+            v.model.root, moe.layer, moe.w13, moe.w2, moe.input_div13, moe.input_div2
+        )
+        differ = [k for k in stored if not _same_bytes(stored[k], rebuilt[k])]
+        v.add(
+            "layout",
+            f"{v.model.root.name} (round trip)",
+            not differ,
+            detail=f"transform(undo) differs in {', '.join(differ)}" if differ else "bit exact",
+        )
+    for path in v.options.layouts:
+        try:
+            w13, w2, div13, div2 = undo_layout(path, moe.layer)
+        except Fp4kitError as exc:
+            v.add("layout", str(path), False, detail=f"undo failed: {exc}")
+            continue
+        differ = _canonical_differences(moe, w13, w2, div13, div2)
+        v.add(
+            "layout",
+            str(path),
+            not differ,
+            detail=("differs from the checkpoint: " + "; ".join(differ)) if differ else "bit exact",
+        )
+        if source is not None:
+            undone = QuantizedMoe(moe.layer, moe.experts_module, w13, w2, div13, div2, moe.router, moe.shared)
+            _layout_source_error(v, str(path), undone, source)
+
+def _layout_source_error(v: LayerVerifier, target: str, undone: QuantizedMoe, source: SourceMoe) -> None:
+    num_tokens = min(max(v.options.tokens), SIDE_CHECK_TOKENS)
+    hidden = v.hidden_states(num_tokens)
+    logits, weights, ids = route_batch(undone, hidden, v.spec)
+    run = BACKENDS["reference"].prepare(undone, v.spec, activation_divisors(undone, v.mode), v.device)
+    got = run(hidden, weights, ids, logits) + shared_output(undone.shared, hidden)
+    _, src_weights, src_ids = route_batch(source, hidden, v.spec)
+    expected = moe_reference(
+        hidden, src_weights, src_ids, source.w13.to(v.device), source.w2.to(v.device), v.spec
+    ) + shared_output(source.shared, hidden)
+    tolerance = v.options.tol_source or DEFAULT_TOL_SOURCE[v.mode]
+    error = relative_error(got, expected)
+    v.add("layout-source", target, error <= tolerance, error=error, tolerance=tolerance, tokens=num_tokens)
+
+def check_expert_parallel(v: LayerVerifier, shards: Path) -> None:
+    moe, target = v.moe, str(shards)
+    rank_dirs = rank_directories(shards)
+    ranks = [read_rank_layer(d, r, moe.layer, moe.experts_module, moe.num_experts) for r, d in enumerate(rank_dirs)]
+    problems = []
+    for rank in ranks:
+        for e in (rank.mapped & ~rank.held).nonzero().flatten().tolist():
+            problems.append(f"rank {rank.rank}: expert {e} is in its expert_map but its tensors are missing")
+        for e in (rank.held & ~rank.mapped).nonzero().flatten().tolist():
+            problems.append(f"rank {rank.rank}: holds expert {e}, which its expert_map does not list")
+    owners = torch.stack([r.mapped & r.held for r in ranks]).sum(dim=0)
+    problems += [f"expert {e} is on {int(owners[e])} ranks" for e in range(moe.num_experts) if owners[e] != 1]
+    v.add("ep", f"{target} ({len(ranks)} ranks)", not problems, detail="; ".join(problems[:4]))
+    num_tokens = min(max(v.options.tokens), SIDE_CHECK_TOKENS)
+    hidden = v.hidden_states(num_tokens, salt=3)
+    logits, weights, ids = route_batch(moe, hidden, v.spec)
+    full = BACKENDS["reference"].prepare(
+        moe, v.spec, activation_divisors(moe, v.mode, unified=True), v.device
+    )(hidden, weights, ids, logits)
+    total = torch.zeros_like(full)
+    for rank in ranks:
+        w13, w2 = dequantized(rank.moe, v.device)
+        rank_logits = rank.moe.router.logits(hidden)
+        bias = rank.moe.router.correction_bias
+        rank_weights, rank_ids = route(rank_logits, v.spec, None if bias is None else bias.to(v.device))
+        total += moe_reference(
+            hidden,
+            rank_weights,
+            rank_ids,
+            w13,
+            w2,
+            v.spec,
+            rank.mapped.to(v.device),
+            activation_global_div=activation_divisors(rank.moe, v.mode),
+        )
+    error = relative_error(total, full)
+    v.add(
+        "ep-sum",
+        f"{target} ({len(ranks)} ranks)",
+        error <= TOL_EP,
+        error=error,
+        tolerance=TOL_EP,
+        tokens=num_tokens,
+    )
+
+
+def rank_directories(shards: Path) -> list[Path]:
+    from fp4kit.shard import MANIFEST
+
+    manifest = shards / MANIFEST
+    try:
+        names = json.loads(manifest.read_text())["ranks"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        raise Fp4kitError(f"{shards}: not an EP split of `fp4kit shard` (no usable {MANIFEST} with ranks)") from None
+    return [shards / name for name in names]
+
+
+def _same_bytes(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8).flatten(), b.contiguous().view(torch.uint8).flatten())
+    )
+
+
+def _canonical_differences(moe: QuantizedMoe, w13, w2, div13: Tensor | None, div2: Tensor | None) -> list[str]:
+    pairs = {
+        "w13 packed": (moe.w13.packed, w13.packed),
+        "w13 block scales": (moe.w13.block_scale, w13.block_scale),
+        "w13 global scales": (moe.w13.global_scale_div, w13.global_scale_div),
+        "w2 packed": (moe.w2.packed, w2.packed),
+        "w2 block scales": (moe.w2.block_scale, w2.block_scale),
+        "w2 global scales": (moe.w2.global_scale_div, w2.global_scale_div),
+    }
+    if moe.input_div13 is not None and div13 is not None and moe.input_div2 is not None and div2 is not None:
+        pairs.update({"w13 input scales": (moe.input_div13, div13), "w2 input scales": (moe.input_div2, div2)})
+    differ = []
+    for what, (ours, theirs) in pairs.items():
+        if ours.shape != theirs.shape:
+            differ.append(f"{what}: shape {list(theirs.shape)} vs {list(ours.shape)}")
+            continue
+        flat_ours = ours.contiguous().view(torch.uint8).reshape(ours.shape[0], -1)
+        flat_theirs = theirs.contiguous().view(torch.uint8).reshape(theirs.shape[0], -1)
+        experts = (flat_ours != flat_theirs).any(dim=1).nonzero().flatten().tolist()
+        if experts:
+            differ.append(f"{what} of experts {experts[:8]}")
+    return differ
