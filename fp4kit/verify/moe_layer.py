@@ -233,8 +233,10 @@ class RankExperts:
     moe: QuantizedMoe  # non-held experts are all-zero weights with unit scales
 
 
-def read_rank_layer(rank_dir: str | Path, rank: int, layer: int, experts_module: str, num_experts: int) -> RankExperts:
-    """One EP rank's local experts of a layer, stacked at their global ids (zeros elsewhere)."""
+def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> RankExperts:
+    """One EP rank's local experts of the layer ``full`` (the unsharded one), stacked at their global ids, zero
+    weights elsewhere."""
+    layer, experts_module, num_experts = full.layer, full.experts_module, full.num_experts
     rank_dir = Path(rank_dir)
     try:
         expert_map = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"][str(layer)]
@@ -252,18 +254,13 @@ def read_rank_layer(rank_dir: str | Path, rank: int, layer: int, experts_module:
             if match and match["experts"] == experts_module:
                 found.setdefault(int(match["expert"]), {})[match["proj"]] = module
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
-        if not bool(held.any()):
-            raise Fp4kitError(f"{rank_dir}: no NVFP4 experts of {experts_module}")
-        moe = _stack_held(ckpt, found, held, layer, experts_module)
-        moe.router = _router(ckpt.reader, experts_module)
+        moe = _stack_held(ckpt, found, held, full)
     return RankExperts(rank, held, mapped, moe)
 
 
-def _stack_held(
-    ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModule]], held: Tensor, layer: int, experts_module: str
-) -> QuantizedMoe:
-    first = found[int(held.nonzero()[0])]
-    hidden, inter = first["gate_proj"].in_features, first["gate_proj"].out_features
+def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModule]], held: Tensor,
+                full: QuantizedMoe) -> QuantizedMoe:
+    hidden, inter = full.w13.shape[2], full.w2.shape[2]
     num = held.shape[0]
     w13 = NVFP4Tensor(
         torch.zeros(num, 2 * inter, hidden // 2, dtype=torch.uint8),
@@ -287,7 +284,7 @@ def _stack_held(
             has_input = False
         else:
             div13[e], div2[e] = gate_in, down_in
-    router = Router(torch.zeros(0), None)  # replaced by the caller
-    return QuantizedMoe(
-        layer, experts_module, w13, w2, div13 if has_input else None, div2 if has_input else None, router, None
-    )
+    router = _router(ckpt.reader, full.experts_module)
+    if not has_input:
+        div13 = div2 = None
+    return QuantizedMoe(full.layer, full.experts_module, w13, w2, div13, div2, router, None)

@@ -73,7 +73,7 @@ def _layout_source_error(v: LayerVerifier, target: str, undone: QuantizedMoe, so
 def check_expert_parallel(v: LayerVerifier, shards: Path) -> None:
     moe, target = v.moe, str(shards)
     rank_dirs = rank_directories(shards)
-    ranks = [read_rank_layer(d, r, moe.layer, moe.experts_module, moe.num_experts) for r, d in enumerate(rank_dirs)]
+    ranks = [read_rank_layer(d, r, moe) for r, d in enumerate(rank_dirs)]
     problems = []
     for rank in ranks:
         for e in (rank.mapped & ~rank.held).nonzero().flatten().tolist():
