@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp4kit.checkpoint import PlannedTensor, ShardWriter
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.quantize import quantize_checkpoint
-from fp4kit.synthetic import write_synthetic_qwen3_moe
+from fp4kit.synthetic import Qwen3MoeDims, qwen3_moe_config, write_synthetic_qwen3_moe
 
 
 def add_input_scales(src: Path, dst: Path) -> Path:
@@ -56,3 +57,38 @@ def shared_source(tmp_path_factory, hidden: int, intermediate: int) -> Path:
     if key not in _BUILT:
         _BUILT[key] = nvfp4_source(tmp_path_factory.mktemp(f"nvfp4-h{hidden}-i{intermediate}"), hidden, intermediate)
     return _BUILT[key]
+
+
+def random_moe_only_source(root: Path, layers: int, num_experts: int, hidden: int, intermediate: int) -> Path:
+    """A W4A4 compressed-tensors Qwen3-MoE holding only routed experts (random bytes) and routers: big layers, fast
+    to write, for measuring how memory grows with the number of layers."""
+    root.mkdir(parents=True)
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden),
+              "down_proj": (hidden, intermediate)}
+    plan = []
+    for layer in range(layers):
+        plan.append(PlannedTensor(f"model.layers.{layer}.mlp.gate.weight", torch.bfloat16, (num_experts, hidden)))
+        for e in range(num_experts):
+            for proj, (n, k) in shapes.items():
+                module = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+                plan += [PlannedTensor(f"{module}.weight_packed", torch.uint8, (n, k // 2)),
+                         PlannedTensor(f"{module}.weight_scale", torch.float8_e4m3fn, (n, k // 16)),
+                         PlannedTensor(f"{module}.weight_global_scale", torch.float32, (1,)),
+                         PlannedTensor(f"{module}.input_global_scale", torch.float32, (1,))]
+    writer = ShardWriter(root, plan, 10**12)
+    generator = torch.Generator().manual_seed(0)
+    for t in plan:
+        if t.dtype == torch.float32:
+            value = torch.full(t.shape, 2688.0)
+        elif t.dtype == torch.bfloat16:
+            value = torch.zeros(t.shape, dtype=t.dtype)
+        elif t.dtype == torch.float8_e4m3fn:
+            value = torch.randint(0x30, 0x50, t.shape, dtype=torch.uint8, generator=generator).view(t.dtype)
+        else:
+            value = torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator).view(t.dtype)
+        writer.write(t.name, value)
+    writer.finish()
+    config = qwen3_moe_config(Qwen3MoeDims(layers, hidden, intermediate, num_experts, top_k=2))
+    config["quantization_config"] = ct.quantization_config("nvfp4", [])
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    return root

@@ -5,12 +5,13 @@ left behind, also when a layer fails half-way through."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _layout_sources import shared_source
+from _layout_sources import random_moe_only_source, shared_source
 from safetensors.torch import load_file, save_file
 
 from fp4kit.checkpoint import DTYPES, CheckpointReader
@@ -116,3 +117,28 @@ def test_a_layer_failing_mid_stream_leaves_no_output(monkeypatch, capsys, w4a4, 
     code, err = run_cli(monkeypatch, capsys, "layout", source, out, "--backend", "trtllm")
     assert code == 2 and "experts.5: gate and up have different weight global scales" in err
     assert not out.exists() and not partial_dir(out).exists()
+
+
+RSS_CHILD = r"""
+import json, resource, sys
+from fp4kit.layout import LayoutOptions, layout_checkpoint
+peaks = []
+for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
+    layout_checkpoint(src, dst, LayoutOptions(backend="cutlass", max_shard_bytes=32 * 10**6))
+    peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(json.dumps(peaks))
+"""
+
+
+def test_memory_follows_the_layer_not_the_checkpoint(tmp_path):
+    """In one process, laying out a 12-layer checkpoint after a 3-layer one raises the peak RSS by less than 4 layers:
+    a few layers are in flight (read ahead, transformed, queued for writing), never the whole checkpoint."""
+    experts, hidden, inter = 8, 1024, 512
+    layer_kb = experts * 3 * hidden * inter * (1 / 2 + 1 / 16) / 1024
+    runs = []
+    for layers in (3, 12):
+        src = random_moe_only_source(tmp_path / f"src{layers}", layers, experts, hidden, inter)
+        runs += [str(src), str(tmp_path / f"out{layers}")]
+    out = subprocess.run([sys.executable, "-c", RSS_CHILD, *runs], capture_output=True, text=True, check=True)
+    peak_small, peak_large = json.loads(out.stdout.strip().splitlines()[-1])
+    assert peak_large - peak_small < 4 * layer_kb, (peak_small, peak_large, layer_kb)
