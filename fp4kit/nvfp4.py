@@ -126,16 +126,20 @@ COMPILE_MIN_ELEMENTS = 1 << 20
 def _encode_blocks_compiled(blocks: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor | None:
     """encode_blocks fused into one vectorized CPU loop by torch.compile (~10x less CPU time than eager), or None
     when compilation is unavailable. Only the fp32 part is compiled: inductor keeps bf16 intermediates in fp32, which
-    would change the block scales' bf16 rounding, while fp32 division and compares are exact in any loop order."""
+    would change the block scales' bf16 rounding, while fp32 division and compares are exact in any loop order.
+    Every weight is flattened to [blocks, 16] with a dynamic first dimension, so one compiled graph serves all shapes.
+    """
     global _compiled_encode
     if _compiled_encode is False:
         return None
     try:
         if _compiled_encode is None:
             _compiled_encode = torch.compile(encode_blocks, dynamic=False)
-        torch._dynamo.mark_dynamic(blocks, 0)
-        torch._dynamo.mark_dynamic(divisor, 0)
-        return _compiled_encode(blocks, divisor)
+        flat_blocks, flat_divisor = blocks.reshape(-1, BLOCK), divisor.reshape(-1)
+        torch._dynamo.mark_dynamic(flat_blocks, 0)
+        torch._dynamo.mark_dynamic(flat_divisor, 0)
+        packed = _compiled_encode(flat_blocks, flat_divisor)
+        return packed.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK // 2)
     except Exception as exc:  # no C++ toolchain, unsupported platform: eager gives the same bytes
         import warnings
 

@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, 
 SCHEMES = ("nvfp4a16", "nvfp4")
 FORMATS = ("compressed-tensors", "modelopt")
 QUEUE_DEPTH = 3
+COMPILE_MIN_BYTES = 2 * 10**9  # one compilation costs about what eager loses on ~1-2 GB of weights
 
 
 @dataclass
@@ -42,7 +43,8 @@ class QuantizeOptions:
     max_shard_bytes: int = 5 * 10**9
     overwrite: bool = False
     exact_fp32_global_scale: bool = False
-    compile_cpu: bool = True  # fuse the CPU encode loop with torch.compile for large tensors (same bytes)
+    # fuse the CPU encode loop with torch.compile (same bytes); pays off only past COMPILE_MIN_BYTES of weights
+    compile_cpu: bool = True
     # W4A4 (scheme nvfp4) calibration; calib None = the small packaged default set
     calib: Path | None = None
     samples: int = 256
@@ -251,6 +253,11 @@ def quantize_checkpoint(
             raise Fp4kitError(f"--moe-input-scales per-expert: ModelOpt's fused {plan.family.name} experts store one "
                               "input scale per layer; use shared")
         planned = output_plan(reader, plan, options)
+        quantized_bytes = sum(
+            c.linear.out_features * c.linear.in_features * reader.info(c.linear.source.tensor).dtype.itemsize
+            for g in plan.groups for c in g.members
+        )
+        options = replace(options, compile_cpu=options.compile_cpu and quantized_bytes >= COMPILE_MIN_BYTES)
         input_divs, routing_counts = _calibrate(src, plan, options)
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         done = 0
