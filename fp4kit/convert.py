@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -279,6 +280,11 @@ def convert_checkpoint(
         metadata = {"producer": "fp4kit"} | ({EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {})
         input_bytes = sum(info.nbytes for info in ckpt.reader.tensors.values())
         ignore = _ignore_for(to, ckpt)
+        # Building the compressed-tensors config imports that library (seconds): overlap it with the copying.
+        config_maker = ThreadPoolExecutor(max_workers=1)
+        quant_config = config_maker.submit(
+            ct.quantization_config if to == CT else mo.quantization_config, ckpt.scheme, ignore)
+        config_maker.shutdown(wait=False)
         with atomic_directory(dst) as work:
             writer = ShardWriter(work, [t for job in jobs for t in _planned(job, to, ckpt)], max_shard_bytes,
                                  metadata=metadata)
@@ -295,10 +301,8 @@ def convert_checkpoint(
                 raise
             writer.finish()
             config = dict(ckpt.config)
-            if to == CT:
-                config["quantization_config"] = ct.quantization_config(ckpt.scheme, ignore)
-            else:
-                config["quantization_config"] = mo.quantization_config(ckpt.scheme, ignore)
+            config["quantization_config"] = quant_config.result()
+            if to == MO:
                 hf_quant = mo.hf_quant_config(ckpt.scheme, ignore)
                 (work / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
             (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -88,7 +88,7 @@ def time_run(command: list[str], src: Path, dst: Path) -> tuple[float, float, in
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     rss = [int(line.rsplit(":", 1)[1]) * 1024 for line in done.stderr.splitlines()
            if "Maximum resident set size" in line]
-    work = re.search(r" in ([0-9.]+) s", done.stdout)
+    work = re.search(r"\bin ([0-9.]+) s\b", done.stdout)
     return seconds, float(work.group(1)) if work else float("nan"), (rss[0] if rss else None)
 
 
