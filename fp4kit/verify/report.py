@@ -84,7 +84,11 @@ def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, s
         skipped = [r for r in results if r.detail.startswith("skipped")]
         shown = failed[0] if failed else (worst or results[0])
         error = "" if worst is None else f"{worst.error:.3g} (≤ {worst.tolerance:.3g})"
-        detail = shown.detail if failed or not worst else f"worst: layer {worst.layer}, {worst.tokens} tokens"
+        if failed:
+            where = f"layer {shown.layer}" + (f", {shown.tokens} tokens" if shown.tokens else "")
+            detail = f"{len(failed)} failed; first: {where}" + (f": {shown.detail}" if shown.detail else "")
+        else:
+            detail = f"worst: layer {worst.layer}, {worst.tokens} tokens" if worst else shown.detail
         if worst is not None and worst.detail and not failed:
             detail += f", {worst.detail}"
         if skipped and not failed:
