@@ -170,3 +170,26 @@ def test_cli_plot(monkeypatch, capsys, tiny_nvfp4a16, tmp_path) -> None:
         assert code == 2 and "matplotlib" in err and not plot.exists()
     else:
         assert code == 0 and plot.stat().st_size > 0
+
+
+NO_FP4 = "sm90: no NVFP4 tensor cores"
+NO_FLASHINFER = "flashinfer not installed"
+
+
+@pytest.mark.parametrize(("capability", "flashinfer", "expected"), [
+    ((9, 0), True, {"flashinfer-cutlass": NO_FP4, "flashinfer-trtllm": NO_FP4, "marlin": "vllm not installed"}),
+    ((10, 0), False, {"flashinfer-cutlass": NO_FLASHINFER, "flashinfer-trtllm": NO_FLASHINFER}),
+    ((10, 0), True, {"flashinfer-cutlass": None, "flashinfer-trtllm": None}),
+    ((12, 0), True, {"flashinfer-cutlass": None, "flashinfer-trtllm": "sm120: no NVFP4 tensor cores"}),
+    ((7, 0), True, {"marlin": "sm70: Marlin needs sm75+", "triton": "sm70: Triton needs sm80+"}),
+])
+def test_backends_are_dispatched_by_capability(monkeypatch, capability, flashinfer: bool, expected: dict) -> None:
+    from fp4kit.verify import backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(backends, "_importable", lambda module: module in ("triton",) or
+                        (flashinfer and module == "flashinfer"))
+    for name, reason in expected.items():
+        ok, why = backends.BACKENDS[name].available(torch.device("cuda"))
+        assert (ok, why.startswith(reason) if reason else True) == (reason is None, True), (name, why)
