@@ -64,6 +64,8 @@ class Backend:
 
     def fits(self, device: torch.device, num_tokens: int, moe: QuantizedMoe, spec: RoutingSpec) -> tuple[bool, str]:
         """Whether this token count and layer shape can run here (the interpreter is only for tiny shapes)."""
+        if self.name == "flashinfer-cutlass" and spec.scales_input:
+            return False, "Llama-4's input-side routing weight is not wired to cutlass_fused_moe"
         if self.name == "triton" and device.type == "cpu":
             hidden, inter = moe.w13.shape[2], moe.w2.shape[2]
             if num_tokens * spec.top_k > INTERPRETER_MAX_PAIRS or max(hidden, inter) > INTERPRETER_MAX_DIM:
@@ -174,8 +176,6 @@ def _prepare_flashinfer_cutlass(
     input_gscale = tensors["fc1_act_global_scale"].min()  # one activation scale for the whole input, as engines do
 
     def run(hidden: Tensor, weights: Tensor, ids: Tensor, logits: Tensor) -> Tensor:
-        if spec.scales_input:
-            raise NotImplementedError("Llama-4 input-side routing weights are not wired to cutlass_fused_moe")
         hidden_fp4, hidden_sf = fp4_quantize(hidden.to(torch.bfloat16), input_gscale, 16, False, True)
         out = cutlass_fused_moe(
             hidden_fp4,
@@ -247,8 +247,6 @@ def _prepare_marlin(
     }
 
     def run(hidden: Tensor, weights: Tensor, ids: Tensor, logits: Tensor) -> Tensor:
-        if spec.scales_input:
-            raise NotImplementedError("Llama-4 input-side routing weights are not wired to fused_marlin_moe")
         out = fused_marlin_moe(
             hidden.to(torch.bfloat16),
             gating_output=logits,
@@ -256,6 +254,7 @@ def _prepare_marlin(
             topk_ids=ids.to(torch.int32),
             quant_type_id=FLOAT4_E2M1F_ID,
             global_num_experts=moe.num_experts,
+            apply_router_weight_on_input=spec.scales_input,  # Llama-4 (top-1)
             bias1=None,
             bias2=None,
             **tensors,
