@@ -98,22 +98,8 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str) -
         name = prefix + key
         if name in reader:
             tensor = reader.read(name)
-        elif key.endswith("experts.gate_up_proj"):
-            experts = name[: -len("gate_up_proj")]
-            per_expert = [
-                torch.cat([reader.read(f"{experts}{e}.gate_proj.weight"), reader.read(f"{experts}{e}.up_proj.weight")])
-                for e in range(expected.shape[0])
-                if f"{experts}{e}.gate_proj.weight" in reader
-            ]
-            tensor = torch.stack(per_expert) if per_expert else None
-        elif key.endswith("experts.down_proj"):
-            experts = name[: -len("down_proj")]
-            per_expert = [
-                reader.read(f"{experts}{e}.down_proj.weight")
-                for e in range(expected.shape[0])
-                if f"{experts}{e}.down_proj.weight" in reader
-            ]
-            tensor = torch.stack(per_expert) if per_expert else None
+        elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensor = _stack_experts(reader, name, expected)
         else:
             tensor = None
         if tensor is None:
@@ -125,6 +111,27 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str) -
             raise Fp4kitError(f"{name}: shape {list(tensor.shape)}, transformers expects {list(expected.shape)}")
         state[key] = tensor
     return state
+
+
+def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor) -> torch.Tensor | None:
+    """Per-expert checkpoint tensors read straight into the fused parameter transformers holds ([E, 2I, H] as
+    cat(gate, up) per expert, or [E, H, I]); one expert's tensor at a time besides the result."""
+    experts, leaf = name.rsplit(".", 1)
+    parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
+    names = [[f"{experts}.{e}.{part}.weight" for part in parts] for e in range(expected.shape[0])]
+    if not all(n in reader for per_expert in names for n in per_expert):
+        return None
+    fused = torch.empty(expected.shape, dtype=reader.info(names[0][0]).dtype)
+    for e, per_expert in enumerate(names):
+        row = 0
+        for n in per_expert:
+            part = reader.read(n)
+            if part.shape != fused[e, row : row + part.shape[0]].shape:
+                raise Fp4kitError(f"{n}: shape {list(part.shape)} does not fit transformers' {name} "
+                                  f"{list(expected.shape)}")
+            fused[e, row : row + part.shape[0]] = part
+            row += part.shape[0]
+    return fused
 
 
 def _load_layer(text: _TextModel, reader: CheckpointReader, index: int, dtype: torch.dtype, device: torch.device):

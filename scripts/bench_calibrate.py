@@ -38,6 +38,7 @@ def _bench_quantize():
     """scripts/bench_quantize.py: its process timing, page-cache warming, source builder and report helpers."""
     spec = importlib.util.spec_from_file_location("bench_quantize", HERE / "bench_quantize.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_quantize"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
 
