@@ -120,8 +120,9 @@ def read_manifest(root: str | Path) -> dict:
         raise Fp4kitError(f"{path}: not an fp4kit layout manifest (format must be {FORMAT!r})")
     if document.get("version") != VERSION:
         raise Fp4kitError(f"{path}: manifest version {document.get('version')!r}; this fp4kit reads {VERSION}")
-    if not isinstance(document.get("layers"), dict) or document.get("backend") not in ("trtllm", "cutlass", "marlin"):
-        raise Fp4kitError(f"{path}: manifest lacks a valid backend or layers table")
+    if not isinstance(document.get("layers"), dict) or document.get("backend") not in ("trtllm", "cutlass", "marlin") \
+            or document.get("act_dtype") not in ("bfloat16", "float16"):
+        raise Fp4kitError(f"{path}: manifest lacks a valid backend, act_dtype or layers table")
     return document
 
 

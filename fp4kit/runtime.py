@@ -60,15 +60,18 @@ def read_layer(path: str | os.PathLike, layer: int) -> tuple[dict[str, torch.Ten
     entry = layer_record(document, layer)
     meta = layer_meta(document, entry)
     tensors = {}
+    try:
+        specs = {argument: (str(spec["name"]), spec["dtype"], list(spec["shape"]))
+                 for argument, spec in entry["tensors"].items()}
+    except (KeyError, TypeError, AttributeError):
+        raise Fp4kitError(f"layout manifest: layer {layer}'s tensors table is malformed") from None
     with CheckpointReader(path) as reader:
-        for argument, spec in entry["tensors"].items():
-            name = spec["name"]
+        for argument, (name, dtype, shape) in specs.items():
             if name not in reader:
                 raise Fp4kitError(f"{path}: tensor {name} of layer {layer} is missing from the shards")
             info = reader.info(name)
-            if info.dtype != DTYPES.get(spec["dtype"]) or list(info.shape) != list(spec["shape"]):
-                raise Fp4kitError(f"{name}: {info.dtype} {list(info.shape)} on disk, the manifest says "
-                                  f"{spec['dtype']} {spec['shape']}")
+            if info.dtype != DTYPES.get(dtype) or list(info.shape) != shape:
+                raise Fp4kitError(f"{name}: {info.dtype} {list(info.shape)} on disk, the manifest says {dtype} {shape}")
             tensors[argument] = reader.read(name)
     return tensors, meta, document
 
@@ -118,7 +121,7 @@ def _cutlass(tensors: dict[str, torch.Tensor], document: dict) -> dict[str, obje
         "fc1_expert_weights": tensors["fc1_expert_weights"],
         "fc2_expert_weights": tensors["fc2_expert_weights"],
         "quant_scales": [tensors[name] for name in CUTLASS_QUANT_SCALES],
-        "output_dtype": getattr(torch, document["act_dtype"]),
+        "output_dtype": {"bfloat16": torch.bfloat16, "float16": torch.float16}[document["act_dtype"]],
     }
 
 

@@ -213,7 +213,9 @@ def test_load_errors_are_one_clear_line(layouts, tmp_path):
     (lambda doc: "{not json", "not valid JSON"),
     (lambda doc: json.dumps({**doc, "format": "other"}), "not an fp4kit layout manifest"),
     (lambda doc: json.dumps({**doc, "version": 99}), "manifest version 99"),
-    (lambda doc: json.dumps({**doc, "layers": []}), "lacks a valid backend or layers"),
+    (lambda doc: json.dumps({**doc, "layers": []}), "lacks a valid backend, act_dtype or layers"),
+    (lambda doc: json.dumps({**doc, "act_dtype": "float8"}), "lacks a valid backend, act_dtype or layers"),
+    (lambda doc: json.dumps(_set_tensor(doc, 5)), "tensors table is malformed"),
     (lambda doc: json.dumps(_set_scale(doc, ["zz"] * 8)), "not a hex float"),
     (lambda doc: json.dumps(_set_scale(doc, ["0x1p-10"])), "must be a list of 8 hex floats"),
     (lambda doc: json.dumps(_set_shape(doc, [8, 1, 1])), "the manifest says"),
@@ -231,6 +233,11 @@ def test_malformed_manifests_are_refused(layouts, tmp_path, corrupt, message):
 
 def _set_scale(document: dict, values: list) -> dict:
     document["layers"]["0"]["scales"]["w2_global_scale_div"] = values
+    return document
+
+
+def _set_tensor(document: dict, spec: object) -> dict:
+    document["layers"]["0"]["tensors"]["w2_fp4"] = spec
     return document
 
 
