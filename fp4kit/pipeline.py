@@ -29,8 +29,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
 
 from fp4kit import __version__
+from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, upstream
 from fp4kit.recipe import LoadedRecipe, check_against_model, load_recipe
-from fp4kit.run_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, upstream
 
 MARKER_SUFFIX = ".done.json"
 SMALL_FILE = 1 << 20  # files up to this size are fingerprinted by content, larger ones by size and mtime

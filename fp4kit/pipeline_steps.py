@@ -9,13 +9,12 @@ not the layout, because fp4kit shard does not split layout outputs yet.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4kit.recipe import Recipe
+from fp4kit.recipe import CALIBRATION_OPTIONS, Recipe
 
 Progress = Callable[[int, int], None] | None
 SOURCE = "model"  # the upstream name of the recipe's model directory
@@ -71,7 +70,7 @@ def run_quantize(ctx: StepContext, dst: Path) -> dict:
         "max_shard_bytes": parse_size(section.max_shard_size), "overwrite": True,
     }
     # Calibration options (W4A4): passed only when set, so QuantizeOptions' own defaults apply otherwise.
-    for name in ("calib", "samples", "seq_len", "moe_input_scales"):
+    for name in CALIBRATION_OPTIONS:
         value = getattr(section, name)
         if value is not None:
             kwargs[name] = Path(value) if name == "calib" else value
@@ -85,9 +84,9 @@ def run_repair(ctx: StepContext, dst: Path) -> dict:
     section = ctx.recipe.repair
     assert section is not None
     src = ctx.outputs.get("quantize", ctx.outputs[SOURCE])
-    extra = {"repair": section.fix} if "repair" in inspect.signature(convert_checkpoint).parameters else {}
     report = convert_checkpoint(src, dst, section.to, overwrite=True,
-                                max_shard_bytes=parse_size(section.max_shard_size), progress=ctx.progress, **extra)
+                                max_shard_bytes=parse_size(section.max_shard_size), progress=ctx.progress,
+                                repair=section.fix)
     return report_dict(report)
 
 
@@ -108,8 +107,12 @@ def run_shard(ctx: StepContext, dst: Path) -> dict:
 
     section = ctx.recipe.shard
     assert section is not None
-    options = ShardOptions(ep=section.ep, placement=section.placement,
-                           stats=Path(section.stats) if section.stats else None,
+    stats = Path(section.stats) if section.stats else None
+    if stats is None and section.placement == "balanced":
+        from fp4kit.input_scales import ROUTING_STATS_NAME
+
+        stats = ctx.outputs["quantize"] / ROUTING_STATS_NAME  # written by the calibrated quantize step
+    options = ShardOptions(ep=section.ep, placement=section.placement, stats=stats,
                            max_shard_bytes=parse_size(section.max_shard_size), overwrite=True)
     return report_dict(shard_checkpoint(ctx.checkpoint(), dst, options, ctx.progress))
 

@@ -12,7 +12,6 @@ family against the model's config.json, and each backend's shape and expert-para
 from __future__ import annotations
 
 import difflib
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fp4kit.errors import Fp4kitError
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
+CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales")
 KeyPath = tuple[str | int, ...]
 
 
@@ -46,7 +46,8 @@ class QuantizeStep(_Options):
     calib: str | None = None  # calibration file (.jsonl/.txt/.parquet); None: the built-in English set
     samples: int | None = Field(default=None, ge=1)  # None: fp4kit quantize's default
     seq_len: int | None = Field(default=None, ge=1)
-    moe_input_scales: str | None = None
+    batch_size: int | None = Field(default=None, ge=1)
+    moe_input_scales: Literal["shared", "per-expert"] | None = None
 
 
 class RepairStep(_Options):
@@ -67,7 +68,7 @@ class LayoutStep(_Options):
 class ShardStep(_Options):
     ep: int = Field(ge=1)
     placement: Literal["linear", "round-robin", "balanced"] = "linear"
-    stats: str | None = None  # routing statistics JSON, needed by placement balanced
+    stats: str | None = None  # routing statistics JSON for placement balanced; None: the calibration's counts
     max_shard_size: str = "5GB"
 
 
@@ -110,8 +111,10 @@ class Recipe(_Options):
         if self.layout and self.layout.backend != "marlin" and weight_only:
             raise _KeyError(("layout", "backend"), f"{self.layout.backend} runs a W4A4 kernel, which needs activation "
                                                    f"scales: use quantize.scheme nvfp4, or layout.backend marlin")
-        if self.shard and self.shard.placement == "balanced" and self.shard.stats is None:
-            raise _KeyError(("shard", "stats"), "placement balanced needs routing statistics (shard.stats: FILE)")
+        calibrated = self.quantize is not None and self.quantize.scheme == "nvfp4"
+        if self.shard and self.shard.placement == "balanced" and self.shard.stats is None and not calibrated:
+            raise _KeyError(("shard", "stats"), "placement balanced needs routing statistics: shard.stats: FILE, or a "
+                                                "calibrated quantize step (scheme nvfp4), whose counts are used")
         return self
 
     def steps(self) -> list[str]:
@@ -315,24 +318,10 @@ def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) 
 
 
 def _check_available(loaded: LoadedRecipe) -> None:
-    """Options this fp4kit's library functions do not take yet fail here, before any step runs."""
+    """Options this fp4kit's quantize does not take fail here, before any step runs."""
     from fp4kit import quantize
-    from fp4kit.convert import convert_checkpoint
 
-    recipe, origins = loaded.recipe, loaded.origins
-    if recipe.quantize is not None:
-        section = recipe.quantize
-        if section.format not in quantize.FORMATS:
-            raise origins.error(("quantize", "format"), f"this fp4kit quantize writes {', '.join(quantize.FORMATS)} "
-                                                        f"only; convert afterwards with repair.to: {section.format}")
-        fields = set(quantize.QuantizeOptions.__dataclass_fields__)
-        if section.scheme == "nvfp4" and "calib" not in fields:
-            raise origins.error(("quantize", "scheme"), "this fp4kit's quantize cannot calibrate activation scales "
-                                                        "yet, so it writes nvfp4a16 only")
-        for name in ("calib", "samples", "seq_len", "moe_input_scales"):
-            if getattr(section, name) is not None and name not in fields:
-                raise origins.error(("quantize", name), "this fp4kit's quantize does not calibrate yet")
-    can_repair = "repair" in inspect.signature(convert_checkpoint).parameters
-    if recipe.repair is not None and recipe.repair.fix and not can_repair:
-        raise origins.error(("repair", "fix"), "this fp4kit's convert cannot repair scales yet; "
-                                               "use repair.fix: false to change the dialect only")
+    section = loaded.recipe.quantize
+    if section is not None and section.format not in quantize.FORMATS:
+        raise loaded.origins.error(("quantize", "format"), f"this fp4kit quantize writes {', '.join(quantize.FORMATS)} "
+                                                           f"only; convert afterwards with repair.to: {section.format}")

@@ -14,18 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4kit.run import MARKER_SUFFIX, run_recipe
+from fp4kit.pipeline import MARKER_SUFFIX, run_recipe
 
 RECIPE = """\
 model: {model}
 family: qwen3_moe
 quantize:
-  scheme: nvfp4a16
+  scheme: nvfp4
   device: cpu
+  samples: 4
+  seq_len: 16
 layout:
-  backend: marlin
+  backend: trtllm
 shard:
   ep: 2
+  placement: balanced
 verify:
   backend: reference
   device: cpu
@@ -36,7 +39,7 @@ verify:
 KILL_IN_LAYOUT = """\
 import os, signal, sys
 from fp4kit import checkpoint
-from fp4kit.run import run_recipe
+from fp4kit.pipeline import run_recipe
 
 finish, calls = checkpoint.ShardWriter.finish, []
 
@@ -62,14 +65,10 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory) -> Path:
-    from fp4kit.fixtures import build_fixture
-
-    root = tmp_path_factory.mktemp("pipeline")
-    # H % 128 and I % 64 for Marlin
-    model = build_fixture("qwen3_moe", root / "bf16", overrides={"hidden_size": 128, "moe_intermediate_size": 64})
-    path = root / "recipe.yaml"
-    path.write_text(RECIPE.format(model=model))
+def recipe(tiny, tmp_path_factory) -> Path:
+    """W4A4 calibrated on 4 x 16 tokens, TRT-LLM layout, EP 2 placed by the calibration's routing counts."""
+    path = tmp_path_factory.mktemp("pipeline") / "recipe.yaml"
+    path.write_text(RECIPE.format(model=tiny("qwen3_moe")))
     return path
 
 
@@ -156,7 +155,7 @@ def test_failed_verify_exits_1_after_the_summary(recipe, uninterrupted, tmp_path
 
 def test_repair_step_rewrites_the_dialect_for_the_later_steps(recipe, tmp_path):
     workdir = tmp_path / "work"
-    summary = run_recipe(recipe, ["repair.to=modelopt", "repair.fix=false"], workdir)
+    summary = run_recipe(recipe, ["repair.to=modelopt"], workdir)
     assert [s.name for s in summary.steps] == ["quantize", "repair", "layout", "shard", "verify"]
     assert (workdir / "repair" / "hf_quant_config.json").is_file()
     assert summary.passed and summary.verify and summary.verify["checkpoint"] == str(workdir / "repair")

@@ -21,8 +21,8 @@ def run(
     Exit 0 done, 1 a verify check failed, 2 invalid recipe or input."""
     from rich.console import Console
 
+    from fp4kit.pipeline import run_loaded
     from fp4kit.recipe import load_recipe
-    from fp4kit.run import run_loaded
 
     loaded = load_recipe(recipe, set_ or [])
     console = Console(stderr=True, quiet=quiet)
