@@ -2,9 +2,10 @@
 
 Sharding never changes a tensor's bytes (except a few activation scales, written from memory), so the data moves
 file to file with ``os.copy_file_range``: inside the kernel, no tensor passes through this process's memory, and
-tensors that are contiguous in both files move in one call. Meanwhile a worker thread computes each output file's
+tensors that are contiguous in both files move in one call. Alongside, worker threads compute each output file's
 sha256 from what the file is made of (its header, the source ranges through a read-only memory map of at most
-``_MAP_BYTES`` at a time, the rewritten bytes), so nothing is read twice, then fsyncs the finished file.
+``_MAP_BYTES`` at a time, the rewritten bytes): nothing is read twice, and checksumming a file overlaps with copying
+it. Each file is fsynced once copied.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def file_jobs(layout: ShardLayout, tensors: list[SourceTensor], replaced: dict[s
     return list(jobs.values())
 
 
-def _checksum_and_sync(job: FileJob) -> FileEntry:
+def _checksum(job: FileJob) -> FileEntry:
     digest, size = hashlib.sha256(), 0
     for part in job.pieces():
         if isinstance(part, bytes):
@@ -121,12 +122,15 @@ def _checksum_and_sync(job: FileJob) -> FileEntry:
                         digest.update(view[start - aligned:])
                 done += length
         size += part.nbytes
-    fd = os.open(job.path, os.O_RDONLY)
+    return FileEntry(digest.hexdigest(), size)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileEntry(digest.hexdigest(), size)
 
 
 class ShardCopier:
@@ -134,13 +138,16 @@ class ShardCopier:
 
     def __init__(self, progress: Callable[[int], None] | None = None):
         self._src_fds: dict[Path, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fp4kit-sha256")
+        self._pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="fp4kit-sha256")
         self._pending: dict[Path, Future[FileEntry]] = {}
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fp4kit-fsync")
+        self._synced: list[Future[None]] = []
         self._progress = progress
         self._kernel_copy = hasattr(os, "copy_file_range")
 
     def fill(self, job: FileJob) -> None:
         job.pieces()  # fail before copying if the plan does not tile the file
+        self._pending[job.path] = self._pool.submit(_checksum, job)
         fd = os.open(job.path, os.O_WRONLY)
         try:
             for run in coalesce(job.runs):
@@ -150,7 +157,7 @@ class ShardCopier:
                     raise OSError(errno.EIO, f"{job.path}: short write")
         finally:
             os.close(fd)
-        self._pending[job.path] = self._pool.submit(_checksum_and_sync, job)
+        self._synced.append(self._syncer.submit(_fsync, job.path))
 
     def _copy(self, run: CopyRun, dst_fd: int) -> None:
         if run.src not in self._src_fds:
@@ -177,12 +184,16 @@ class ShardCopier:
         return os.pwrite(dst_fd, data, dst_offset) if data else 0
 
     def results(self) -> dict[Path, FileEntry]:
+        """Wait until every file is checksummed and on disk."""
+        for future in self._synced:
+            future.result()
         return {path: future.result() for path, future in self._pending.items()}
 
     def close(self) -> None:
-        for future in self._pending.values():
+        for future in (*self._pending.values(), *self._synced):
             future.cancel()
         self._pool.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
         for fd in self._src_fds.values():
             os.close(fd)
         self._src_fds.clear()
