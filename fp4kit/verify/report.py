@@ -92,9 +92,11 @@ def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, s
         if worst is not None and worst.detail and not failed:
             detail += f", {worst.detail}"
         if skipped and not failed:
-            detail += f"; {len(skipped)} skipped ({skipped[0].detail.removeprefix('skipped: ')})"
+            why = skipped[0].detail.removeprefix("skipped: ")
+            detail = f"all {len(skipped)} skipped: {why}" if len(skipped) == len(results) else \
+                f"{detail}; {len(skipped)} skipped ({why})"
         layers = sorted({r.layer for r in results})
-        status = "FAIL" if failed else "pass"
+        status = "FAIL" if failed else ("skip" if len(skipped) == len(results) else "pass")
         rows.append((check, target, ",".join(map(str, layers)), error, status, detail))
     return rows
 
@@ -119,7 +121,8 @@ def print_report(report: VerifyReport) -> None:
     for column in ("check", "target", "layers", "worst error (tolerance)", "result", "detail"):
         table.add_column(column, overflow="fold")
     for check, target, layers, error, status, detail in _summary_rows(report):
-        table.add_row(check, target, layers, error, "[red]FAIL[/]" if status == "FAIL" else "[green]pass[/]", detail)
+        shown_status = {"FAIL": "[red]FAIL[/]", "skip": "[yellow]skip[/]"}.get(status, "[green]pass[/]")
+        table.add_row(check, target, layers, error, shown_status, detail)
     console.print(table)
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
     failures = sum(not r.passed for r in report.results)
