@@ -20,7 +20,8 @@ ROUTER = "model.layers.1.mlp.gate"
 def test_fp4kit_output_is_clean_in_both_dialects(family, tiny_nvfp4a16, tmp_path):
     report = inspect_checkpoint(tiny_nvfp4a16(family))
     assert report.clean, report.problems
-    assert report.family == family.removesuffix("_text") and report.dialect == "compressed-tensors" and report.scheme == "nvfp4a16"
+    assert report.family == family.removesuffix("_text")
+    assert report.dialect == "compressed-tensors" and report.scheme == "nvfp4a16"
     assert report.num_experts and sum(s.quantized_linears for s in report.layers) > 20
     convert_checkpoint(tiny_nvfp4a16(family), tmp_path / "mo", "modelopt")
     assert inspect_checkpoint(tmp_path / "mo").clean
