@@ -29,7 +29,8 @@ def _register_commands() -> None:
 def main() -> None:
     _register_commands()
     try:
-        app(standalone_mode=False)
+        # without standalone mode click returns a command's exit code (typer.Exit(1)) instead of exiting
+        code = app(standalone_mode=False)
     except Fp4kitError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -47,3 +48,4 @@ def main() -> None:
         if isinstance(exc, click.exceptions.Abort):
             sys.exit(130)
         raise
+    sys.exit(code if isinstance(code, int) else 0)
