@@ -21,11 +21,21 @@ def inspect(
                                             "trtllm (repeatable)")
     ] = None,
     ep: Annotated[int | None, typer.Option(help="count E % ep != 0 as a problem")] = None,
+    source: Annotated[
+        Path | None, typer.Option(help="BF16 source: audit input scales against its own causal forward")
+    ] = None,
+    calib: Annotated[Path | None, typer.Option(help="calibration text for the audit (default: packaged set)")] = None,
+    samples: Annotated[int, typer.Option(help="audit samples")] = 64,
+    seq_len: Annotated[int, typer.Option(help="audit tokens per sample")] = 256,
 ) -> None:
     """Dialect, scheme, family, per-layer summary and health checks. Exit 0 clean, 1 problems, 2 unusable."""
     from fp4kit.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(ckpt, backend or [], ep)
+    if source is not None:
+        from fp4kit.audit import audit_input_scales
+
+        report.problems.extend(audit_input_scales(ckpt, source, calib, samples, seq_len)[0])
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(report) | {"clean": report.clean}, indent=2))
     else:
