@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
 
 from fp4kit import __version__
-from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, upstream
+from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
 from fp4kit.recipe import LoadedRecipe, check_against_model, load_recipe
 
 MARKER_SUFFIX = ".done.json"
@@ -158,6 +158,7 @@ def run_loaded(loaded: LoadedRecipe, workdir: Path | None = None, console: Conso
     console = console or Console(stderr=True)
     recipe = loaded.recipe
     check_against_model(loaded)
+    prepare(recipe)
     workdir = Path(workdir) if workdir else default_workdir(loaded)
     workdir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

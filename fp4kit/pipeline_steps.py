@@ -9,7 +9,8 @@ not the layout, because fp4kit shard does not split layout outputs yet.
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,47 +118,52 @@ def run_shard(ctx: StepContext, dst: Path) -> dict:
     return report_dict(shard_checkpoint(ctx.checkpoint(), dst, options, ctx.progress))
 
 
-def run_verify(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.output import atomic_directory
-
-    try:
-        from fp4kit.verify.checks import VerifyOptions
-        from fp4kit.verify.runner import verify_checkpoint
-    except ImportError:  # TODO(issue 7): drop this fallback once `fp4kit verify` is committed
-        return _health_only(ctx, dst)
-    section, recipe = ctx.recipe.verify, ctx.recipe
-    assert section is not None
+def verify_device(recipe: Recipe) -> str | None:
+    """The device the verify step will run on (None: no verify step)."""
+    if recipe.verify is None:
+        return None
     import torch
 
+    return recipe.verify.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def prepare(recipe: Recipe) -> None:
+    """Before any step: a CPU verify runs fp4kit's Triton kernel under TRITON_INTERPRET=1, which only works when set
+    before triton is first imported, and calibration imports it (through transformers)."""
+    if verify_device(recipe) == "cpu" and "triton" not in sys.modules:
+        from fp4kit.verify.backends import enable_triton_interpreter
+
+        enable_triton_interpreter()
+
+
+def _backend(requested: str, device: str) -> tuple[str, list[str]]:
+    if device != "cpu" or requested != "auto" or os.environ.get("TRITON_INTERPRET") == "1" \
+            or "triton" not in sys.modules:
+        return requested, []
+    return "reference", ["triton was imported in this process before TRITON_INTERPRET=1 was set, so fp4kit's Triton "
+                         "kernel cannot run on the CPU here: the reference ran alone"]
+
+
+def run_verify(ctx: StepContext, dst: Path) -> dict:
+    from fp4kit.output import atomic_directory
+    from fp4kit.verify.checks import VerifyOptions
+    from fp4kit.verify.runner import verify_checkpoint
+
+    section, recipe = ctx.recipe.verify, ctx.recipe
+    device = verify_device(recipe)
+    assert section is not None and device is not None
+    backend, notes = _backend(section.backend, device)
     options = VerifyOptions(
         source=ctx.outputs[SOURCE] if section.source and recipe.quantize else None, layers=section.layers,
-        tokens=section.tokens, backend=section.backend, ep_shards=ctx.outputs.get("shard"),
-        layouts=[ctx.outputs["layout"]] if "layout" in ctx.outputs else [], mode=section.mode,
-        device=section.device or ("cuda" if torch.cuda.is_available() else "cpu"), seed=section.seed,
-        tol_kernel=section.tol_kernel, tol_source=section.tol_source,
+        tokens=section.tokens, backend=backend, ep_shards=ctx.outputs.get("shard"),
+        layouts=[ctx.outputs["layout"]] if "layout" in ctx.outputs else [], mode=section.mode, device=device,
+        seed=section.seed, tol_kernel=section.tol_kernel, tol_source=section.tol_source,
     )
     report = verify_checkpoint(ctx.checkpoint(), options, ctx.progress)
+    report.notes.extend(notes)
     with atomic_directory(dst) as work:
         report.write_json(work / "report.json")
     return report.to_json()
-
-
-def _health_only(ctx: StepContext, dst: Path) -> dict:
-    """Interim verify: `fp4kit inspect`'s health checks of the checkpoint, under the recipe's backend and EP size."""
-    from fp4kit.inspect import inspect_checkpoint
-    from fp4kit.output import atomic_directory
-
-    recipe = ctx.recipe
-    report = inspect_checkpoint(ctx.checkpoint(), [recipe.layout.backend] if recipe.layout else [],
-                                recipe.shard.ep if recipe.shard else None)
-    results = [{"layer": None, "check": f"inspect:{p.check}", "target": p.module, "passed": False, "detail": p.detail}
-               for p in report.problems]
-    document = {"passed": report.clean, "notes": ["fp4kit.verify is not available: ran inspect's health checks only"],
-                "results": results or [{"layer": None, "check": "inspect", "target": str(ctx.checkpoint()),
-                                        "passed": True, "detail": "no problems found"}]}
-    with atomic_directory(dst) as work:
-        (work / "report.json").write_text(json.dumps(document, indent=2) + "\n")
-    return document
 
 
 STEP_FUNCTIONS: dict[str, Callable[[StepContext, Path], dict]] = {
