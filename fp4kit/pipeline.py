@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from fp4kit import __version__
 from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
@@ -125,8 +125,10 @@ def write_marker(workdir: Path, step: str, marker: dict) -> None:
     os.replace(partial, path)
 
 
-def _bar(console: Console) -> Progress:
-    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TimeElapsedColumn(),
+def _bar(console: Console, step: str) -> Progress:
+    # verify reports MoE layers done; the other steps report bytes
+    amount = MofNCompleteColumn() if step == "verify" else DownloadColumn()
+    return Progress("[progress.description]{task.description}", BarColumn(), amount, TimeElapsedColumn(),
                     console=console, transient=True, disable=not console.is_terminal)
 
 
@@ -139,7 +141,7 @@ def _run_step(step: str, ctx: StepContext, workdir: Path, key: str, console: Con
         return StepRecord(step, "skipped", seconds, str(output), key, marker.get("report", {}))
     marker_path(workdir, step).unlink(missing_ok=True)
     start = time.perf_counter()
-    with _bar(console) as bar:
+    with _bar(console, step) as bar:
         task = bar.add_task(step, total=None)
         ctx.progress = lambda done, total: bar.update(task, completed=done, total=total)
         report = STEP_FUNCTIONS[step](ctx, output)
