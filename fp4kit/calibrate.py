@@ -300,5 +300,9 @@ def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int):
             text.model(input_ids=token_ids[start : start + batch_size], use_cache=False)
         except _StopForward:
             pass
+        except (RuntimeError, ValueError) as exc:  # e.g. a rope config that does not fit the head dimension
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            model = type(text.model).__name__
+            raise Fp4kitError(f"transformers' {model} cannot run this config.json: {message}") from None
         layer_args.setdefault(tuple(hidden_batches[-1].shape), store)
     return hidden_batches, layer_args

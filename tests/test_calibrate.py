@@ -215,6 +215,12 @@ def test_bad_token_ids_are_refused(bad, checkpoint):
         calibrate(checkpoint("qwen3_moe"), bad)
 
 
+def test_a_config_transformers_cannot_run_is_one_clear_line(tiny):
+    """The stock tiny_glm4v_moe fixture's mrope_section does not fit its rotary dimension (see OVERRIDES)."""
+    with pytest.raises(Fp4kitError, match="Glm4vMoeTextModel cannot run this config.json: split_with_sizes"):
+        calibrate(tiny("glm4v_moe"), token_ids(samples=1, seq_len=4))
+
+
 def test_agrees_with_modelopt_for_attention_dense_and_shared_experts(checkpoint):
     """nvidia-modelopt NVFP4_DEFAULT_CFG calibration (DESIGN.md §11: equal to a plain causal forward)."""
     mtq = pytest.importorskip("modelopt.torch.quantization")
