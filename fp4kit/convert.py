@@ -16,11 +16,9 @@ them would change values.
 from __future__ import annotations
 
 import json
-import queue
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,7 @@ from fp4kit.formats.detect import (
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.repair import RepairReport, rescale, unified_scales
+from fp4kit.streaming import prefetched
 
 QUEUE_DEPTH = 4
 _LLAMA4_EXPERT = re.compile(
@@ -210,36 +209,6 @@ def _exact_records(jobs: list[Job], target: str, scales: Scales) -> dict[str, st
     return {out: float(values[i]).hex() for i, (out, _) in enumerate(pairs) if needed[i]}
 
 
-def _pipelined(jobs: list[Job], produce: Callable[[Job], dict[str, torch.Tensor]]) -> Iterator[dict]:
-    slots: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    stop = threading.Event()
-
-    def run() -> None:
-        try:
-            for job in jobs:
-                if stop.is_set():
-                    return
-                slots.put(produce(job))
-            slots.put(None)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            slots.put(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        while (item := slots.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                thread.join(0.05)
-
-
 def _order(job: Job) -> tuple[int, str]:
     name = job if isinstance(job, str) else job.experts if isinstance(job, FusedJob) else job.name
     layer = layer_of(name)
@@ -290,7 +259,8 @@ def convert_checkpoint(
                                  metadata=metadata)
             done = 0
             try:
-                for tensors in _pipelined(jobs, lambda job: _encode(job, to, ckpt, scales, repaired)):
+                produce = lambda job: _encode(job, to, ckpt, scales, repaired)  # noqa: E731
+                for _, tensors in prefetched(jobs, produce, QUEUE_DEPTH):
                     for name, tensor in tensors.items():
                         writer.write(name, tensor)
                         done += tensor.numel() * tensor.element_size()

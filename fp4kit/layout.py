@@ -29,10 +29,10 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of
 from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
-from fp4kit.layout_streaming import BackgroundWriter, prefetched
 from fp4kit.layouts import cutlass, marlin, trtllm
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.output import atomic_directory, check_destination
+from fp4kit.streaming import BackgroundWriter, prefetched
 
 BACKENDS: dict[str, ModuleType] = {"trtllm": trtllm, "cutlass": cutlass, "marlin": marlin}
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -8,10 +8,9 @@ in memory whatever the model's size.
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_diviso
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
+from fp4kit.streaming import BackgroundWriter, prefetched
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 FORMATS = ("compressed-tensors", "modelopt")
@@ -76,65 +76,8 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--device {options.device}: no CUDA device is available")
 
 
-def _prefetch(reader: CheckpointReader, plan: ModelPlan) -> Iterator[tuple[QuantGroup | str, object]]:
-    """Yield (job, data) in plan order, reading ahead on a thread (file reads release the GIL)."""
-    slots: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for job in plan.jobs:
-                if stop.is_set():
-                    return
-                data = read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
-                slots.put((job, data))
-            slots.put(None)
-        except BaseException as exc:  # handed to the consumer, which raises it
-            slots.put(exc)
-
-    thread = threading.Thread(target=produce, daemon=True)
-    thread.start()
-    try:
-        while (item := slots.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                thread.join(0.05)
-
-
-class _BackgroundWriter:
-    def __init__(self, writer: ShardWriter):
-        self.writer = writer
-        self.pending: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while (item := self.pending.get()) is not None:
-            if self.error is None:
-                try:
-                    for name, tensor in item.items():
-                        self.writer.write(name, tensor)
-                except BaseException as exc:
-                    self.error = exc
-
-    def put(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.error is not None:
-            raise self.error
-        self.pending.put(tensors)
-
-    def close(self) -> None:
-        self.pending.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+def _read_job(reader: CheckpointReader, job: QuantGroup | str) -> object:
+    return read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
 
 
 def _format_module(options: QuantizeOptions):
@@ -273,9 +216,9 @@ def quantize_checkpoint(
         done = 0
         with atomic_directory(dst) as work:
             writer = ShardWriter(work, planned, options.max_shard_bytes, metadata={"producer": "fp4kit"})
-            background = _BackgroundWriter(writer)
+            background = BackgroundWriter(writer, QUEUE_DEPTH)
             try:
-                for job, data in _prefetch(reader, plan):
+                for job, data in prefetched(plan.jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
                     if isinstance(job, QuantGroup):
                         background.put(quantize_tensors(job, data, options, input_divs))  # type: ignore[arg-type]
                         done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]

@@ -102,9 +102,11 @@ def test_existing_nonempty_destination(src, tmp_path):
     assert not list(tmp_path.glob(".out*"))
 
 
-def test_w4a4_needs_calibration(src, tmp_path):
+def test_w4a4_missing_calibration_file(src, tmp_path):
     dst = tmp_path / "out"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst), "--scheme", "nvfp4"), "calibrat")
+    calib = tmp_path / "missing.jsonl"
+    assert_clean_failure(run_cli("quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib", str(calib)),
+                         "missing.jsonl", "not found")
     assert_no_output(dst)
 
 

@@ -1,5 +1,6 @@
-"""Overlapping reads, compute and writes of a streaming conversion: a reader thread runs ahead of the consumer, a
-writer thread places finished tensors, both through queues of bounded depth, so memory holds ``depth`` jobs per queue.
+"""Overlapping reads, compute and writes of every streaming command (quantize, convert, layout): a reader thread
+runs ahead of the consumer, a writer thread places finished tensors, both through queues of bounded depth, so memory
+holds ``depth`` jobs per queue.
 """
 
 from __future__ import annotations
