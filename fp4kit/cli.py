@@ -48,4 +48,5 @@ def main() -> None:
         if isinstance(exc, click.exceptions.Abort):
             sys.exit(130)
         raise
-    sys.exit(code if isinstance(code, int) else 0)
+    if isinstance(code, int) and code:
+        sys.exit(code)
