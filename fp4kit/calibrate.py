@@ -234,6 +234,17 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x, weight)
 
 
+def _release_freed_memory() -> None:
+    """Hand the freed layer back to the OS (glibc keeps freed heap pages otherwise, and the next pass's threads
+    allocate from other arenas), so a layer's memory does not linger as resident memory after it is dropped."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _checkpoint_dtype(src: Path) -> torch.dtype:
     config = read_config(src)
     text = config.get("text_config") or config
@@ -281,6 +292,7 @@ def calibrate(
             recorder.flush(result, index)
             text.layers[index] = None  # its weights go with it
             del layer, recorder
+            _release_freed_memory()
             if on_layer is not None:
                 on_layer(index, hidden_batches)
     return result
