@@ -215,10 +215,14 @@ def test_bad_token_ids_are_refused(bad, checkpoint):
         calibrate(checkpoint("qwen3_moe"), bad)
 
 
-def test_a_config_transformers_cannot_run_is_one_clear_line(tiny):
-    """The stock tiny_glm4v_moe fixture's mrope_section does not fit its rotary dimension (see OVERRIDES)."""
+def test_a_config_transformers_cannot_run_is_one_clear_line(tmp_path):
+    """An mrope_section that does not fit the rotary dimension (16 * 0.5 / 2 = 4 frequencies, sections sum to 8)."""
+    from fp4kit.fixtures import build_fixture
+
+    bad_rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 4], "partial_rotary_factor": 0.5}
+    src = build_fixture("glm4v_moe", tmp_path / "bad", overrides={"rope_parameters": bad_rope})
     with pytest.raises(Fp4kitError, match="Glm4vMoeTextModel cannot run this config.json: split_with_sizes"):
-        calibrate(tiny("glm4v_moe"), token_ids(samples=1, seq_len=4))
+        calibrate(src, token_ids(samples=1, seq_len=4))
 
 
 def test_agrees_with_modelopt_for_attention_dense_and_shared_experts(checkpoint):
