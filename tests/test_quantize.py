@@ -111,9 +111,12 @@ def test_targets_and_ignore(tiny, tmp_path):
 
 
 def test_side_files_and_sharding(tiny, tmp_path):
+    import shutil
+
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 
-    src = tiny("qwen3_moe")
+    src = tmp_path / "src"  # a copy: the session fixture is shared with other tests
+    shutil.copytree(tiny("qwen3_moe"), src)
     (src / "tokenizer.json").write_text("{}")
     (src / "chat_template.jinja").write_text("{{ messages }}")
     out = tmp_path / "sharded"
