@@ -21,9 +21,15 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for callers)
+    INDEX_NAME,
+    SINGLE_NAME,
+    WEIGHT_SUFFIXES,
+    parse_size,
+    read_config,
+    read_header,
+    shard_files,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -56,24 +62,6 @@ class TensorInfo:
         return self.end - self.begin
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise Fp4kitError(f"{path}: truncated safetensors file (no header)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > size - 8 or header_len > 100_000_000:
-                raise Fp4kitError(f"{path}: truncated or corrupt safetensors header")
-            header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise Fp4kitError(f"{path}: shard file is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise Fp4kitError(f"{path}: corrupt safetensors header") from None
-    return header, 8 + header_len
-
-
 class CheckpointReader:
     """Tensor metadata of a HF checkpoint directory, and reads of one tensor at a time."""
 
@@ -85,31 +73,12 @@ class CheckpointReader:
             raise Fp4kitError(f"{self.root}: not a directory")
         self.tensors: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
-        for shard in self._shard_files():
+        for shard in shard_files(self.root):
             self._load_shard(shard)
         self._fds: dict[Path, int] = {}
 
-    def _shard_files(self) -> list[Path]:
-        index = self.root / INDEX_NAME
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError):
-                raise Fp4kitError(f"{index}: not a valid safetensors index") from None
-            files = sorted(set(weight_map.values()))
-            for name in files:
-                if not (self.root / name).exists():
-                    raise Fp4kitError(f"{self.root / name}: shard named in {INDEX_NAME} is missing")
-            return [self.root / f for f in files]
-        if (self.root / SINGLE_NAME).exists():
-            return [self.root / SINGLE_NAME]
-        found = sorted(self.root.glob("*.safetensors"))
-        if not found:
-            raise Fp4kitError(f"{self.root}: no safetensors files (and no {INDEX_NAME})")
-        return found
-
     def _load_shard(self, path: Path) -> None:
-        header, data_start = _read_header(path)
+        header, data_start = read_header(path)
         size = path.stat().st_size
         self.metadata.update(header.pop("__metadata__", None) or {})
         for name, entry in header.items():
@@ -177,18 +146,6 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def read_config(root: str | os.PathLike) -> dict:
-    if not Path(root).is_dir():
-        raise Fp4kitError(f"{root}: not a directory")
-    path = Path(root) / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Fp4kitError(f"{path}: missing (fp4kit needs the model's config.json)") from None
-    except json.JSONDecodeError as exc:
-        raise Fp4kitError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
 
 
 @dataclass(frozen=True)
@@ -301,7 +258,6 @@ class ShardWriter:
         self._fds.clear()
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 SKIP_FILES = {INDEX_NAME, "config.json", "hf_quant_config.json"}
 
 
@@ -319,19 +275,3 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
         shutil.copy2(path, target)
         copied.append(str(rel))
     return copied
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1024' -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    s = text.strip().upper()
-    number = s.rstrip("KMGTIB")
-    unit = s[len(number):]
-    try:
-        value = float(number)
-    except ValueError:
-        raise Fp4kitError(f"cannot read size {text!r} (use e.g. 5GB or 500MB)") from None
-    if unit not in units or value <= 0:
-        raise Fp4kitError(f"cannot read size {text!r} (use e.g. 5GB or 500MB)")
-    return int(value * units[unit])

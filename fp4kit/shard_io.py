@@ -16,12 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for shard's callers)
+    INDEX_NAME,
+    WEIGHT_SUFFIXES,
+    parse_size,
+    read_config,
+    read_header,
+    shard_files,
+)
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U8": 1, "BOOL": 1}
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
 @dataclass(frozen=True)
@@ -38,58 +43,11 @@ class SourceTensor:
         return self.end - self.begin
 
 
-def read_config(root: Path) -> dict:
-    if not root.is_dir():
-        raise Fp4kitError(f"{root}: not a directory")
-    path = root / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Fp4kitError(f"{path}: missing (fp4kit needs the model's config.json)") from None
-    except json.JSONDecodeError as exc:
-        raise Fp4kitError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-
-
-def _shard_files(root: Path) -> list[Path]:
-    index = root / INDEX_NAME
-    if index.exists():
-        try:
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise Fp4kitError(f"{index}: not a valid safetensors index") from None
-        for name in files:
-            if not (root / name).exists():
-                raise Fp4kitError(f"{root / name}: shard named in {INDEX_NAME} is missing")
-        return [root / f for f in files]
-    if (root / SINGLE_NAME).exists():
-        return [root / SINGLE_NAME]
-    found = sorted(root.glob("*.safetensors"))
-    if not found:
-        raise Fp4kitError(f"{root}: no safetensors files (and no {INDEX_NAME})")
-    return found
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise Fp4kitError(f"{path}: truncated safetensors file (no header)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8 or header_len > 100_000_000:
-            raise Fp4kitError(f"{path}: truncated or corrupt safetensors header")
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise Fp4kitError(f"{path}: corrupt safetensors header") from None
-    return header, 8 + header_len
-
-
 def read_tensors(root: Path) -> dict[str, SourceTensor]:
     """Every tensor of checkpoint directory ``root``, from the shard headers, checked against the file sizes."""
     tensors: dict[str, SourceTensor] = {}
-    for path in _shard_files(root):
-        header, data_start = _read_header(path)
+    for path in shard_files(root):
+        header, data_start = read_header(path)
         size = path.stat().st_size
         header.pop("__metadata__", None)
         for name, entry in header.items():
@@ -106,21 +64,6 @@ def read_tensors(root: Path) -> dict[str, SourceTensor]:
                                   f"{math.prod(shape) * ITEMSIZE[dtype]}")
             tensors[name] = SourceTensor(name, path, dtype, shape, data_start + begin, data_start + end)
     return tensors
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1024' -> bytes (fp4kit.checkpoint.parse_size's rules)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    s = text.strip().upper()
-    number = s.rstrip("KMGTIB")
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if s[len(number):] not in units or value <= 0:
-        raise Fp4kitError(f"cannot read size {text!r} (use e.g. 5GB or 500MB)")
-    return int(value * units[s[len(number):]])
 
 
 def read_bytes(tensor: SourceTensor) -> bytes:
