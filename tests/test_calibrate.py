@@ -295,7 +295,9 @@ def test_peak_memory_does_not_grow_with_layer_count(tmp_path, tiny):
     (start2, peak2), (start8, peak8) = peaks[2], peaks[8]
     growth2, growth8 = peak2 - start2, peak8 - start8
     assert growth2 >= layer_bytes  # it did hold a layer
-    assert growth8 <= 1.3 * growth2, (growth2, growth8, layer_bytes)
+    # Six more layers must add far less than six layers' bytes (a whole-model hold adds 6 x layer_bytes); a ratio of
+    # growths is allocator noise at 25 MB layers (seen: +27.5 MB vs +59.5 MB in one CI run, +47 vs +48 in others).
+    assert growth8 - growth2 <= 2 * layer_bytes, (growth2, growth8, layer_bytes)
     assert peak8 <= 1.3 * peak2
     print(f"2 layers: peak {peak2 / 1e6:.0f} MB, +{growth2 / 1e6:.0f} MB; 8 layers: peak {peak8 / 1e6:.0f} MB, "
           f"+{growth8 / 1e6:.0f} MB; one layer {layer_bytes / 1e6:.0f} MB")
