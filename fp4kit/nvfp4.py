@@ -43,7 +43,7 @@ class NVFP4Tensor:
 
     packed: torch.Tensor  # uint8 [..., N, K/2]
     block_scale: torch.Tensor  # float8_e4m3fn [..., N, K/16]
-    global_scale_div: torch.Tensor  # float64, 0-d
+    global_scale_div: torch.Tensor  # float64, 0-d, or [B] for a stack [B, N, K] of separately scaled tensors
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,7 +56,8 @@ class NVFP4Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         values = unpack_e2m1(self.packed)
-        scale = self.block_scale.to(torch.float32) / self.global_scale_mul_fp32.to(self.packed.device)
+        global_mul = _per_leading_index(self.global_scale_mul_fp32.to(self.packed.device), self.block_scale.dim())
+        scale = self.block_scale.to(torch.float32) / global_mul
         values = values.unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)
         return values.flatten(-2).to(dtype)
 
@@ -92,11 +93,18 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 def global_scale_mul(amax: torch.Tensor, exact_fp32: bool = False) -> torch.Tensor:
     """The multiplier G = 448*6 / amax as llm-compressor computes it: in amax's dtype (bf16 for bf16 weights),
-    then widened to fp32. ``exact_fp32`` computes it in fp32 instead. A zero amax gives G = 1 (an all-zero tensor)."""
+    then widened to fp32. ``exact_fp32`` computes it in fp32 instead. Where the quotient overflows (an all-zero
+    tensor, or amax below ~1e-35) G is 1, as compressed-tensors does. Elementwise: a [B] amax gives B multipliers."""
     if exact_fp32:
         amax = amax.to(torch.float32)
     amax = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
-    return (GLOBAL_NUMERATOR / amax).to(torch.float32).reshape(())
+    return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32)
+
+
+def _per_leading_index(global_scale: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A 0-d or [B] global scale shaped to broadcast against an ``ndim``-d tensor (0-d becomes [1, ..., 1]: a
+    0-d fp32 tensor would not promote a bf16 operand to fp32)."""
+    return global_scale.reshape(*global_scale.shape, *[1] * (ndim - global_scale.dim()))
 
 
 class NonFiniteError(ValueError):
@@ -154,15 +162,16 @@ def quantize(
     amax_per_block: torch.Tensor | None = None,
     compile_cpu: bool = False,
 ) -> NVFP4Tensor:
-    """Quantize [..., N, K] (K % 16 == 0) with a given fp32 multiplier global scale G.
+    """Quantize [..., N, K] (K % 16 == 0) with a given fp32 multiplier global scale G: one (0-d), or one per
+    leading index ([B]) of a stack [B, N, K].
 
     Math as compressed-tensors: s = fp8(G * (amax_blk / 6)) with amax_blk / 6 in the weight's dtype,
     q = rne(x / (fp32(s) / G)) in fp32. All-zero blocks get s = 0.125.
     """
     if amax_per_block is None:
         amax_per_block = block_amax(weight)
-    # [1], not 0-d: a 0-d fp32 tensor would not promote the bf16 product to fp32.
-    global_mul = global_mul.to(device=weight.device, dtype=torch.float32).reshape(1)
+    global_shape = global_mul.shape
+    global_mul = _per_leading_index(global_mul.to(device=weight.device, dtype=torch.float32), amax_per_block.dim())
     fp4_max = torch.tensor(FP4_MAX, dtype=amax_per_block.dtype, device=weight.device)
     scale = torch.clamp(global_mul * (amax_per_block / fp4_max), -FP8_MAX, FP8_MAX)
     block_scale_f32 = scale.to(torch.float8_e4m3fn).to(torch.float32)
@@ -175,7 +184,7 @@ def quantize(
     if packed is None:
         packed = encode_blocks(blocks, divisor)
     return NVFP4Tensor(packed, block_scale_f32.to(torch.float8_e4m3fn),
-                       (1.0 / global_mul.double().cpu()).reshape(()))
+                       (1.0 / global_mul.double().cpu()).reshape(global_shape))
 
 
 def quantize_group(
@@ -185,3 +194,13 @@ def quantize_group(
     amaxes = [block_amax(w) for w in weights]
     global_mul = global_scale_mul(torch.stack([a.amax() for a in amaxes]).amax(), exact_fp32)
     return [quantize(w, global_mul, a, compile_cpu) for w, a in zip(weights, amaxes, strict=True)]
+
+
+def quantize_stacked(
+    stack: torch.Tensor, exact_fp32: bool = False, compile_cpu: bool = False
+) -> NVFP4Tensor:
+    """Quantize a stack [B, N, K] of independent groups (each group's members concatenated along N) in one pass:
+    entry b gets the global scale of stack[b] alone, and the same bytes as ``quantize_group`` on its members."""
+    amax = block_amax(stack)
+    global_mul = global_scale_mul(amax.flatten(1).amax(dim=1), exact_fp32)
+    return quantize(stack, global_mul, amax, compile_cpu)

@@ -21,7 +21,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
-from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group
+from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
 from fp4kit.output import atomic_directory, check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
 from fp4kit.streaming import BackgroundWriter, prefetched
@@ -29,6 +29,9 @@ from fp4kit.streaming import BackgroundWriter, prefetched
 SCHEMES = ("nvfp4a16", "nvfp4")
 FORMATS = ("compressed-tensors", "modelopt")
 QUEUE_DEPTH = 3
+# bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
+# (the host holds only the prefetched groups); on the CPU one group at a time keeps memory at one group
+STACK_BYTES = {"cpu": 0, "cuda": 1 << 30}
 COMPILE_MIN_BYTES = 2 * 10**9  # one compilation costs about what eager loses on ~1-2 GB of weights
 
 
@@ -104,20 +107,20 @@ def _per_expert(group: QuantGroup, quantized: list[NVFP4Tensor]) -> list[NVFP4Te
     ]
 
 
-def quantize_tensors(
-    group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions, input_divs: dict[str, torch.Tensor]
-) -> dict:
-    device = torch.device(options.device)
-    try:
-        quantized = quantize_group(
-            [w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale, options.compile_cpu
-        )
-    except NonFiniteError:
-        bad = next(c for c, w in zip(group.members, weights, strict=True) if not torch.isfinite(w).all())
-        raise Fp4kitError(
-            f"{bad.linear.source.tensor}: NaN or Inf in a weight to be quantized ({bad.linear.module})"
-        ) from None
-    quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
+def _nonfinite_error(groups: list[QuantGroup], weights: list[list[torch.Tensor]]) -> Fp4kitError:
+    for group, group_weights in zip(groups, weights, strict=True):
+        for c, w in zip(group.members, group_weights, strict=True):
+            if not torch.isfinite(w).all():
+                return Fp4kitError(
+                    f"{c.linear.source.tensor}: NaN or Inf in a weight to be quantized ({c.linear.module})"
+                )
+    return Fp4kitError("NaN or Inf in a weight to be quantized")
+
+
+def encode_group(
+    group: QuantGroup, quantized: list[NVFP4Tensor], options: QuantizeOptions, input_divs: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The output tensors of one quantized group (members in order) in the chosen dialect."""
     fused = _fused_output(group, options)
     if fused is not None:
         per_expert = _per_expert(group, quantized)
@@ -129,6 +132,73 @@ def quantize_tensors(
     for c, q in zip(group.members, quantized, strict=True):
         out.update(fmt.encode(c.linear.module, q, input_divs.get(c.linear.module)))
     return out
+
+
+def quantize_tensors(
+    group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions, input_divs: dict[str, torch.Tensor]
+) -> dict:
+    device = torch.device(options.device)
+    try:
+        quantized = quantize_group(
+            [w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale, options.compile_cpu
+        )
+    except NonFiniteError:
+        raise _nonfinite_error([group], [weights]) from None
+    quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
+    return encode_group(group, quantized, options, input_divs)
+
+
+class GroupBatcher:
+    """Consecutive groups whose members have one shape signature, gathered on the device and quantized as one
+    stack [B, rows, K]: on a GPU a group of one expert is a few MB, and per-group launches and downloads, not the
+    math, would set the pace. Each stack entry keeps its own global scale, so the bytes equal group-by-group
+    quantization. Groups that cannot stack (members of different K, ModelOpt's fused expert tensors) go alone."""
+
+    def __init__(self, options: QuantizeOptions, input_divs: dict[str, torch.Tensor],
+                 emit: Callable[[dict[str, torch.Tensor]], None], max_bytes: int):
+        self.options, self.input_divs, self.emit, self.max_bytes = options, input_divs, emit, max_bytes
+        self.device = torch.device(options.device)
+        self.groups: list[QuantGroup] = []
+        self.rows: list[torch.Tensor] = []
+        self.signature: tuple | None = None
+        self.pending_bytes = 0
+
+    def add(self, group: QuantGroup, weights: list[torch.Tensor]) -> None:
+        if len({w.shape[-1] for w in weights}) != 1 or _fused_output(group, self.options) is not None:
+            self.flush()
+            self.emit(quantize_tensors(group, weights, self.options, self.input_divs))
+            return
+        signature = (tuple(w.shape for w in weights), weights[0].dtype)
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        if signature != self.signature:
+            self.flush()
+        self.signature = signature
+        self.groups.append(group)
+        self.rows.append(torch.cat([w.to(self.device, non_blocking=True) for w in weights]))
+        self.pending_bytes += nbytes
+        if self.pending_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.groups:
+            return
+        groups, rows = self.groups, self.rows
+        self.groups, self.rows, self.signature, self.pending_bytes = [], [], None, 0
+        try:
+            stacked = quantize_stacked(torch.stack(rows), self.options.exact_fp32_global_scale,
+                                       self.options.compile_cpu)
+        except NonFiniteError:
+            members = [list(row.split([c.linear.out_features for c in g.members]))
+                       for g, row in zip(groups, rows, strict=True)]
+            raise _nonfinite_error(groups, members) from None
+        packed, block_scale = stacked.packed.cpu(), stacked.block_scale.cpu()
+        for b, group in enumerate(groups):
+            sizes = [c.linear.out_features for c in group.members]
+            quantized = [
+                NVFP4Tensor(p, s, stacked.global_scale_div[b])
+                for p, s in zip(packed[b].split(sizes), block_scale[b].split(sizes), strict=True)
+            ]
+            self.emit(encode_group(group, quantized, self.options, self.input_divs))
 
 
 def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list:
@@ -217,16 +287,19 @@ def quantize_checkpoint(
         with atomic_directory(dst) as work:
             writer = ShardWriter(work, planned, options.max_shard_bytes, metadata={"producer": "fp4kit"})
             background = BackgroundWriter(writer, QUEUE_DEPTH)
+            stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
+            batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
             try:
                 for job, data in prefetched(plan.jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
                     if isinstance(job, QuantGroup):
-                        background.put(quantize_tensors(job, data, options, input_divs))  # type: ignore[arg-type]
+                        batcher.add(job, data)  # type: ignore[arg-type]
                         done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
                     else:
                         background.put({job: data})  # type: ignore[dict-item]
                         done += reader.info(job).nbytes
                     if progress:
                         progress(min(done, input_bytes), input_bytes)
+                batcher.flush()
             finally:
                 background.close()
             writer.finish()

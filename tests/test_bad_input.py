@@ -117,7 +117,7 @@ def test_overwrite_replaces_and_interrupted_run_leaves_nothing(src, tmp_path, mo
     dst.mkdir()
     (dst / "old.txt").write_text("old")
     calls = {"n": 0}
-    real = q.quantize_tensors
+    real = q.encode_group
 
     def crash_midway(*args, **kwargs):
         calls["n"] += 1
@@ -125,10 +125,10 @@ def test_overwrite_replaces_and_interrupted_run_leaves_nothing(src, tmp_path, mo
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(q, "quantize_tensors", crash_midway)
+    monkeypatch.setattr(q, "encode_group", crash_midway)
     with pytest.raises(KeyboardInterrupt):
         q.quantize_checkpoint(src, dst, q.QuantizeOptions(overwrite=True))
     assert (dst / "old.txt").exists() and not list(tmp_path.glob(".out*"))
-    monkeypatch.setattr(q, "quantize_tensors", real)
+    monkeypatch.setattr(q, "encode_group", real)
     q.quantize_checkpoint(src, dst, q.QuantizeOptions(overwrite=True))
     assert not (dst / "old.txt").exists() and (dst / "model.safetensors").exists()

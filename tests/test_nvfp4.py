@@ -14,6 +14,7 @@ from fp4kit.nvfp4 import (
     pack_codes,
     quantize,
     quantize_group,
+    quantize_stacked,
     unpack_codes,
     unpack_e2m1,
 )
@@ -54,10 +55,15 @@ def adversarial(kind: str, gen: torch.Generator) -> torch.Tensor:
         w[:, ::16] = 6.0
     elif kind == "range":
         w *= torch.logspace(-6, 6, n).unsqueeze(1)
+    elif kind == "all_zero":
+        w = torch.zeros(n, k)
+    elif kind == "vanishing":  # 2688 / amax overflows: the global scale falls back to 1
+        w *= 1e-37
     return w.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("kind", ["normal", "zeros_blocks", "outlier", "denormal", "ties", "range"])
+@pytest.mark.parametrize("kind", ["normal", "zeros_blocks", "outlier", "denormal", "ties", "range", "all_zero",
+                                  "vanishing"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_quantize_matches_compressed_tensors(kind, seed):
     w = adversarial(kind, torch.Generator().manual_seed(seed))
@@ -79,6 +85,28 @@ def test_fused_group_shares_global_scale_like_compressed_tensors():
         packed, scale, _ = ct_reference(w, amax)
         assert torch.equal(q.packed, packed)
         assert torch.equal(q.block_scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stacked_groups_equal_group_by_group(seed):
+    """Each entry of a stack keeps its own global scale: groups of very different range side by side (one all
+    zero, one denormal, one with an outlier) give the bytes quantize_group gives each alone."""
+    gen = torch.Generator().manual_seed(seed)
+    kinds = ["normal", "zeros_blocks", "outlier", "denormal", "ties", "range", "vanishing"]
+    groups = [[adversarial(kind, gen)[:16], adversarial(kind, gen)[16:48]] for kind in kinds]
+    groups.append([torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(32, 128, dtype=torch.bfloat16)])
+    groups.append([torch.zeros(16, 128, dtype=torch.bfloat16), adversarial("normal", gen)[:32]])
+    stacked = quantize_stacked(torch.stack([torch.cat(g) for g in groups]))
+    assert stacked.global_scale_div.shape == (len(groups),)
+    for b, group in enumerate(groups):
+        for q, rows in zip(quantize_group(group), (slice(0, 16), slice(16, 48)), strict=True):
+            assert torch.equal(stacked.global_scale_div[b], q.global_scale_div)
+            assert torch.equal(stacked.packed[b, rows], q.packed)
+            assert torch.equal(stacked.block_scale[b, rows].view(torch.uint8), q.block_scale.view(torch.uint8))
+    dense = stacked.dequantize()
+    assert torch.isfinite(dense).all()
+    for b, group in enumerate(groups):
+        assert torch.equal(dense[b], torch.cat([q.dequantize() for q in quantize_group(group)]))
 
 
 def test_e2m1_rounding_ties_to_even_and_saturation():

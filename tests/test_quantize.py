@@ -128,3 +128,28 @@ def test_side_files_and_sharding(tiny, tmp_path):
     assert (out / "generation_config.json").exists()
     reread = CheckpointReader(out)
     assert len(reread.names()) == len(index["weight_map"])
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
+def test_stacked_quantization_writes_the_same_bytes(family, tiny, tiny_nvfp4a16, tmp_path, monkeypatch):
+    """The GPU path stacks consecutive same-shape groups into one quantize call; forced on the CPU it must write
+    exactly what group-by-group quantization writes."""
+    from fp4kit import quantize as q
+
+    monkeypatch.setitem(q.STACK_BYTES, "cpu", 1 << 30)
+    stacked_sizes: list[int] = []
+    real_stacked = q.quantize_stacked
+
+    def record(stack, *args):
+        stacked_sizes.append(stack.shape[0])
+        return real_stacked(stack, *args)
+
+    monkeypatch.setattr(q, "quantize_stacked", record)
+    out = tmp_path / "stacked"
+    q.quantize_checkpoint(tiny(family), out)
+    assert max(stacked_sizes) > 2  # experts were stacked, not quantized one by one
+    reference = tiny_nvfp4a16(family)
+    files = sorted(p.name for p in reference.iterdir())
+    assert files == sorted(p.name for p in out.iterdir())
+    for name in files:
+        assert (reference / name).read_bytes() == (out / name).read_bytes(), name
