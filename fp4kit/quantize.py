@@ -149,41 +149,35 @@ def quantize_tensors(
 
 
 class GroupBatcher:
-    """Consecutive groups whose members have one shape signature, gathered on the device and quantized as one
-    stack [B, rows, K]: on a GPU a group of one expert is a few MB, and per-group launches and downloads, not the
-    math, would set the pace. Each stack entry keeps its own global scale, so the bytes equal group-by-group
-    quantization. Groups that cannot stack (members of different K, ModelOpt's fused expert tensors) go alone."""
+    """Groups whose members have one shape signature, gathered on the device and quantized as one stack
+    [B, rows, K]: on a GPU a group of one expert is a few MB, and per-group launches and downloads, not the math,
+    would set the pace. One pending stack per signature (experts alternate gate/up and down groups); each stack entry
+    keeps its own global scale, so the bytes equal group-by-group quantization and, since every output tensor has a
+    planned place, the write order does not matter. Groups that cannot stack (members of different K, ModelOpt's
+    fused expert tensors) go alone."""
 
     def __init__(self, options: QuantizeOptions, input_divs: dict[str, torch.Tensor],
                  emit: Callable[[dict[str, torch.Tensor]], None], max_bytes: int):
         self.options, self.input_divs, self.emit, self.max_bytes = options, input_divs, emit, max_bytes
         self.device = torch.device(options.device)
-        self.groups: list[QuantGroup] = []
-        self.rows: list[torch.Tensor] = []
-        self.signature: tuple | None = None
-        self.pending_bytes = 0
+        self.pending: dict[tuple, tuple[list[QuantGroup], list[torch.Tensor]]] = {}
 
     def add(self, group: QuantGroup, weights: list[torch.Tensor]) -> None:
         if len({w.shape[-1] for w in weights}) != 1 or _fused_output(group, self.options) is not None:
-            self.flush()
             self.emit(quantize_tensors(group, weights, self.options, self.input_divs))
             return
         signature = (tuple(w.shape for w in weights), weights[0].dtype)
-        nbytes = sum(w.numel() * w.element_size() for w in weights)
-        if signature != self.signature:
-            self.flush()
-        self.signature = signature
-        self.groups.append(group)
-        self.rows.append(torch.cat([w.to(self.device, non_blocking=True) for w in weights]))
-        self.pending_bytes += nbytes
-        if self.pending_bytes >= self.max_bytes:
-            self.flush()
+        groups, rows = self.pending.setdefault(signature, ([], []))
+        groups.append(group)
+        rows.append(torch.cat([w.to(self.device, non_blocking=True) for w in weights]))
+        if len(rows) * rows[0].numel() * rows[0].element_size() >= self.max_bytes:
+            self._quantize(*self.pending.pop(signature))
 
     def flush(self) -> None:
-        if not self.groups:
-            return
-        groups, rows = self.groups, self.rows
-        self.groups, self.rows, self.signature, self.pending_bytes = [], [], None, 0
+        while self.pending:
+            self._quantize(*self.pending.pop(next(iter(self.pending))))
+
+    def _quantize(self, groups: list[QuantGroup], rows: list[torch.Tensor]) -> None:
         try:
             stacked = quantize_stacked(torch.stack(rows), self.options.exact_fp32_global_scale,
                                        self.options.compile_cpu)
