@@ -31,7 +31,7 @@ FORMATS = ("compressed-tensors", "modelopt")
 QUEUE_DEPTH = 3
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
 # (the host holds only the prefetched groups); on the CPU one group at a time keeps memory at one group
-STACK_BYTES = {"cpu": 0, "cuda": 1 << 30}
+STACK_BYTES = {"cpu": 0, "cuda": 1 << 26}
 COMPILE_MIN_BYTES = 2 * 10**9  # one compilation costs about what eager loses on ~1-2 GB of weights
 
 

@@ -2,12 +2,15 @@
 
     python scripts/verify_48_layers.py [--layers 48] [--chunk 8] [--workdir DIR] [--tokens 1,16,256,4096]
     python scripts/verify_48_layers.py --smoke --layers 4 --chunk 2 --tokens 1,8 --device cpu   # checks the script
+    python scripts/verify_48_layers.py --repeat-first-chunk      # layers 8..47 repeat layers 0..7's weights
 
 The bf16 model (hidden 2048, moe_intermediate 768, 128 experts, top-8; fp4kit.synthetic) is 1.2 GB per layer, 58 GB
 for 48 layers, which with its NVFP4 output does not fit a 64 GiB disk. So it is built in chunks of ``--chunk``
 layers: each chunk is written in bf16, quantized (`fp4kit quantize`, NVFP4A16, on the GPU when there is one) and its
 bf16 deleted, except the first chunk's, which stays as the BF16 source of layers 0..chunk-1; then the chunks are
-merged into one checkpoint with their layers renumbered. Two timed runs of the CLI, each a whole process:
+merged into one checkpoint with their layers renumbered. ``--repeat-first-chunk`` builds only the first chunk and
+repeats its layers up to ``--layers`` (same shapes and the same work for verify, minutes less to build).
+Two timed runs of the CLI, each a whole process:
 
   1. fp4kit verify CKPT --device cuda                                  every layer: kernels, routing rows
   2. fp4kit verify CKPT --source BF16_CHUNK0 --layers 0..chunk-1       + quantized vs BF16, per-expert errors
@@ -45,10 +48,14 @@ SMOKE_DIMS = {"hidden": 128, "moe_intermediate": 64, "num_experts": 8, "top_k": 
               "head_dim": 32, "vocab_size": 64}
 
 
-def build_chunks(work: Path, layers: int, chunk: int, device: str, dims: dict) -> list[tuple[int, Path]]:
+def build_chunks(work: Path, layers: int, chunk: int, device: str, dims: dict,
+                 repeat_first: bool = False) -> list[tuple[int, Path]]:
     """[(first layer, quantized chunk dir)]; the first chunk's bf16 stays in WORKDIR/bf16-0."""
     chunks = []
     for offset in range(0, layers, chunk):
+        if repeat_first and offset:
+            chunks.append((offset, chunks[0][1]))
+            continue
         count = min(chunk, layers - offset)
         start = time.perf_counter()
         bf16 = write_synthetic_qwen3_moe(work / f"bf16-{offset}", num_layers=count, seed=offset, threads=8, **dims)
@@ -105,13 +112,18 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,256,4096")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny layer shapes: checks the script only")
+    parser.add_argument("--repeat-first-chunk", action="store_true",
+                        help="build one chunk and repeat its layers (needs --layers a multiple of --chunk)")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="fp4kit-verify48-"))
     work.mkdir(parents=True, exist_ok=True)
     ckpt = work / "nvfp4"
     if not ckpt.exists():
         start = time.perf_counter()
-        chunks = build_chunks(work, args.layers, args.chunk, args.device, SMOKE_DIMS if args.smoke else {})
+        if args.repeat_first_chunk and args.layers % args.chunk:
+            parser.error("--repeat-first-chunk needs --layers to be a multiple of --chunk")
+        chunks = build_chunks(work, args.layers, args.chunk, args.device, SMOKE_DIMS if args.smoke else {},
+                              args.repeat_first_chunk)
         merge(chunks, ckpt, args.layers)
         print(f"built {ckpt} ({args.layers} layers) in {time.perf_counter() - start:.0f} s", flush=True)
     common = ["--device", args.device, "--tokens", args.tokens]

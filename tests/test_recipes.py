@@ -10,25 +10,13 @@ import pytest
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.fixtures import RECIPE_STAND_INS
 from fp4kit.pipeline import run_recipe
 from fp4kit.recipe import STEP_ORDER, check_against_model, load_recipe
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4.5-air", "glm-4.5v", "llama-4-scout",
                 "llama-4-maverick", "demo"}
-# Tiny stand-ins that meet their recipes' backend rules: I % 64 (CUTLASS gated GEMM, Marlin), 8 experts so that EP 8
-# divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout: Marlin) H % 128. The fixtures' H is 64, which CUTLASS
-# accepts; the vision-language families keep it, since their M-RoPE sections are sized for it.
-STAND_INS = {
-    "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 8},
-    "qwen3_vl_moe": {"moe_intermediate_size": 64, "num_experts": 8},
-    "glm4_moe": {"moe_intermediate_size": 64, "n_routed_experts": 8},
-    # tiny_glm4v_moe.json's mrope_section [2, 2, 4] does not fit its rotary dim (4): calibration could not run a forward
-    "glm4v_moe": {"moe_intermediate_size": 64, "n_routed_experts": 8,
-                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
-                                      "partial_rotary_factor": 0.5}},
-    "llama4": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8},
-}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -49,7 +37,7 @@ def stand_in(tmp_path_factory):
     def get(family: str) -> Path:
         if family not in built:
             built[family] = build_fixture(family, tmp_path_factory.mktemp(f"stand-in-{family}"),
-                                          overrides=STAND_INS[family])
+                                          overrides=RECIPE_STAND_INS[family])
         return built[family]
 
     return get

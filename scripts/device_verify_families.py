@@ -1,0 +1,71 @@
+"""Every seed recipe end to end on the GPU, on a tiny stand-in of its family: quantize (calibrated on the device),
+layout, EP shard and `verify --device cuda` with the kernels the GPU allows.
+
+    python scripts/device_verify_families.py [--json OUT] [--tokens 1,16,256]
+
+Prints one line per verify check that failed and a table per recipe: checks passed / run, the worst kernel error
+against the fp32 reference for each backend and mode, and the quantized-vs-BF16 error. Exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from fp4kit.fixtures import RECIPE_STAND_INS, build_fixture
+from fp4kit.pipeline import run_recipe
+from fp4kit.recipe import load_recipe
+
+RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--tokens", default="1,16,256")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    rows, failed = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        stand_ins: dict[str, Path] = {}
+        for path in RECIPES:
+            family = load_recipe(path).recipe.family
+            if family not in stand_ins:
+                stand_ins[family] = build_fixture(family, Path(tmp) / f"bf16-{family}",
+                                                  overrides=RECIPE_STAND_INS[family])
+            overrides = [f"model={stand_ins[family]}", f"quantize.device={args.device}", "quantize.samples=16",
+                         "quantize.seq_len=64", f"verify.device={args.device}", f"verify.tokens=[{args.tokens}]"]
+            start = time.perf_counter()
+            summary = run_recipe(path, overrides, Path(tmp) / f"work-{path.stem}")
+            results = summary.verify["results"] if summary.verify else []
+            bad = [r for r in results if not r["passed"]]
+            failed += len(bad)
+            for r in bad:
+                print(f"FAIL {path.stem}: {r}")
+            rows.append({"recipe": path.stem, "family": family, "seconds": round(time.perf_counter() - start, 1),
+                         "passed": sum(r["passed"] for r in results), "checks": len(results),
+                         "notes": summary.verify.get("notes", []) if summary.verify else [],
+                         "results": results})
+    print("| recipe | family | checks passed | worst error per check kind | s |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        worst: dict[str, float] = {}
+        for r in row["results"]:
+            if isinstance(r.get("error"), (int, float)):
+                kind = f"{r['check']}/{Path(r['target']).name}"
+                worst[kind] = max(worst.get(kind, 0.0), float(r["error"]))
+        kinds = ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items()))
+        print(f"| {row['recipe']} | {row['family']} | {row['passed']}/{row['checks']} | {kinds} | {row['seconds']} |")
+    for row in rows:
+        for note in row["notes"]:
+            print(f"note ({row['recipe']}): {note}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2, default=str))
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
