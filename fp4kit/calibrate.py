@@ -154,6 +154,7 @@ class _AmaxRecorder:
         self.modules = modules
         self.amax: dict[str, torch.Tensor] = {}
         self.counts: torch.Tensor | None = None
+        self.num_experts: int | None = None
         self.router_output: tuple | None = None
         self.handles = []
         for name, module in layer.named_modules():
@@ -162,6 +163,7 @@ class _AmaxRecorder:
             experts = getattr(module, "experts", None)
             if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
                 router = module.router if hasattr(module, "router") else module.gate
+                self.num_experts = experts.gate_up_proj.shape[0]
                 self.handles.append(router.register_forward_hook(self._router_hook))
                 self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
 
@@ -224,6 +226,8 @@ class _AmaxRecorder:
                 result.input_amax[name] = float(amax)
         if self.counts is not None:
             result.routing_counts[index] = [int(c) for c in self.counts.cpu()]
+        elif self.num_experts is not None:  # a rank given no batch (fp4kit.distributed): nothing was routed here
+            result.routing_counts[index] = [0] * self.num_experts
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -261,11 +265,13 @@ def calibrate(
     modules: set[str] | None = None,
     dtype: torch.dtype | None = None,
     on_layer: LayerCallback | None = None,
+    batch_share: tuple[int, int] = (0, 1),
 ) -> CalibrationResult:
     """Input amax of every Linear (``modules``: only those names) and routing counts, streaming SRC by layer.
 
     ``token_ids`` int64 [S, L]; ``dtype`` defaults to the checkpoint's (config.json), bf16 if it names none.
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
+    ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.distributed to combine.
     """
     src = Path(src)
     if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.numel() == 0:
@@ -282,7 +288,7 @@ def calibrate(
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
             raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
                               f"[{int(token_ids.min())}, {int(token_ids.max())}]")
-        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size)
+        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, batch_share)
         for index in range(len(text.layers)):
             layer = _load_layer(text, reader, index, dtype, torch_device)
             recorder = _AmaxRecorder(text, layer, index, modules)
@@ -298,12 +304,13 @@ def calibrate(
     return result
 
 
-def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int):
+def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int, batch_share: tuple[int, int]):
     """Embedded hidden states per batch, and per batch shape the arguments the model passes each layer."""
     hidden_batches: list[torch.Tensor] = []
     layer_args: dict[tuple[int, ...], dict[int, tuple[tuple, dict]]] = {}
     count = len(text.layers)
-    for start in range(0, token_ids.shape[0], batch_size):
+    rank, world = batch_share
+    for start in range(batch_size * rank, token_ids.shape[0], batch_size * world):
         store: dict[int, tuple[tuple, dict]] = {}
         text.model.layers = nn.ModuleList(
             [_LayerArguments(i, i == count - 1, store, hidden_batches) for i in range(count)]

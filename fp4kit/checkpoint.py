@@ -175,6 +175,8 @@ class ShardWriter:
     """Writes a planned set of tensors into safetensors shards inside ``directory``.
 
     ``write`` may be called in any order; ``finish`` checks that every planned tensor arrived and writes the index.
+    Several processes can fill one output (fp4kit.distributed): one writer creates the shards, the others open them
+    with ``create=False``; each is told the names it writes (``written_here``) and checks only those.
     """
 
     def __init__(
@@ -183,8 +185,11 @@ class ShardWriter:
         plan: Iterable[PlannedTensor],
         max_shard_bytes: int,
         metadata: dict[str, str] | None = None,
+        written_here: Iterable[str] | None = None,
+        create: bool = True,
     ):
         self.directory = directory
+        self.create = create
         plan = list(plan)
         names = [t.name for t in plan]
         if len(set(names)) != len(names):
@@ -210,16 +215,19 @@ class ShardWriter:
             header_bytes = json.dumps(header, separators=(",", ":")).encode()
             header_bytes += b" " * (-len(header_bytes) % 8)
             data_start = 8 + len(header_bytes)
-            fd = os.open(directory / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.pwrite(fd, struct.pack("<Q", len(header_bytes)) + header_bytes, 0)
-            os.ftruncate(fd, data_start + offset)
+            if create:
+                fd = os.open(directory / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.pwrite(fd, struct.pack("<Q", len(header_bytes)) + header_bytes, 0)
+                os.ftruncate(fd, data_start + offset)
+            else:
+                fd = os.open(directory / fname, os.O_WRONLY)
             self._fds.append(fd)
             self.files.append(fname)
             for t in shard:
                 entry = header[t.name]
                 self.slots[t.name] = (i, data_start + entry["data_offsets"][0], t)  # type: ignore[index]
             self.total_bytes += offset
-        self.pending = set(self.slots)
+        self.pending = set(self.slots) if written_here is None else set(written_here)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         try:
@@ -247,7 +255,7 @@ class ShardWriter:
             os.fsync(fd)
             os.close(fd)
         self._fds.clear()
-        if len(self.files) > 1:
+        if self.create and len(self.files) > 1:
             weight_map = {name: self.files[slot[0]] for name, slot in sorted(self.slots.items())}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -6,6 +6,7 @@ Each subcommand lives in its own module under fp4kit/commands and registers itse
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -32,7 +33,12 @@ def main() -> None:
         # without standalone mode click returns a command's exit code (typer.Exit(1)) instead of exiting
         code = app(standalone_mode=False)
     except Fp4kitError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        if os.environ.get("WORLD_SIZE", "1") != "1":  # under torchrun, one rank prints what failed
+            from fp4kit.distributed import shared_failure
+
+            exc = shared_failure(exc)
+        if not getattr(exc, "silent", False):
+            typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted: no output was left behind", err=True)

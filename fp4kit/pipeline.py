@@ -13,6 +13,9 @@ is skipped when its marker's key equals the key computed now and its output exis
 replacing its output. Since keys chain, a changed step also reruns every step that reads it. A run killed at any
 point leaves either no marker or a marker for a complete output (the libraries' outputs appear with one rename),
 so rerunning finishes with the same bytes as an uninterrupted run.
+
+Under torchrun (fp4kit.distributed) every rank runs this loop: the quantize step is split across ranks, the other
+steps run on rank 0 while the others wait; rank 0 alone decides what to skip and writes markers and the summary.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-from fp4kit import __version__
+from fp4kit import __version__, distributed
 from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
 from fp4kit.recipe import LoadedRecipe, check_against_model, load_recipe
 
@@ -132,21 +135,34 @@ def _bar(console: Console, step: str) -> Progress:
                     console=console, transient=True, disable=not console.is_terminal)
 
 
-def _run_step(step: str, ctx: StepContext, workdir: Path, key: str, console: Console) -> StepRecord:
+# steps whose library function splits its work across torchrun's ranks; the others run on rank 0
+DISTRIBUTED_STEPS = ("quantize",)
+
+
+def _run_step(step: str, ctx: StepContext, workdir: Path, key: str, console: Console,
+              ranks: distributed.Ranks) -> StepRecord:
     output = workdir / step
     marker = read_marker(workdir, step)
-    if marker is not None and marker.get("key") == key and output.is_dir():
+    if ranks.agree(marker is not None and marker.get("key") == key and output.is_dir()):
         console.print(f"{step}: complete from an earlier run, skipped")
-        seconds = float(marker.get("seconds", 0.0))
-        return StepRecord(step, "skipped", seconds, str(output), key, marker.get("report", {}))
-    marker_path(workdir, step).unlink(missing_ok=True)
+        seconds = float(marker.get("seconds", 0.0)) if marker else 0.0
+        return StepRecord(step, "skipped", seconds, str(output), key, marker.get("report", {}) if marker else {})
+    if ranks.main:
+        marker_path(workdir, step).unlink(missing_ok=True)
     start = time.perf_counter()
+    report: dict = {}
     with _bar(console, step) as bar:
         task = bar.add_task(step, total=None)
         ctx.progress = lambda done, total: bar.update(task, completed=done, total=total)
-        report = STEP_FUNCTIONS[step](ctx, output)
+        if step in DISTRIBUTED_STEPS:
+            report = STEP_FUNCTIONS[step](ctx, output)
+        else:
+            with ranks.together():
+                if ranks.main:
+                    report = STEP_FUNCTIONS[step](ctx, output)
     seconds = time.perf_counter() - start
-    write_marker(workdir, step, {"step": step, "key": key, "seconds": seconds, "report": report})
+    if ranks.main:
+        write_marker(workdir, step, {"step": step, "key": key, "seconds": seconds, "report": report})
     console.print(f"{step}: done in {seconds:.2f} s -> {output}")
     return StepRecord(step, "ran", seconds, str(output), key, report)
 
@@ -157,8 +173,11 @@ def default_workdir(loaded: LoadedRecipe) -> Path:
 
 def run_loaded(loaded: LoadedRecipe, workdir: Path | None = None, console: Console | None = None) -> Summary:
     """Run a loaded recipe's steps in order in ``workdir``; write and return the summary."""
-    console = console or Console(stderr=True)
     recipe = loaded.recipe
+    ranks = distributed.ranks(recipe.quantize.device if recipe.quantize else "cpu")
+    console = console or Console(stderr=True)
+    if not ranks.main:
+        console = Console(stderr=True, quiet=True)
     check_against_model(loaded)
     prepare(recipe)
     workdir = Path(workdir) if workdir else default_workdir(loaded)
@@ -172,13 +191,15 @@ def run_loaded(loaded: LoadedRecipe, workdir: Path | None = None, console: Conso
         inputs = {name: keys[name] for name in upstream(step, recipe)}
         inputs |= {str(path): fingerprint(path) for path in input_files(step, recipe)}
         keys[step] = step_key(step, recipe.step_options(step), inputs)
-        records.append(_run_step(step, ctx, workdir, keys[step], console))
+        records.append(_run_step(step, ctx, workdir, keys[step], console, ranks))
         ctx.outputs[step] = workdir / step
-    verify = next((r.report for r in records if r.name == "verify"), None)
+    # only rank 0 ran verify: the others report no result rather than a failed one
+    verify = next((r.report for r in records if r.name == "verify"), None) if ranks.main else None
     summary = Summary(str(loaded.path), recipe.name, recipe.model, recipe.family, str(workdir), records,
                       time.perf_counter() - start, verify)
-    (workdir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2, default=str) + "\n")
-    (workdir / "summary.md").write_text(summary.markdown())
+    if ranks.main:
+        (workdir / "summary.json").write_text(json.dumps(summary.to_json(), indent=2, default=str) + "\n")
+        (workdir / "summary.md").write_text(summary.markdown())
     return summary
 
 

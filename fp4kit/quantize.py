@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, ShardWriter, copy_side_files, read_config
+from fp4kit import distributed
+from fp4kit.checkpoint import CheckpointReader, copy_side_files, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.output import check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
 from fp4kit.streaming import BackgroundWriter, prefetched
 
@@ -81,6 +82,13 @@ def _validate(options: QuantizeOptions) -> None:
 
 def _read_job(reader: CheckpointReader, job: QuantGroup | str) -> object:
     return read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
+
+
+def _job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
+    if isinstance(job, QuantGroup):
+        return sum(c.linear.out_features * c.linear.in_features * reader.info(c.linear.source.tensor).dtype.itemsize
+                   for c in job.members)
+    return reader.info(job).nbytes
 
 
 def _format_module(options: QuantizeOptions):
@@ -223,10 +231,11 @@ def _import_config_classes() -> None:
 
 
 def _calibrate(
-    src: Path, plan: ModelPlan, options: QuantizeOptions
+    src: Path, plan: ModelPlan, options: QuantizeOptions, ranks: distributed.Ranks
 ) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
     """W4A4: a layer-streaming calibration pass over SRC before the quantization pass (weights are read twice,
-    activations for all samples stay in memory, one layer's weights at a time)."""
+    activations for all samples stay in memory, one layer's weights at a time). Under torchrun each rank runs its
+    share of the batches and the statistics are combined."""
     if options.scheme != "nvfp4":
         return {}, {}
     from fp4kit.calib_data import load_calibration
@@ -235,7 +244,8 @@ def _calibrate(
     vocab_size = int(plan.text_config["vocab_size"])
     token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
     modules = {c.linear.module for g in plan.groups for c in g.members}
-    result = calibrate(src, token_ids, options.device, options.batch_size, modules)
+    result = calibrate(src, token_ids, options.device, options.batch_size, modules, batch_share=ranks.batch_share)
+    result = ranks.combine_calibration(result, sorted(modules))
     return input_scale_divisors(plan, result.input_amax, options.moe_input_scales), result.routing_counts
 
 
@@ -245,22 +255,49 @@ def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, options: QuantizeOptions,
+                      routing_counts: dict[int, list[int]]) -> None:
+    """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics."""
+    if options.format == "modelopt":
+        hf_quant = mo.hf_quant_config(options.scheme, plan.ignored_modules)
+        (work / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
+        write_config(work, config, mo.quantization_config(options.scheme, plan.ignored_modules))
+    else:
+        write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
+    copy_side_files(src, work)
+    if routing_counts:
+        write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts)
+
+
 def quantize_checkpoint(
     src: str | Path,
     dst: str | Path,
     options: QuantizeOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> QuantizeReport:
-    """Quantize checkpoint ``src`` into ``dst`` (created atomically). ``progress(done_bytes, total_bytes)``."""
+    """Quantize checkpoint ``src`` into ``dst`` (created atomically). ``progress(done_bytes, total_bytes)``.
+
+    Under torchrun every rank calls this and the work is split (fp4kit.distributed); the bytes are the same."""
     options = options or QuantizeOptions()
-    src, dst = Path(src), Path(dst)
+    ranks = distributed.ranks(options.device)
+    with ranks.together():
+        report = _quantize_checkpoint(Path(src), Path(dst), replace(options, device=ranks.device), ranks, progress)
+    return report
+
+
+def _quantize_checkpoint(
+    src: Path, dst: Path, options: QuantizeOptions, ranks: distributed.Ranks,
+    progress: Callable[[int, int], None] | None,
+) -> QuantizeReport:
     _validate(options)
     start = time.perf_counter()
     config = read_config(src)
     check_destination(src, dst, options.overwrite)
-    # compressed-tensors (and the transformers it imports) takes seconds to import: do it beside the work
+    # compressed-tensors (and the transformers it imports) takes seconds to import: do it beside the work, on the
+    # one rank that writes the config
     config_import = threading.Thread(target=_import_config_classes, daemon=True)
-    config_import.start()
+    if ranks.main:
+        config_import.start()
     with CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader:
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=options.format == "modelopt")
@@ -270,21 +307,24 @@ def quantize_checkpoint(
             raise Fp4kitError(f"--moe-input-scales per-expert: ModelOpt's fused {plan.family.name} experts store one "
                               "input scale per layer; use shared")
         planned = output_plan(reader, plan, options)
+        jobs = ranks.assign(plan.jobs, [_job_bytes(reader, job) for job in plan.jobs])
         quantized_bytes = sum(
             c.linear.out_features * c.linear.in_features * reader.info(c.linear.source.tensor).dtype.itemsize
             for g in plan.groups for c in g.members
         )
         options = replace(options, compile_cpu=options.compile_cpu and quantized_bytes >= COMPILE_MIN_BYTES)
-        input_divs, routing_counts = _calibrate(src, plan, options)
+        input_divs, routing_counts = _calibrate(src, plan, options, ranks)
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
+        share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
-        with atomic_directory(dst) as work:
-            writer = ShardWriter(work, planned, options.max_shard_bytes, metadata={"producer": "fp4kit"})
+        with ranks.output_directory(dst) as work:
+            writer = ranks.shard_writer(work, planned, options.max_shard_bytes, {"producer": "fp4kit"},
+                                        output_plan(reader, replace(plan, jobs=jobs), options))
             background = BackgroundWriter(writer, QUEUE_DEPTH)
             stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
             batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
             try:
-                for job, data in prefetched(plan.jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
+                for job, data in prefetched(jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
                     if isinstance(job, QuantGroup):
                         batcher.add(job, data)  # type: ignore[arg-type]
                         done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
@@ -292,21 +332,15 @@ def quantize_checkpoint(
                         background.put({job: data})  # type: ignore[dict-item]
                         done += reader.info(job).nbytes
                     if progress:
-                        progress(min(done, input_bytes), input_bytes)
+                        progress(min(done, share_bytes), share_bytes)
                 batcher.flush()
             finally:
                 background.close()
             writer.finish()
-            config_import.join()
-            if options.format == "modelopt":
-                hf_quant = mo.hf_quant_config(options.scheme, plan.ignored_modules)
-                (work / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
-                write_config(work, config, mo.quantization_config(options.scheme, plan.ignored_modules))
-            else:
-                write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
-            copy_side_files(src, work)
-            if routing_counts:
-                write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts)
+            ranks.sync()  # every rank's tensors are in place
+            if ranks.main:
+                config_import.join()
+                _write_side_files(work, src, config, plan, options, routing_counts)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),

@@ -42,8 +42,11 @@ def quantize(
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
+    from fp4kit import distributed
     from fp4kit.checkpoint import parse_size
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    quiet = quiet or not distributed.is_main()  # under torchrun, rank 0 speaks for all
 
     options = QuantizeOptions(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],

@@ -21,12 +21,15 @@ def run(
     Exit 0 done, 1 a verify check failed, 2 invalid recipe or input."""
     from rich.console import Console
 
+    from fp4kit import distributed
     from fp4kit.pipeline import run_loaded
     from fp4kit.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])
     console = Console(stderr=True, quiet=quiet)
     summary = run_loaded(loaded, workdir, console)
+    if not distributed.is_main():  # under torchrun, rank 0 reports for all
+        return
     if not quiet:
         typer.echo(summary.markdown())
     typer.echo(f"summary: {Path(summary.workdir) / 'summary.md'} and summary.json")
