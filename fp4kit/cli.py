@@ -33,12 +33,15 @@ def main() -> None:
         # without standalone mode click returns a command's exit code (typer.Exit(1)) instead of exiting
         code = app(standalone_mode=False)
     except Fp4kitError as exc:
-        if os.environ.get("WORLD_SIZE", "1") != "1":  # under torchrun, one rank prints what failed
-            from fp4kit.distributed import shared_failure
+        ranks = os.environ.get("WORLD_SIZE", "1") != "1"  # under torchrun, one rank prints what failed
+        if ranks:
+            from fp4kit import distributed
 
-            exc = shared_failure(exc)
+            exc = distributed.shared_failure(exc)
         if not getattr(exc, "silent", False):
             typer.echo(f"error: {exc}", err=True)
+        if ranks:
+            distributed.settle()
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted: no output was left behind", err=True)

@@ -203,16 +203,19 @@ def assign_jobs(sizes: Sequence[int], world: int) -> list[list[int]]:
 
 
 def shared_failure(exc: BaseException) -> BaseException:
-    """For the CLI: the exception to report for ``exc`` once every rank knows about it (see ``Ranks.fail``), and
-    every rank has unwound: torchrun stops the remaining ranks as soon as one exits with an error, which must not
-    catch rank 0 halfway through removing the partial output."""
+    """For the CLI: the exception to report for ``exc`` once every rank knows about it (see ``Ranks.fail``)."""
+    return exc if world_size() == 1 else ranks().fail(exc)
+
+
+def settle() -> None:
+    """For the CLI, after a failure was reported: wait until every rank got here. torchrun stops the remaining ranks
+    as soon as one exits with an error, which must not catch another rank before it printed the error or removed
+    the partial output."""
     if world_size() == 1:
-        return exc
+        return
     here = ranks()
-    exc = here.fail(exc)
     with contextlib.suppress(RuntimeError):  # a rank that already died: nothing left to wait for
         torch.distributed.all_gather([torch.empty(1) for _ in range(here.world)], torch.zeros(1))
-    return exc
 
 
 def _describe(exc: BaseException) -> str:
