@@ -1,6 +1,7 @@
 """Benchmark W4A4 NVFP4 with calibration: `fp4kit quantize --scheme nvfp4 --calib` against llm-compressor `oneshot`.
 
     python scripts/bench_calibrate.py --layers 2 [--samples 8] [--seq-len 128] [--device cpu|cuda] [--repeats 3]
+                                      [--nproc N]
 
 Source: the synthetic Qwen3-30B-A3B-shaped bf16 checkpoint of scripts/bench_quantize.py (fp4kit.synthetic).
 Calibration data: ``samples`` x ``seq-len`` seeded random token ids, written once to an ``input_ids`` jsonl that both
@@ -12,7 +13,8 @@ tools read, so both see exactly the same tokens:
            moe_calibrate_all_experts=True, its default), save_pretrained(save_compressed=True)
 
 Both are whole processes timed the way bench_quantize.py times them (median wall time incl. fsync of the output,
-peak RSS from `/usr/bin/time -v`, CPU seconds of the child). The targets of issue 3: fp4kit >= 3x faster than
+peak RSS from `/usr/bin/time -v`, CPU seconds of the child); ``--nproc N`` starts fp4kit under torchrun with N
+ranks, as in bench_quantize.py. The targets of issue 3: fp4kit >= 3x faster than
 oneshot with <= 1/3 of its peak RSS. The report also prints, for layer 0, the ratio of the two tools' input global
 scales for o_proj (llm-compressor's attention statistics lack the causal mask, DESIGN.md §11, so they differ) and
 for an expert's gate_proj (same function before the attention output matters, so close).
@@ -60,9 +62,9 @@ def child_oneshot(src: Path, dst: Path, calib: Path, device: str) -> None:
     model.save_pretrained(str(dst), save_compressed=True)
 
 
-def tool_command(tool: str, src: Path, dst: Path, calib: Path, args: argparse.Namespace) -> list[str]:
+def tool_command(bq, tool: str, src: Path, dst: Path, calib: Path, args: argparse.Namespace) -> list[str]:
     if tool == "fp4kit":
-        return [sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib",
+        return [*bq.fp4kit_launcher(args.nproc), "quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib",
                 str(calib), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--batch-size",
                 str(args.batch_size), "--device", args.device, "--quiet",
                 *(["--no-compile"] if args.no_compile else [])]
@@ -100,7 +102,7 @@ def bench_tool(bq, tool: str, src: Path, calib: Path, args: argparse.Namespace):
         bq.warm_page_cache(src)
         log = args.workdir / f"calib-{tool}-{attempt}.log"
         try:
-            run = bq.time_process(tool_command(tool, src, dst, calib, args), dst, log)
+            run = bq.time_process(tool_command(bq, tool, src, dst, calib, args), dst, log)
         except RuntimeError as exc:
             result.note = f"failed: {exc}"
             print(f"  {tool}: FAILED\n{exc}", flush=True)
@@ -136,6 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-compile", action="store_true", help="pass --no-compile to fp4kit quantize")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=0, help="run fp4kit under torchrun with N ranks (0: plain)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench-calib"))
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     report = {"args": {k: str(v) for k, v in vars(args).items() if k not in ("child", "src", "dst", "calib")},
               "environment": bq.environment(), "input_bytes": input_bytes, "input_scale_ratio_fp4kit_over_oneshot":
               ratios, "results": [asdict(r) for r in results]}
-    out = args.workdir / f"calib-results-{args.layers}L-{args.samples}x{args.seq_len}-{args.device}.json"
+    suffix = f"-nproc{args.nproc}" if args.nproc else ""
+    out = args.workdir / f"calib-results-{args.layers}L-{args.samples}x{args.seq_len}-{args.device}{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\ninput_global_scale fp4kit / oneshot, layer 0: {json.dumps(ratios)}")
     print(f"\n{args.layers} layers, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x {args.seq_len} calibration "

@@ -1,6 +1,7 @@
 """Benchmark `fp4kit quantize` against the I/O floor and llm-compressor on a synthetic Qwen3-30B-A3B-shaped checkpoint.
 
     python scripts/bench_quantize.py --layers 2 [--device cpu|cuda] [--repeats 3] [--workdir DIR] [--skip-oneshot]
+                                     [--nproc N]
 
 Builds a bf16 checkpoint with Qwen3-30B-A3B's MoE layer shapes (hidden 2048, moe_intermediate 768, 128 experts,
 32/4 heads of 128) and N layers, then times each tool as a whole subprocess (DESIGN.md §10):
@@ -15,6 +16,10 @@ Each tool's time is the median of R runs; one run = the process's wall time plus
 timed run the source shards are read once into the page cache (untimed) and the previous output is deleted; the
 page cache is never dropped. Peak RSS is `/usr/bin/time -v`'s maximum resident set size (or getrusage of the child
 in a wrapper process when /usr/bin/time is missing); the median run's value is reported.
+
+``--nproc N`` starts fp4kit under torchrun with N ranks on this node (``--device cuda``: one GPU per rank) instead of
+as a plain process, for scaling figures; the other tools are unchanged (``--tools copy,fp4kit`` to skip them). Peak
+RSS is then the largest single rank's (or torchrun's), not the sum over ranks.
 
 The same file holds the child entry points (`--child copy|model-free|oneshot`), so every tool runs in a process of
 its own started the same way.
@@ -205,10 +210,18 @@ def time_process(command: list[str], dst: Path, log: Path) -> RunResult:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def tool_command(tool: str, src: Path, dst: Path, device: str) -> list[str]:
+def fp4kit_launcher(nproc: int) -> list[str]:
+    """How fp4kit is started: a plain process (nproc 0), or torchrun with ``nproc`` ranks on this node."""
+    if nproc == 0:
+        return [sys.executable, "-m", "fp4kit"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "fp4kit"]
+
+
+def tool_command(tool: str, src: Path, dst: Path, device: str, nproc: int = 0) -> list[str]:
     if tool == "fp4kit":
-        return [sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst), "--scheme", "nvfp4a16",
-                "--device", device, "--quiet"]
+        return [*fp4kit_launcher(nproc), "quantize", str(src), str(dst), "--scheme", "nvfp4a16", "--device", device,
+                "--quiet"]
     child = {"copy": "copy", "model_free_ptq": "model-free", "oneshot": "oneshot"}[tool]
     return [sys.executable, str(Path(__file__).resolve()), "--child", child, "--src", str(src), "--dst", str(dst),
             "--device", device]
@@ -238,7 +251,7 @@ def _mem_available_bytes() -> int:
     return 0
 
 
-def bench_tool(tool: str, src: Path, workdir: Path, device: str, repeats: int) -> ToolResult:
+def bench_tool(tool: str, src: Path, workdir: Path, device: str, repeats: int, nproc: int = 0) -> ToolResult:
     result = ToolResult(tool)
     dst = workdir / f"out-{tool}"
     for attempt in range(repeats):
@@ -246,7 +259,7 @@ def bench_tool(tool: str, src: Path, workdir: Path, device: str, repeats: int) -
         warm_page_cache(src)
         log = workdir / f"{tool}-{attempt}.log"
         try:
-            run = time_process(tool_command(tool, src, dst, device), dst, log)
+            run = time_process(tool_command(tool, src, dst, device, nproc), dst, log)
         except RuntimeError as exc:
             result.note = f"failed: {exc}"
             print(f"  {tool}: FAILED\n{exc}", flush=True)
@@ -346,6 +359,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-oneshot", action="store_true", help="do not run llm-compressor's oneshot")
     parser.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
     parser.add_argument("--keep", action="store_true", help="keep the outputs in the workdir")
+    parser.add_argument("--nproc", type=int, default=0,
+                        help="run fp4kit under torchrun with N ranks (0: a plain process)")
     parser.add_argument("--child", choices=("copy", "model-free", "oneshot"), help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
@@ -382,7 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = build_source(args.workdir, args.layers)
     input_bytes = checkpoint_bytes(src)
-    print(f"source: {args.layers} layers, {input_bytes / 1e9:.2f} GB bf16; device {args.device}; "
+    ranks = f" under torchrun x{args.nproc}" if args.nproc else ""
+    print(f"source: {args.layers} layers, {input_bytes / 1e9:.2f} GB bf16; device {args.device}{ranks}; "
           f"median of {args.repeats}; source read into page cache before each run, nothing dropped; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     results = []
@@ -393,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  oneshot: {note}", flush=True)
                 results.append(ToolResult(tool, note=note))
                 continue
-        results.append(bench_tool(tool, src, args.workdir, args.device, args.repeats))
+        results.append(bench_tool(tool, src, args.workdir, args.device, args.repeats, args.nproc))
     ok = {r.tool for r in results if r.ok}
     identity = {ref: compare_outputs(args.workdir / "out-fp4kit", args.workdir / f"out-{ref}")
                 for ref in ("model_free_ptq", "oneshot") if {"fp4kit", ref} <= ok}
@@ -403,11 +419,13 @@ def main(argv: list[str] | None = None) -> None:
     report = {"args": {k: str(v) for k, v in vars(args).items() if not k.startswith(("child", "src", "dst"))},
               "environment": environment(), "input_bytes": input_bytes, "identity": identity,
               "results": [asdict(r) for r in results]}
-    (args.workdir / f"results-{args.layers}L-{args.device}.json").write_text(json.dumps(report, indent=2) + "\n")
+    suffix = f"-nproc{args.nproc}" if args.nproc else ""
+    out = args.workdir / f"results-{args.layers}L-{args.device}{suffix}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print("\nfp4kit output bytes (experts 0, E/2, E-1 and attention of layer 0; packed, scales, global scale):")
     for ref, verdict in identity.items() or {"-": "not checked (needs fp4kit and a reference output)"}.items():
         print(f"  vs {ref}: {verdict}")
-    print(f"\n{args.layers} layers, {input_bytes / 1e9:.2f} GB bf16 in, device {args.device}, "
+    print(f"\n{args.layers} layers, {input_bytes / 1e9:.2f} GB bf16 in, device {args.device}{ranks}, "
           f"median of {args.repeats} run(s) (wall time incl. fsync of the output; load = 1-min load average):")
     print(results_table(results, input_bytes))
 
