@@ -27,9 +27,21 @@ def _register_commands() -> None:
         importlib.import_module(f"fp4kit.commands.{info.name}").register(app)
 
 
+# commands that split their work across torchrun's ranks; any other would run whole on every rank, into one DST
+DISTRIBUTED_COMMANDS = ("quantize", "run")
+
+
+def _check_ranks() -> None:
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    if os.environ.get("WORLD_SIZE", "1") != "1" and command and command not in DISTRIBUTED_COMMANDS:
+        raise Fp4kitError(f"fp4kit {command} does not split its work across ranks: run it without torchrun "
+                          f"(under torchrun: {' and '.join(DISTRIBUTED_COMMANDS)})")
+
+
 def main() -> None:
     _register_commands()
     try:
+        _check_ranks()
         # without standalone mode click returns a command's exit code (typer.Exit(1)) instead of exiting
         code = app(standalone_mode=False)
     except Fp4kitError as exc:

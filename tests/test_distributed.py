@@ -11,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fp4kit.distributed import assign_jobs
+from fp4kit.errors import Fp4kitError
 from fp4kit.output import partial_dir
 
 # calibrated W4A4 (4 batches: 2 per rank) in ModelOpt's dialect, in several shards and an index, then EP 2
@@ -141,3 +144,17 @@ def test_failure_on_one_rank_is_one_line_exit_2_and_no_output(tiny, tmp_path) ->
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", launched.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15"}, launched.stderr[-3000:]
     assert not dst.exists() and not partial_dir(dst).exists()
+
+
+def test_commands_that_do_not_split_refuse_torchrun(monkeypatch) -> None:
+    from fp4kit.cli import _check_ranks
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["fp4kit", "layout", "SRC", "DST", "--backend", "trtllm"])
+    with pytest.raises(Fp4kitError, match="fp4kit layout does not split its work across ranks"):
+        _check_ranks()
+    monkeypatch.setattr(sys, "argv", ["fp4kit", "quantize", "SRC", "DST"])
+    _check_ranks()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(sys, "argv", ["fp4kit", "layout", "SRC", "DST"])
+    _check_ranks()
