@@ -140,9 +140,12 @@ def check_ep(num_experts: int, ep: int) -> None:
 
 
 def load_stats(
-    path: str | Path, model_type: str | None, num_experts: int, moe_layers: Sequence[int]
+    path: str | Path, model_type: str | None, num_experts: int, moe_layers: Sequence[int],
+    unrouted_layers: Sequence[int] = (),
 ) -> dict[int, list[float]]:
-    """Read and validate routing statistics against the model; returns layer index -> per-expert counts."""
+    """Read and validate routing statistics against the model; returns layer index -> per-expert counts.
+    ``unrouted_layers`` (e.g. GLM's MTP layer, which no calibration forward reaches) may be absent: they get equal
+    counts, i.e. every placement is balanced for them."""
     path = Path(path)
     try:
         stats = json.loads(path.read_text())
@@ -159,7 +162,7 @@ def load_stats(
         raise Fp4kitError(f"{path}: statistics are for {stats.get('num_experts')} experts, the model has {num_experts}")
     wanted = {str(layer) for layer in moe_layers}
     given = set(stats["layers"])
-    if given != wanted:
+    if given != wanted and not (given < wanted and wanted - given <= {str(layer) for layer in unrouted_layers}):
         missing, extra = sorted(wanted - given, key=int), sorted(given - wanted)
         raise Fp4kitError(f"{path}: statistics do not match the model's MoE layers {sorted(wanted, key=int)} "
                           f"(missing {missing}, unexpected {extra})")
@@ -171,4 +174,6 @@ def load_stats(
         if not ok or len(values) != num_experts:
             raise Fp4kitError(f"{path}: layer {key} needs {num_experts} non-negative token counts")
         counts[int(key)] = [float(v) for v in values]
+    for layer in moe_layers:
+        counts.setdefault(layer, [1.0] * num_experts)
     return counts

@@ -163,7 +163,10 @@ def _refuse_layout(src: Path, num_experts: int, ep: int) -> None:
 def _placements(options: ShardOptions, config: dict, num_experts: int, layers: list[int]) -> dict[int, LayerPlacement]:
     counts = None
     if options.stats is not None:
-        counts = load_stats(options.stats, config.get("model_type"), num_experts, layers)
+        text_config = config.get("text_config") or config
+        decoder_layers = int(text_config.get("num_hidden_layers", max(layers) + 1))
+        counts = load_stats(options.stats, config.get("model_type"), num_experts, layers,
+                            unrouted_layers=[layer for layer in layers if layer >= decoder_layers])
     elif options.placement == "balanced":
         raise Fp4kitError("--placement balanced needs routing statistics (--stats ROUTING_STATS.json)")
     return {layer: place(options.placement, num_experts, options.ep, counts and counts[layer]) for layer in layers}

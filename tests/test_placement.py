@@ -136,6 +136,15 @@ def test_load_stats_rejects_other_models(tmp_path, overrides: dict, message: str
         load_stats(_stats(tmp_path, **overrides), "qwen3_moe", 4, [0, 1])
 
 
+def test_load_stats_unrouted_layers_may_be_absent(tmp_path) -> None:
+    """GLM's MTP layer has experts but no calibration forward reaches it: absent, it gets equal counts; any other
+    missing layer is still a mismatch."""
+    counts = load_stats(_stats(tmp_path), "qwen3_moe", 4, [0, 1, 2], unrouted_layers=[2])
+    assert counts[2] == [1.0] * 4 and counts[1] == [0.0, 0.0, 5.0, 1.5]
+    with pytest.raises(Fp4kitError, match="missing"):
+        load_stats(_stats(tmp_path), "qwen3_moe", 4, [0, 1, 2, 3], unrouted_layers=[3])
+
+
 def test_load_stats_bad_file(tmp_path) -> None:
     with pytest.raises(Fp4kitError, match="not found"):
         load_stats(tmp_path / "nope.json", "qwen3_moe", 4, [0])

@@ -405,3 +405,22 @@ def test_cli_shards(quantized, tmp_path, monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "over 4 ranks (balanced" in out and "max/mean tokens per rank: linear" in out
     assert (tmp_path / "o" / rank_dir_name(3) / EXPERT_MAP).is_file()
+
+
+def test_balanced_placement_from_glm_calibration_stats(tiny, tmp_path) -> None:
+    """A calibrated GLM-4.5 checkpoint's own routing statistics cover its decoder layers, not its MTP layer (which
+    has experts but no forward reaches it); balanced placement with them must still shard every MoE layer."""
+    from fp4kit.input_scales import ROUTING_STATS_NAME
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    src = tmp_path / "w4a4"
+    quantize_checkpoint(tiny("glm4_moe"), src, QuantizeOptions(scheme="nvfp4", samples=4, seq_len=16))
+    stats = json.loads((src / ROUTING_STATS_NAME).read_text())
+    config, family, num_experts = _model(src)
+    mtp_layer = str(family.text_config(config)["num_hidden_layers"])
+    assert mtp_layer not in stats["layers"]
+    report = shard_checkpoint(src, tmp_path / "ep2", ShardOptions(ep=2, placement="balanced",
+                                                                   stats=src / ROUTING_STATS_NAME))
+    expert_map = json.loads((tmp_path / "ep2" / rank_dir_name(0) / EXPERT_MAP).read_text())
+    assert mtp_layer in expert_map["layers"], "the MTP layer's experts were placed"
+    assert report.moe_layers == len(stats["layers"]) + 1
