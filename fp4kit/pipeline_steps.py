@@ -9,7 +9,6 @@ not the layout, because fp4kit shard does not split layout outputs yet.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,8 +136,9 @@ def prepare(recipe: Recipe) -> None:
 
 
 def _backend(requested: str, device: str) -> tuple[str, list[str]]:
-    if device != "cpu" or requested != "auto" or os.environ.get("TRITON_INTERPRET") == "1" \
-            or "triton" not in sys.modules:
+    from fp4kit.verify.backends import triton_interpreter_active
+
+    if device != "cpu" or requested != "auto" or triton_interpreter_active():
         return requested, []
     return "reference", ["triton was imported in this process before TRITON_INTERPRET=1 was set, so fp4kit's Triton "
                          "kernel cannot run on the CPU here: the reference ran alone"]

@@ -218,3 +218,27 @@ def test_w4a4_rounding_flip_rows(tokens, bad_rows, row_scale, passes):
         got[7 * row + 3] += row_scale * expected[7 * row + 3].norm() * torch.randn(64, generator=generator) / 8
     passed, detail = rounding_flip_rows(got, expected, 1e-2)
     assert passed == passes, detail
+
+
+def test_triton_imported_before_the_interpreter_switch_falls_back_to_the_reference(tiny_nvfp4a16, tmp_path):
+    """Triton fixes compiled vs interpreted per @jit function when it is defined: with triton.language imported
+    before TRITON_INTERPRET=1, a later switch would mix the modes and the interpreted kernel would crash on the
+    compiled tl.zeros (it did, from the second `fp4kit run` in one process). A CPU verify then runs the reference
+    alone, twice in a row, and says why."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, triton.language\n"
+        "from fp4kit.verify.checks import VerifyOptions\n"
+        "from fp4kit.verify.runner import verify_checkpoint\n"
+        "for _ in range(2):\n"
+        "    report = verify_checkpoint(sys.argv[1], VerifyOptions(tokens=[4], device='cpu'))\n"
+        "    assert all(r.passed for r in report.results), [r for r in report.results if not r.passed]\n"
+        "    status = {s.name: s for s in report.backends}['triton']\n"
+        "    assert not status.ran and 'before TRITON_INTERPRET=1' in status.reason, status\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script, str(tiny_nvfp4a16("qwen3_moe"))], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]

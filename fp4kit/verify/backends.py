@@ -48,9 +48,24 @@ def _importable(module: str) -> bool:
 
 
 def enable_triton_interpreter() -> None:
-    """Set TRITON_INTERPRET=1 for CPU runs; it must happen before fp4kit's Triton kernels are first imported."""
-    if "fp4kit.verify.triton_kernels" not in sys.modules:
+    """Set TRITON_INTERPRET=1 for CPU runs. Triton decides when a @triton.jit function is defined whether it is
+    compiled or interpreted, for its own standard library (tl.zeros and the like) as for fp4kit's kernels, so the
+    switch only works before triton.language is first imported: set later, it would mix the two modes and the
+    interpreted kernels would crash calling the compiled tl.zeros."""
+    if "triton.language" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_interpreter_active() -> bool:
+    """Whether @triton.jit functions run under Triton's interpreter in this process."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if "triton.language" not in sys.modules:
+        return True
+    import triton.language as tl
+
+    # a compiled-mode JITFunction here means triton.language was imported before TRITON_INTERPRET=1 was set
+    return type(getattr(tl, "zeros", None)).__name__ != "JITFunction"
 
 
 @dataclass(frozen=True)
@@ -88,7 +103,7 @@ def _triton_available(device: torch.device) -> tuple[bool, str]:
     if device.type == "cuda":
         major, minor = _capability(device) or (0, 0)
         return (True, f"compiled, sm{major}{minor}") if major >= 8 else (False, f"sm{major}{minor}: Triton needs sm80+")
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_interpreter_active():
         return False, "no GPU, and Triton was imported before TRITON_INTERPRET=1 could be set"
     return True, "TRITON_INTERPRET=1 on the CPU (tiny shapes only)"
 

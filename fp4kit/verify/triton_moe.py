@@ -19,7 +19,6 @@ is applied after accumulation: equal to the Blackwell kernels up to summation or
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -126,8 +125,11 @@ def _interpreted(hidden: Tensor) -> bool:
     """True under TRITON_INTERPRET=1 on a CPU tensor; raises where the kernel cannot run at all."""
     if hidden.device.type == "cuda":
         return False
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        raise Fp4kitError("the Triton MoE kernel needs a CUDA device, or TRITON_INTERPRET=1 to run on a CPU")
+    from fp4kit.verify.backends import triton_interpreter_active
+
+    if not triton_interpreter_active():
+        raise Fp4kitError("the Triton MoE kernel needs a CUDA device, or TRITON_INTERPRET=1 set before triton was "
+                          "first imported to run on a CPU")
     return True
 
 
