@@ -24,16 +24,25 @@ def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     return round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
 
 
-def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
-    """Linear scales [..., M, S] -> swizzled [..., pad128(M), pad4(S)], same dtype; padding is zero bytes."""
-    *lead, rows, cols = scales.shape
-    padded_rows, padded_cols = swizzled_shape(rows, cols)
-    as_bytes = scales.contiguous().view(torch.uint8).reshape(-1, rows, cols)
-    padded = as_bytes.new_zeros((as_bytes.shape[0], padded_rows, padded_cols))
-    padded[:, :rows, :cols] = as_bytes
-    tiles = padded.reshape(-1, padded_rows // ROW_TILE, 4, 32, padded_cols // COL_TILE, COL_TILE)
-    swizzled = tiles.permute(_PERMUTATION).contiguous().reshape(*lead, padded_rows, padded_cols)
-    return swizzled.view(scales.dtype)
+def swizzle_128x4(scales: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear scales [..., M, S] -> swizzled [..., pad128(M), pad4(S)], same dtype; padding is zero bytes.
+
+    ``rows`` (int64 [M]), when given, first reorders the rows (out row r = in row rows[r]) in the same pass.
+    """
+    *lead, num_rows, cols = scales.shape
+    padded_rows, padded_cols = swizzled_shape(num_rows, cols)
+    as_bytes = scales.view(torch.uint8).reshape(-1, num_rows, cols)
+    if rows is not None:
+        as_bytes = as_bytes.index_select(1, rows)
+    if (padded_rows, padded_cols) != (num_rows, cols) or as_bytes.storage_offset() % COL_TILE:
+        padded = as_bytes.new_zeros((as_bytes.shape[0], padded_rows, padded_cols))
+        padded[:, :num_rows, :cols] = as_bytes
+        as_bytes = padded
+    # a 4-column tile of one row is 4 contiguous bytes: moving them as one int32 is 4x fewer elements to copy
+    words = as_bytes.contiguous().view(torch.int32)
+    tiles = words.reshape(-1, padded_rows // ROW_TILE, 4, 32, padded_cols // COL_TILE)
+    swizzled = tiles.permute(_PERMUTATION[:-1]).contiguous().view(torch.uint8)
+    return swizzled.reshape(*lead, padded_rows, padded_cols).view(scales.dtype)
 
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

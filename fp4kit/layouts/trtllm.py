@@ -99,6 +99,22 @@ def _up_gate(tensor: torch.Tensor, intermediate: int, padded_i: int, padded_cols
     return torch.cat([_pad(up, padded_i, padded_cols), _pad(gate, padded_i, padded_cols)], dim=1)
 
 
+def _gemm1_source(tensor: torch.Tensor, intermediate: int, padded_i: int,
+                  padded_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source bytes, rows) such that GEMM1's rows are ``source[:, rows]``: without padding the [up; gate] swap is
+    folded into the row index, so the only copy is the final gather."""
+    rows = w13_rows(2 * padded_i)
+    as_bytes = tensor.view(torch.uint8)
+    if padded_i == intermediate and as_bytes.shape[2] == padded_cols:
+        return as_bytes, (rows + intermediate) % (2 * intermediate)  # [up; gate] row r is [gate; up] row r +- I
+    return _up_gate(as_bytes, intermediate, padded_i, padded_cols), rows
+
+
+def _padded(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    as_bytes = tensor.view(torch.uint8)
+    return as_bytes if as_bytes.shape[1:] == (rows, cols) else _pad(as_bytes, rows, cols)
+
+
 def _scalars(meta: LayoutMeta) -> dict[str, torch.Tensor]:
     if meta.input_scale_div13 is None or meta.input_scale_div2 is None:
         raise Fp4kitError("trtllm_fp4_block_scale_moe is W4A4: it needs the gate/up and down input scales.")
@@ -121,18 +137,16 @@ def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor
     check_input_scales(num_experts, input_scale_div13, input_scale_div2)
     check_shapes(num_experts, hidden, intermediate)
     padded_h, padded_i = padded_sizes(hidden, intermediate)
-    rows13, rows2 = w13_rows(2 * padded_i), shuffle_rows(padded_h)
-
-    gemm1_weights = _up_gate(w13.packed, intermediate, padded_i, padded_h // 2)[:, rows13]
-    gemm1_scales = _up_gate(w13.block_scale, intermediate, padded_i, padded_h // BLOCK)[:, rows13]
-    gemm2_weights = _pad(w2.packed, padded_h, padded_i // 2)[:, rows2]
-    gemm2_scales = _pad(w2.block_scale, padded_h, padded_i // BLOCK)[:, rows2]
+    rows2 = shuffle_rows(padded_h)
+    weights13, rows13 = _gemm1_source(w13.packed, intermediate, padded_i, padded_h // 2)
+    scales13, scale_rows13 = _gemm1_source(w13.block_scale, intermediate, padded_i, padded_h // BLOCK)
     meta = describe(w13, w2, input_scale_div13, input_scale_div2)
     return {
-        "gemm1_weights": gemm1_weights.contiguous(),
-        "gemm1_weights_scale": swizzle_128x4(gemm1_scales).view(torch.float8_e4m3fn),
-        "gemm2_weights": gemm2_weights.contiguous(),
-        "gemm2_weights_scale": swizzle_128x4(gemm2_scales).view(torch.float8_e4m3fn),
+        "gemm1_weights": weights13.index_select(1, rows13),
+        "gemm1_weights_scale": swizzle_128x4(scales13, scale_rows13).view(torch.float8_e4m3fn),
+        "gemm2_weights": _padded(w2.packed, padded_h, padded_i // 2).index_select(1, rows2),
+        "gemm2_weights_scale": swizzle_128x4(_padded(w2.block_scale, padded_h, padded_i // BLOCK), rows2)
+        .view(torch.float8_e4m3fn),
         **_scalars(meta),
     }
 
