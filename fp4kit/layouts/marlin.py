@@ -46,6 +46,8 @@ K_ALIGNMENT = 64
 # exponent bias of the activation dtype minus FP4's (2^(e-1) - 2^1), minus the 2^7 folded into the scales
 _GLOBAL_EXPONENT = {torch.bfloat16: 126 - 7, torch.float16: 14 - 7}
 _ENCODING_LIMIT = 65536.0  # first scale * f * 2^7 that fp16 cannot hold
+_CHUNK_BYTES = 1 << 21  # experts repacked per step: the working set stays in cache
+_FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)  # every FP8 byte
 
 
 def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) -> None:
@@ -74,12 +76,44 @@ _PAIR_SWAP = torch.tensor([0, 2, 1, 3])  # its own inverse
 
 
 def repack_weights(packed: torch.Tensor) -> torch.Tensor:
-    """Packed [E, N, K/2] uint8 -> Marlin [E, K/16, 2N] int32."""
-    experts, size_n, size_k = packed.shape[0], packed.shape[1], packed.shape[2] * 2
-    codes = unpack_codes(packed).transpose(1, 2)  # [E, K, N]
-    tiled = codes.reshape(experts, size_k // TILE, TILE, size_n // TILE, TILE).permute(0, 1, 3, 2, 4)
-    permuted = tiled.reshape(experts, -1, 1024)[..., weight_permutation()]
-    return pack_codes(permuted.reshape(experts, size_k // TILE, size_n * TILE)).view(torch.int32)
+    """Packed [E, N, K/2] uint8 -> Marlin [E, K/16, 2N] int32 (N % 64 == 0, K % 16 == 0).
+
+    Equal to tiling the codes and applying :func:`weight_permutation` (what :func:`unpack_weights` inverts), done
+    on 8-byte lanes instead of unpacked codes. Write n = 64c + 32u + 16v + 8h + a (u, v: the 16-column tile in a
+    64-column chunk; h: which half of the tile) and the lane of row n in strip s (8 bytes, codes k = 16s .. 16s+15)
+    as bytes (j, b), byte 4j + b holding codes 16s + 8j + 2b (low nibble) and 16s + 8j + 2b + 1. Marlin's int32
+    at [s, 128c + 16a + 4b + 2u + v] holds four bytes, low first: the low nibbles of bytes (0, b) and (1, b) of row
+    h = 0, the same of row h = 1, then the high nibbles of h = 0 and of h = 1 (low nibble from byte (0, b)).
+    So every 64 output bytes of one (s, c, a) are a fixed
+    rearrangement of 8 input lanes: gather the lanes of (s, c, a) in the order (v, h, u) (one copy), then move
+    nibbles and bytes between and within lanes with masked shifts (delta swaps, three per byte-address bit).
+    """
+    experts, size_n, half_k = packed.shape
+    strips, chunks = half_k // 8, size_n // 64
+    lanes_in = packed.contiguous().view(torch.int64).view(experts, chunks, 2, 2, 2, 8, strips)  # e, c, u, v, h, a, s
+    out = torch.empty(experts, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)  # e, s, c, a, lane bits r2 r1 r0
+    step = max(1, min(experts, _CHUNK_BYTES // max(1, size_n * half_k)))
+    scratch = torch.empty(step, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)
+    for start in range(0, experts, step):
+        count = min(step, experts - start)
+        lanes, tmp = out[start:start + count], scratch[:count]
+        lanes.copy_(lanes_in[start:start + count].permute(0, 6, 1, 5, 3, 4, 2))  # r2 r1 r0 = v, h, u
+        # within each lane: the high nibble of byte (0, b) <-> the low nibble of byte (1, b)
+        torch.bitwise_right_shift(lanes, 28, out=tmp).bitwise_xor_(lanes).bitwise_and_(0xF0F0F0F0)
+        lanes.bitwise_xor_(tmp).bitwise_xor_(tmp.bitwise_left_shift_(28))
+        # lane bit r2 <-> byte bit 2, then r2 <-> byte bit 1, then r1 <-> byte bit 0
+        half = tmp[..., 0, :, :]
+        _exchange(lanes[..., 0, :, :], lanes[..., 1, :, :], 32, 0x00000000FFFFFFFF, half)
+        _exchange(lanes[..., 0, :, :], lanes[..., 1, :, :], 16, 0x0000FFFF0000FFFF, half)
+        _exchange(lanes[..., :, 0, :], lanes[..., :, 1, :], 8, 0x00FF00FF00FF00FF, half)
+    return out.view(experts, strips, size_n).view(torch.int32)
+
+
+def _exchange(low: torch.Tensor, high: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
+    """Swap the bytes of ``low`` outside ``mask`` with the bytes of ``high`` inside it (``shift`` bits apart)."""
+    torch.bitwise_right_shift(low, shift, out=tmp).bitwise_xor_(high).bitwise_and_(mask)
+    high.bitwise_xor_(tmp)
+    low.bitwise_xor_(tmp.bitwise_left_shift_(shift))
 
 
 def unpack_weights(marlin: torch.Tensor, size_n: int, size_k: int) -> torch.Tensor:
@@ -91,9 +125,14 @@ def unpack_weights(marlin: torch.Tensor, size_n: int, size_k: int) -> torch.Tens
     return pack_codes(tiled.reshape(experts, size_k, size_n).transpose(1, 2).contiguous())
 
 
+def _present(block_scale: torch.Tensor) -> torch.Tensor:
+    """bool [256]: which FP8 byte values occur in ``block_scale`` (the checks below need each value once)."""
+    return torch.bincount(block_scale.view(torch.uint8).reshape(-1), minlength=256) > 0
+
+
 def scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) -> float:
     """vLLM's power of two f: every non-zero scale * 2^7 * f >= 2 (bf16 only; fp16 keeps f = 1)."""
-    scales = block_scale.to(torch.float64) * 2**7
+    scales = _FP8_VALUES[_present(block_scale)].to(torch.float64) * 2**7
     nonzero = scales[scales > 0]
     if act_dtype == torch.float16 or nonzero.numel() == 0 or nonzero.min() >= 2:
         return 1.0
@@ -101,18 +140,26 @@ def scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) -> float:
 
 
 def encode_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
-    """FP8 [E, N, K/16] -> Marlin [E, K/16, N] S0E5M3 bytes (as float8_e4m3fn, the dtype the kernel checks)."""
-    as_bytes = block_scale.view(torch.uint8)
-    if bool(((as_bytes & 0x80) != 0).any()) or bool(((as_bytes & 0x7F) == 0x7F).any()):
+    """FP8 [E, N, K/16] -> Marlin [E, K/16, N] S0E5M3 bytes (as float8_e4m3fn, the dtype the kernel checks).
+
+    The encoding depends on the byte alone, so it is a 256-entry table applied after the byte permutation: scales
+    [n, g] to [g, n], each 64 n read as an 8x8 transpose, every 4 swapped [0, 2, 1, 3]; with
+    n = 64q + 32j + 16m0 + 8m1 + i the destination order is (g, q, i, j, m1, m0).
+    """
+    present, codes = _present(block_scale), torch.arange(256)
+    if bool(present[(codes >= 0x80) | ((codes & 0x7F) == 0x7F)].any()):
         raise Fp4kitError("Marlin re-encodes block scales without a sign: negative, -0 or NaN FP8 scales cannot "
                           "be stored.")
-    experts, size_n, groups = block_scale.shape
-    values = block_scale.to(torch.float64).transpose(1, 2).reshape(experts, -1, 64)[..., scale_permutation()]
-    values = values.reshape(experts, -1, 4)[..., _PAIR_SWAP].reshape(experts, groups, size_n) * (factor * 2**7)
-    if bool((values >= _ENCODING_LIMIT).any()):
+    values = _FP8_VALUES.to(torch.float64) * (factor * 2**7)
+    if bool((values[present] >= _ENCODING_LIMIT).any()):
         raise Fp4kitError(f"block scales span too wide a range for Marlin: scale * {factor:g} * 2^7 overflows fp16.")
-    fp16_bits = values.to(torch.float16).view(torch.int16).to(torch.int32)
-    return (fp16_bits >> 7).to(torch.uint8).view(torch.float8_e4m3fn)
+    table = (values.to(torch.float16).view(torch.int16).to(torch.int32) >> 7).to(torch.uint8)
+    experts, size_n, groups = block_scale.shape
+    source = block_scale.view(torch.uint8).reshape(experts, size_n // 64, 2, 2, 2, 8, groups)
+    permuted = torch.empty(experts, groups, size_n // 64, 8, 2, 2, 2, dtype=torch.int32)
+    permuted.copy_(source.permute(0, 6, 1, 5, 2, 4, 3))
+    encoded = table.index_select(0, permuted.view(-1))
+    return encoded.view(experts, groups, size_n).view(torch.float8_e4m3fn)
 
 
 def decode_scales(marlin_scales: torch.Tensor, factor: float) -> torch.Tensor:
