@@ -113,7 +113,12 @@ class CheckpointReader:
     def _pread(self, info: TensorInfo, begin: int, nbytes: int) -> torch.Tensor:
         # torch.empty, not bytearray: no zero-filling pass over a buffer the read overwrites anyway
         buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        self._pread_into(info, begin, buffer)
+        return buffer
+
+    def _pread_into(self, info: TensorInfo, begin: int, buffer: torch.Tensor) -> None:
         view = memoryview(buffer.numpy())
+        nbytes = len(view)
         fd = self._fd(info.file)
         done = 0
         while done < nbytes:
@@ -121,13 +126,20 @@ class CheckpointReader:
             if got <= 0:
                 raise Fp4kitError(f"{info.file}: truncated while reading tensor {info.name}")
             done += got
-        return buffer
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, in a buffer of its own."""
         info = self.tensors[name]
         raw = self._pread(info, info.begin, info.nbytes)
         return raw.view(info.dtype).reshape(info.shape)
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read the whole tensor into ``out`` (contiguous, CPU, same dtype and shape), without a buffer between."""
+        info = self.tensors[name]
+        if out.dtype != info.dtype or tuple(out.shape) != info.shape or not out.is_contiguous() or out.is_cuda:
+            raise Fp4kitError(f"internal: {name} is {info.dtype}{list(info.shape)}, cannot be read into "
+                              f"{out.dtype}{list(out.shape)}")
+        self._pread_into(info, info.begin, out.reshape(-1).view(torch.uint8))
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """tensor[start:stop] along dim 0 (e.g. one expert of a fused [E, ...] tensor) without reading the rest."""

@@ -193,12 +193,15 @@ def read_layer(ckpt: QuantizedCheckpoint, layer: MoELayer) -> CanonicalLayer:
     scale2 = torch.empty(num, hidden, inter // BLOCK, dtype=torch.float8_e4m3fn)
     global13, global2, input13, input2 = (torch.empty(num, dtype=torch.float64) for _ in range(4))
     for e, (gate_module, up_module, down_module) in enumerate(layer.members):
-        (gate, gate_in), (up, up_in), (down, down_in) = (ckpt.read(m) for m in (gate_module, up_module, down_module))
-        _require_shared(f"{layer.experts}.{e}", "weight global", gate.global_scale_div, up.global_scale_div)
+        # straight into the stacked tensors: no per-tensor buffer, no second copy of the layer
+        gate = ckpt.read_weight_into(gate_module, packed13[e, :inter], scale13[e, :inter])
+        up = ckpt.read_weight_into(up_module, packed13[e, inter:], scale13[e, inter:])
+        global2[e] = ckpt.read_weight_into(down_module, packed2[e], scale2[e])
+        gate_in, up_in, down_in = (None if m.input_scale is None else ckpt.divisor(m.input_scale)
+                                   for m in (gate_module, up_module, down_module))
+        _require_shared(f"{layer.experts}.{e}", "weight global", gate, up)
         _require_shared(f"{layer.experts}.{e}", "input", gate_in, up_in)
-        packed13[e, :inter], packed13[e, inter:], packed2[e] = gate.packed, up.packed, down.packed
-        scale13[e, :inter], scale13[e, inter:], scale2[e] = gate.block_scale, up.block_scale, down.block_scale
-        global13[e], global2[e] = gate.global_scale_div, down.global_scale_div
+        global13[e] = gate
         if layer.has_input_scales:
             input13[e], input2[e] = gate_in, down_in
     return (NVFP4Tensor(packed13, scale13, global13), NVFP4Tensor(packed2, scale2, global2),

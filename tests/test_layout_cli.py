@@ -142,3 +142,26 @@ def test_memory_follows_the_layer_not_the_checkpoint(tmp_path):
     out = subprocess.run([sys.executable, "-c", RSS_CHILD, *runs], capture_output=True, text=True, check=True)
     peak_small, peak_large = json.loads(out.stdout.strip().splitlines()[-1])
     assert peak_large - peak_small < 4 * layer_kb, (peak_small, peak_large, layer_kb)
+
+
+def test_read_layer_stacks_what_each_module_reads(w4a4):
+    from fp4kit.errors import Fp4kitError
+    from fp4kit.formats.detect import open_checkpoint
+    from fp4kit.layout import find_moe_layers, read_layer
+
+    with open_checkpoint(w4a4) as ckpt:
+        layer = find_moe_layers(ckpt)[1]
+        w13, w2, input13, input2 = read_layer(ckpt, layer)
+        inter = layer.intermediate
+        for e, (gate, up, down) in enumerate(layer.members):
+            (g, g_in), (u, _), (d, d_in) = (ckpt.read(m) for m in (gate, up, down))
+            assert torch.equal(w13.packed[e], torch.cat([g.packed, u.packed]))
+            assert torch.equal(w13.block_scale[e].view(torch.uint8),
+                               torch.cat([g.block_scale, u.block_scale]).view(torch.uint8))
+            assert torch.equal(w2.packed[e], d.packed)
+            assert torch.equal(w2.block_scale[e].view(torch.uint8), d.block_scale.view(torch.uint8))
+            assert (w13.global_scale_div[e], w2.global_scale_div[e]) == (g.global_scale_div, d.global_scale_div)
+            assert (input13[e], input2[e]) == (g_in, d_in)
+        with pytest.raises(Fp4kitError, match="cannot be read into"):
+            ckpt.reader.read_into(layer.members[0][0].packed, torch.empty(inter + 1, layer.hidden // 2,
+                                                                         dtype=torch.uint8))

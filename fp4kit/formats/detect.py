@@ -113,6 +113,20 @@ class QuantizedCheckpoint:
                 packed, block_scale = (t[module.rows[0]:module.rows[1]] for t in (packed, block_scale))
         return NVFP4Tensor(packed.contiguous(), block_scale.contiguous(), self.divisor(module.global_scale))
 
+    def read_weight_into(self, module: QuantModule, packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+        """Read the module's packed weight and block scales into ``packed`` / ``block_scale`` (e.g. one expert's
+        rows of a stacked layer) and return its global divisor; per-module tensors go straight from the file."""
+        if module.expert is None and all(self.reader.info(name).shape == tuple(out.shape) and
+                                         self.reader.info(name).dtype == out.dtype
+                                         for name, out in ((module.packed, packed), (module.block_scale, block_scale))):
+            self.reader.read_into(module.packed, packed)
+            self.reader.read_into(module.block_scale, block_scale)
+            return self.divisor(module.global_scale)
+        weight = self.read_weight(module)
+        packed.copy_(weight.packed)
+        block_scale.copy_(weight.block_scale)
+        return weight.global_scale_div
+
     def read(self, module: QuantModule) -> tuple[NVFP4Tensor, torch.Tensor | None]:
         input_div = None if module.input_scale is None else self.divisor(module.input_scale)
         return self.read_weight(module), input_div
