@@ -142,9 +142,10 @@ def scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) -> float:
 def encode_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
     """FP8 [E, N, K/16] -> Marlin [E, K/16, N] S0E5M3 bytes (as float8_e4m3fn, the dtype the kernel checks).
 
-    The encoding depends on the byte alone, so it is a 256-entry table applied after the byte permutation: scales
-    [n, g] to [g, n], each 64 n read as an 8x8 transpose, every 4 swapped [0, 2, 1, 3]; with
-    n = 64q + 32j + 16m0 + 8m1 + i the destination order is (g, q, i, j, m1, m0).
+    The encoding depends on the byte alone, so it is a 256-entry table. The byte permutation: scales [n, g] to
+    [g, n], each 64 n read as an 8x8 transpose, every 4 swapped [0, 2, 1, 3]; with n = 64q + 32j + 16m0 + 8m1 + i
+    the destination order is (g, q, i, j, m1, m0). It is gathered in the order (g, q, i, j, m0, m1), where the 8
+    bytes of one (g, q, i) are rows 8 apart, and m0 / m1 are then swapped inside each 8-byte lane.
     """
     present, codes = _present(block_scale), torch.arange(256)
     if bool(present[(codes >= 0x80) | ((codes & 0x7F) == 0x7F)].any()):
@@ -155,11 +156,14 @@ def encode_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
         raise Fp4kitError(f"block scales span too wide a range for Marlin: scale * {factor:g} * 2^7 overflows fp16.")
     table = (values.to(torch.float16).view(torch.int16).to(torch.int32) >> 7).to(torch.uint8)
     experts, size_n, groups = block_scale.shape
-    source = block_scale.view(torch.uint8).reshape(experts, size_n // 64, 2, 2, 2, 8, groups)
-    permuted = torch.empty(experts, groups, size_n // 64, 8, 2, 2, 2, dtype=torch.int32)
-    permuted.copy_(source.permute(0, 6, 1, 5, 2, 4, 3))
-    encoded = table.index_select(0, permuted.view(-1))
-    return encoded.view(experts, groups, size_n).view(torch.float8_e4m3fn)
+    source = block_scale.view(torch.uint8).reshape(experts, size_n // 64, 8, 8, groups)  # e, q, (j, m0, m1), i, g
+    gathered = torch.empty(experts, groups, size_n // 64, 8, 8, dtype=torch.int32)
+    gathered.copy_(source.permute(0, 4, 1, 3, 2))
+    lanes = table.index_select(0, gathered.view(-1)).view(torch.int64)
+    # bytes 1 <-> 2 and 5 <-> 6 of every lane: (j, m0, m1) -> (j, m1, m0)
+    tmp = torch.bitwise_right_shift(lanes, 8).bitwise_xor_(lanes).bitwise_and_(0x0000FF000000FF00)
+    lanes.bitwise_xor_(tmp).bitwise_xor_(tmp.bitwise_left_shift_(8))
+    return lanes.view(torch.uint8).view(experts, groups, size_n).view(torch.float8_e4m3fn)
 
 
 def decode_scales(marlin_scales: torch.Tensor, factor: float) -> torch.Tensor:
