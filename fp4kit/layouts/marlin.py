@@ -94,15 +94,15 @@ def repack_weights(packed: torch.Tensor) -> torch.Tensor:
     out = torch.empty(experts, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)  # e, s, c, a, lane bits r2 r1 r0
     step = max(1, min(experts, _CHUNK_BYTES // max(1, size_n * half_k)))
     scratch = torch.empty(step, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)
+    scratch_half = torch.empty(step, strips, chunks, 8, 2, 2, dtype=torch.int64)  # contiguous: faster than a view
     for start in range(0, experts, step):
         count = min(step, experts - start)
-        lanes, tmp = out[start:start + count], scratch[:count]
+        lanes, tmp, half = out[start:start + count], scratch[:count], scratch_half[:count]
         lanes.copy_(lanes_in[start:start + count].permute(0, 6, 1, 5, 3, 4, 2))  # r2 r1 r0 = v, h, u
         # within each lane: the high nibble of byte (0, b) <-> the low nibble of byte (1, b)
         torch.bitwise_right_shift(lanes, 28, out=tmp).bitwise_xor_(lanes).bitwise_and_(0xF0F0F0F0)
         lanes.bitwise_xor_(tmp).bitwise_xor_(tmp.bitwise_left_shift_(28))
         # lane bit r2 <-> byte bit 2, then r2 <-> byte bit 1, then r1 <-> byte bit 0
-        half = tmp[..., 0, :, :]
         _exchange(lanes[..., 0, :, :], lanes[..., 1, :, :], 32, 0x00000000FFFFFFFF, half)
         _exchange(lanes[..., 0, :, :], lanes[..., 1, :, :], 16, 0x0000FFFF0000FFFF, half)
         _exchange(lanes[..., :, 0, :], lanes[..., :, 1, :], 8, 0x00FF00FF00FF00FF, half)
