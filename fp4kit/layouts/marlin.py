@@ -84,28 +84,29 @@ def repack_weights(packed: torch.Tensor) -> torch.Tensor:
     as bytes (j, b), byte 4j + b holding codes 16s + 8j + 2b (low nibble) and 16s + 8j + 2b + 1. Marlin's int32
     at [s, 128c + 16a + 4b + 2u + v] holds four bytes, low first: the low nibbles of bytes (0, b) and (1, b) of row
     h = 0, the same of row h = 1, then the high nibbles of h = 0 and of h = 1 (low nibble from byte (0, b)).
-    So every 64 output bytes of one (s, c, a) are a fixed
-    rearrangement of 8 input lanes: gather the lanes of (s, c, a) in the order (v, h, u) (one copy), then move
-    nibbles and bytes between and within lanes with masked shifts (delta swaps, three per byte-address bit).
+    So every 64 output bytes of one (s, c, a) are a fixed rearrangement of 8 input lanes: move nibbles and bytes
+    within and between the lanes of rows v, h with masked shifts (delta swaps), after which the lanes of rows
+    (v, h, u) hold the output bytes of (b // 2, b % 2, u); then gather them in that order (one copy).
     """
     experts, size_n, half_k = packed.shape
     strips, chunks = half_k // 8, size_n // 64
     lanes_in = packed.contiguous().view(torch.int64).view(experts, chunks, 2, 2, 2, 8, strips)  # e, c, u, v, h, a, s
-    out = torch.empty(experts, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)  # e, s, c, a, lane bits r2 r1 r0
+    out = torch.empty(experts, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)  # e, s, c, a, v, h, u
     step = max(1, min(experts, _CHUNK_BYTES // max(1, size_n * half_k)))
-    scratch = torch.empty(step, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)
-    scratch_half = torch.empty(step, strips, chunks, 8, 2, 2, dtype=torch.int64)  # contiguous: faster than a view
+    # the swaps run in the source's row order, where the lanes they pair are long contiguous runs
+    scratch, shifted = (torch.empty(step, chunks, 2, 2, 2, 8, strips, dtype=torch.int64) for _ in range(2))
+    shifted_half = torch.empty(step, chunks, 2, 2, 8, strips, dtype=torch.int64)
     for start in range(0, experts, step):
         count = min(step, experts - start)
-        lanes, tmp, half = out[start:start + count], scratch[:count], scratch_half[:count]
-        lanes.copy_(lanes_in[start:start + count].permute(0, 6, 1, 5, 3, 4, 2))  # r2 r1 r0 = v, h, u
+        source, lanes, tmp, half = lanes_in[start:start + count], scratch[:count], shifted[:count], shifted_half[:count]
         # within each lane: the high nibble of byte (0, b) <-> the low nibble of byte (1, b)
-        torch.bitwise_right_shift(lanes, 28, out=tmp).bitwise_xor_(lanes).bitwise_and_(0xF0F0F0F0)
-        lanes.bitwise_xor_(tmp).bitwise_xor_(tmp.bitwise_left_shift_(28))
-        # lane bit r2 <-> byte bit 2, then r2 <-> byte bit 1, then r1 <-> byte bit 0
-        _exchange(lanes[..., 0, :, :], lanes[..., 1, :, :], 32, 0x00000000FFFFFFFF, half)
-        _exchange(lanes[..., 0, :, :], lanes[..., 1, :, :], 16, 0x0000FFFF0000FFFF, half)
-        _exchange(lanes[..., :, 0, :], lanes[..., :, 1, :], 8, 0x00FF00FF00FF00FF, half)
+        torch.bitwise_right_shift(source, 28, out=tmp).bitwise_xor_(source).bitwise_and_(0xF0F0F0F0)
+        torch.bitwise_xor(source, tmp, out=lanes).bitwise_xor_(tmp.bitwise_left_shift_(28))
+        # row bit v <-> byte bit 2, then v <-> byte bit 1, then h <-> byte bit 0
+        _exchange(lanes[:, :, :, 0], lanes[:, :, :, 1], 32, 0x00000000FFFFFFFF, half)
+        _exchange(lanes[:, :, :, 0], lanes[:, :, :, 1], 16, 0x0000FFFF0000FFFF, half)
+        _exchange(lanes[:, :, :, :, 0], lanes[:, :, :, :, 1], 8, 0x00FF00FF00FF00FF, half)
+        out[start:start + count].copy_(lanes.permute(0, 6, 1, 5, 3, 4, 2))
     return out.view(experts, strips, size_n).view(torch.int32)
 
 
