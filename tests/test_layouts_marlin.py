@@ -175,3 +175,12 @@ def test_check_shapes() -> None:
         marlin.check_shapes(128, 2048, 96)
     with pytest.raises(Fp4kitError, match="bfloat16 or float16"):
         marlin.describe(*random_layer(1, 128, 64, seed=0)[:2], None, None, act_dtype=torch.float32)
+
+
+def test_repack_of_a_view_at_any_byte_offset() -> None:
+    w13 = random_layer(2, 128, 64, seed=11)[0]
+    shifted = torch.empty(w13.packed.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = w13.packed.reshape(-1)
+    view = shifted[1:].view(w13.packed.shape)  # storage offset 1: no int64 view of it exists
+    expected = torch.stack([reference_marlin_weights(expert) for expert in w13.packed])
+    assert torch.equal(marlin.repack_weights(view), expected)

@@ -90,7 +90,8 @@ def repack_weights(packed: torch.Tensor) -> torch.Tensor:
     """
     experts, size_n, half_k = packed.shape
     strips, chunks = half_k // 8, size_n // 64
-    lanes_in = packed.contiguous().view(torch.int64).view(experts, chunks, 2, 2, 2, 8, strips)  # e, c, u, v, h, a, s
+    packed = packed.contiguous() if packed.storage_offset() % 8 == 0 else packed.clone()  # int64 view alignment
+    lanes_in = packed.view(torch.int64).view(experts, chunks, 2, 2, 2, 8, strips)  # e, c, u, v, h, a, s
     out = torch.empty(experts, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)  # e, s, c, a, v, h, u
     step = max(1, min(experts, _CHUNK_BYTES // max(1, size_n * half_k)))
     # the swaps run in the source's row order, where the lanes they pair are long contiguous runs
