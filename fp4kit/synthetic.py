@@ -5,19 +5,25 @@ q/k/v/o with 32 heads, 4 KV heads and head_dim 128, q/k norms, the ``mlp.gate`` 
 sharded with a ``model.safetensors.index.json``. Only the vocabulary is small, to keep the size down. Every name and
 shape is planned first, then each tensor is drawn from its own seeded generator and written at its offset, so the
 files stream to disk with a few tensors in memory, and the bytes do not depend on how many threads draw them.
+
+``repeat_first_layer`` turns a (quantized) one-layer checkpoint into one of N identical layers, so that benchmarks
+and memory tests of the NVFP4 commands reach realistic sizes without quantizing every layer.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import INDEX_NAME, SINGLE_NAME, PlannedTensor, ShardWriter
+from fp4kit.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, PlannedTensor, ShardWriter
+from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import layer_of
 
 WEIGHT_STD = 0.02
 NORM_STD = 0.1
@@ -163,4 +169,63 @@ def write_synthetic_qwen3_moe(
     writer.finish()
     _write_index_if_single(directory, writer)
     (directory / "config.json").write_text(json.dumps(qwen3_moe_config(dims), indent=2) + "\n")
+    return directory
+
+
+_LAYER0 = re.compile(r"\blayers\.0\.")
+
+
+def _per_layer(names: list[str], num_layers: int) -> list[str]:
+    """Names of layer 0 (``...layers.0....``) once per layer; other names unchanged."""
+    return [_LAYER0.sub(f"layers.{i}.", n) for n in names for i in (range(num_layers) if _LAYER0.search(n) else [0])]
+
+
+def repeat_first_layer(src: str | os.PathLike, dst: str | os.PathLike, num_layers: int,
+                       max_shard_bytes: int = REAL_SHARD_BYTES) -> Path:
+    """Write ``src`` (a one-layer checkpoint) to ``dst`` with ``num_layers`` decoder layers, each a byte copy of its
+    layer 0. config.json's layer counts, the ignore list of its ``quantization_config`` and ``hf_quant_config.json``'s
+    exclude_modules follow; the shards' metadata is kept as is, so it must not name tensors."""
+    src, directory = Path(src), Path(dst)
+    config = json.loads((src / "config.json").read_text())
+    if config.get("num_hidden_layers") != 1:
+        raise Fp4kitError(f"{src}: repeat_first_layer needs a one-layer checkpoint")
+    directory.mkdir(parents=True, exist_ok=True)
+    with CheckpointReader(src) as reader:
+        if any(key not in ("format", "producer") for key in reader.metadata):
+            raise Fp4kitError(f"{src}: shard metadata {sorted(reader.metadata)} may name tensors; not repeated")
+        source = {}  # output name -> source name
+        for name in reader.names():
+            for i in range(num_layers) if layer_of(name) == 0 else [None]:
+                source[name if i is None else _LAYER0.sub(f"layers.{i}.", name)] = name
+
+        def order(name: str) -> tuple[int, int, str]:
+            layer = layer_of(name)  # embeddings, then the layers, then the final norm and the head
+            return (0, -1, name) if "embed" in name else (1, layer, name) if layer is not None else (2, 0, name)
+
+        names = sorted(source, key=order)
+        plan = [PlannedTensor(n, reader.info(source[n]).dtype, reader.info(source[n]).shape) for n in names]
+        writer = ShardWriter(directory, plan, max_shard_bytes, metadata=dict(reader.metadata))
+        try:
+            for name in names:
+                writer.write(name, reader.read(source[name]))
+        except BaseException:
+            writer.abort()
+            raise
+        writer.finish()
+    _write_index_if_single(directory, writer)
+    config["num_hidden_layers"] = num_layers
+    if "max_window_layers" in config:
+        config["max_window_layers"] = num_layers
+    quant = config.get("quantization_config") or {}
+    for key in ("ignore", "exclude_modules"):
+        if isinstance(quant.get(key), list):
+            quant[key] = _per_layer(quant[key], num_layers)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    hf_quant = src / "hf_quant_config.json"
+    if hf_quant.exists():
+        data = json.loads(hf_quant.read_text())
+        modules = data.get("quantization", {}).get("exclude_modules")
+        if isinstance(modules, list):
+            data["quantization"]["exclude_modules"] = _per_layer(modules, num_layers)
+        (directory / "hf_quant_config.json").write_text(json.dumps(data, indent=4) + "\n")
     return directory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,21 @@ def test_sharded_with_index_and_seeded(tmp_path: Path) -> None:
 def test_single_shard_still_has_an_index(small_checkpoint: Path) -> None:
     index = json.loads((small_checkpoint / INDEX_NAME).read_text())
     assert set(index["weight_map"].values()) == {"model.safetensors"}
+
+
+def test_repeat_first_layer_copies_layer_0_into_every_layer(tmp_path: Path) -> None:
+    from fp4kit.synthetic import repeat_first_layer
+
+    one = write_synthetic_qwen3_moe(tmp_path / "one", **{**SMALL, "num_layers": 1})
+    config = json.loads((one / "config.json").read_text())
+    config["quantization_config"] = {"ignore": ["lm_head", "model.layers.0.mlp.gate"]}
+    (one / "config.json").write_text(json.dumps(config))
+    three = repeat_first_layer(one, tmp_path / "three", 3, max_shard_bytes=200_000)
+    with CheckpointReader(one) as src, CheckpointReader(three) as out:
+        assert len(out.names()) == 3 * len(src.names()) - 2 * sum(".layers." not in n for n in src.names())
+        for name in out.names():
+            assert torch.equal(out.read(name), src.read(re.sub(r"layers\.\d+\.", "layers.0.", name)))
+    written = read_config(three)
+    assert written["num_hidden_layers"] == 3
+    assert written["quantization_config"]["ignore"] == ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(3)]
+    assert (three / INDEX_NAME).exists()
