@@ -19,7 +19,6 @@ import json
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,11 +248,8 @@ def convert_checkpoint(
         metadata = {"producer": "fp4kit"} | ({EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {})
         input_bytes = sum(info.nbytes for info in ckpt.reader.tensors.values())
         ignore = _ignore_for(to, ckpt)
-        # Building the compressed-tensors config imports that library (seconds): overlap it with the copying.
-        config_maker = ThreadPoolExecutor(max_workers=1)
-        quant_config = config_maker.submit(
-            ct.quantization_config if to == CT else mo.quantization_config, ckpt.scheme, ignore)
-        config_maker.shutdown(wait=False)
+        # before any data moves: a config that cannot be built then costs no copying
+        quant_config = (ct if to == CT else mo).quantization_config(ckpt.scheme, ignore)
         with atomic_directory(dst) as work:
             writer = ShardWriter(work, [t for job in jobs for t in _planned(job, to, ckpt)], max_shard_bytes,
                                  metadata=metadata)
@@ -271,7 +267,7 @@ def convert_checkpoint(
                 raise
             writer.finish()
             config = dict(ckpt.config)
-            config["quantization_config"] = quant_config.result()
+            config["quantization_config"] = quant_config
             if to == MO:
                 hf_quant = mo.hf_quant_config(ckpt.scheme, ignore)
                 (work / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")

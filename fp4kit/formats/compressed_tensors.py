@@ -3,9 +3,20 @@
 Per quantized Linear `<m>`: `<m>.weight_packed` u8 [N, K/2], `<m>.weight_scale` fp8 [N, K/16],
 `<m>.weight_global_scale` fp32 [1] (multiplier 448*6/amax) and, for W4A4, `<m>.input_global_scale` fp32 [1]
 (multiplier). The config is built with compressed-tensors' own classes so that it always validates.
+
+Importing compressed-tensors costs ~10 CPU seconds (it imports transformers), more than converting a small
+checkpoint. The config those classes build for each scheme under the installed version is therefore kept in
+fp4kit/data/compressed_tensors_config.json (``write_config_snapshot``) and used while that version is installed;
+tests check it against the classes, and under any other version the classes build the config again.
 """
 
 from __future__ import annotations
+
+import copy
+import functools
+import json
+from importlib import metadata, resources
+from pathlib import Path
 
 import torch
 
@@ -14,6 +25,7 @@ from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 
 FORMAT = "nvfp4-pack-quantized"
 SCHEMES = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
+CONFIG_SNAPSHOT = "compressed_tensors_config.json"
 
 
 def planned(module: str, out_features: int, in_features: int, with_input_scale: bool) -> list[PlannedTensor]:
@@ -50,7 +62,18 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
 
 
 def quantization_config(scheme: str, ignore: list[str]) -> dict:
-    """config.json `quantization_config` for every Linear quantized with `scheme` except the `ignore` modules."""
+    """config.json `quantization_config` for every Linear quantized with `scheme` except the `ignore` modules: what
+    ``build_quantization_config`` returns, from the snapshot when it was taken under the installed version."""
+    snapshot = _config_snapshot()
+    if snapshot is None or snapshot["compressed_tensors"] != _installed_version():
+        return build_quantization_config(scheme, ignore)
+    config = copy.deepcopy(snapshot["schemes"][SCHEMES[scheme]])
+    config["ignore"] = list(ignore)  # in place: the key order, and so config.json's bytes, stay the classes'
+    return config
+
+
+def build_quantization_config(scheme: str, ignore: list[str]) -> dict:
+    """The config as compressed-tensors' own classes build it (imports the library)."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
 
@@ -65,3 +88,33 @@ def quantization_config(scheme: str, ignore: list[str]) -> dict:
     out = config.model_dump(mode="json")
     out["version"] = compressed_tensors.__version__
     return out
+
+
+def config_snapshot() -> dict:
+    """Every scheme's config built by the installed compressed-tensors, as the snapshot file holds it."""
+    import compressed_tensors
+
+    return {"compressed_tensors": compressed_tensors.__version__,
+            "schemes": {name: build_quantization_config(scheme, []) for scheme, name in SCHEMES.items()}}
+
+
+def write_config_snapshot(path: Path | None = None) -> Path:
+    """(Re)write the snapshot, e.g. after upgrading compressed-tensors; the default path is the packaged one."""
+    path = path or Path(__file__).parent.parent / "data" / CONFIG_SNAPSHOT
+    path.write_text(json.dumps(config_snapshot(), indent=2) + "\n")
+    return path
+
+
+@functools.cache
+def _config_snapshot() -> dict | None:
+    try:
+        return json.loads(resources.files("fp4kit.data").joinpath(CONFIG_SNAPSHOT).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _installed_version() -> str | None:
+    try:
+        return metadata.version("compressed-tensors")
+    except metadata.PackageNotFoundError:
+        return None
