@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
 
 from fp4kit.families.base import FUSED_SIBLINGS, layer_of
@@ -104,9 +105,10 @@ def _module_scales(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Fin
 def _block_scale_problems(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Finding]) -> None:
     raw = ckpt.read_weight(m).block_scale.view(torch.uint8) if m.expert is not None \
         else ckpt.reader.read(m.block_scale).view(torch.uint8)
-    is_nan = (raw & 0x7F) == 0x7F
-    nan = int(is_nan.sum())
-    negative = int(((raw & 0x80) != 0).logical_and(~is_nan).logical_and(raw != 0x80).sum())
+    # one pass over the codes (a few elementwise torch ops per module cost ~10x more, most of it thread start-up)
+    counts = numpy.bincount(raw.numpy().reshape(-1), minlength=256)
+    nan = int(counts[0x7F] + counts[0xFF])  # E4M3FN's only NaNs: S.1111.111
+    negative = int(counts[0x81:0xFF].sum())  # sign set, neither -0 (0x80) nor NaN
     if nan or negative:
         problems.append(Finding("bad_block_scale", m.name, f"{nan} NaN and {negative} negative FP8 block scales "
                                                             f"of {raw.numel()}"))
