@@ -1,12 +1,14 @@
-"""Streaming: quantize's peak resident memory does not grow with the number of layers (DESIGN.md §10).
+"""Streaming: the peak resident memory of quantize, convert and inspect does not grow with the number of layers
+(DESIGN.md §10).
 
-Each run is its own process; it reports its peak RSS (ru_maxrss, which counts mapped file pages too) minus its RSS
-after imports, so the number is what the quantization itself added.
+Each run is its own process; it reports its peak RSS (ru_maxrss / VmHWM, which count mapped file pages too) minus
+its RSS before the work, so the number is what the command itself added.
 """
 
 import json
 import subprocess
 import sys
+import textwrap
 
 CHILD = r"""
 import json, resource, sys
@@ -42,3 +44,60 @@ def test_peak_rss_independent_of_layer_count(tmp_path):
     # No absolute bound: run alone the work adds ~20 MB, but inside the full suite a lazily imported library
     # (not yet identified) sometimes adds a constant ~0.55 GB to both runs.
     assert largest_group_kb < peaks[8]  # the measurement sees real work
+
+
+NVFP4_PROBE = textwrap.dedent("""
+    import ctypes, json, sys
+    from fp4kit.convert import convert_checkpoint
+    from fp4kit.inspect import inspect_checkpoint
+
+    def status(key):
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) * 1024
+
+    def run(src, out):
+        for to in ("modelopt", "compressed-tensors"):
+            yield f"convert to {to}", lambda: convert_checkpoint(src, f"{out}-{to}", to, max_shard_bytes=64 * 10**6)
+            src = f"{out}-{to}"
+        yield "inspect compressed-tensors", lambda: inspect_checkpoint(src)
+        yield "inspect modelopt", lambda: inspect_checkpoint(f"{out}-modelopt")
+
+    for _, work in run(sys.argv[2], sys.argv[3] + "-warm"):  # imports and first-call set-up, on one layer
+        work()
+    added = {}
+    for what, work in run(sys.argv[1], sys.argv[3]):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the previous step freed must not hide this one's growth
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+        start = status("VmRSS:")
+        work()
+        added[what] = status("VmHWM:") - start
+    print(json.dumps(added))
+""")
+
+
+def test_convert_and_inspect_memory_does_not_grow_with_layer_count(tmp_path):
+    """Six more layers of ~30 MB add far less than a layer each to the peak of convert (both ways) and inspect
+    (both dialects); holding the model would add ~6 x 30 MB."""
+    from fp4kit.quantize import quantize_checkpoint
+    from fp4kit.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
+
+    bf16 = write_synthetic_qwen3_moe(tmp_path / "bf16", num_layers=1, hidden=1024, moe_intermediate=512,
+                                     num_experts=32, num_heads=8, num_kv_heads=2, head_dim=128, vocab_size=4096)
+    one = tmp_path / "ct1"
+    quantize_checkpoint(bf16, one)
+    added, sizes = {}, {}
+    for layers in (2, 8):
+        src = repeat_first_layer(one, tmp_path / f"ct{layers}", layers, max_shard_bytes=64 * 10**6)
+        sizes[layers] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        probe = subprocess.run([sys.executable, "-c", NVFP4_PROBE, str(src), str(one), str(tmp_path / f"out{layers}")],
+                               capture_output=True, text=True, check=True)
+        added[layers] = json.loads(probe.stdout.strip().splitlines()[-1])
+    layer_bytes = (sizes[8] - sizes[2]) / 6
+    lm_head_bytes = 4096 * 1024 * 2
+    for what in added[2]:
+        print(f"{what}: +{added[2][what] / 1e6:.0f} MB at 2 layers, +{added[8][what] / 1e6:.0f} MB at 8; "
+              f"one layer {layer_bytes / 1e6:.0f} MB")
+        # the measurement sees the work: at least half of one bf16 tensor's read
+        assert added[2][what] >= lm_head_bytes // 2, (what, added)
+        # bytes per extra layer, not a ratio of two small peaks (allocator noise is tens of MB)
+        assert (added[8][what] - added[2][what]) / 6 <= layer_bytes / 3, (what, added, layer_bytes)
