@@ -17,8 +17,8 @@ Speed, on the --layers checkpoints, interleaved so that load on the machine hits
 
 One run = process wall time (DESIGN.md §10) plus an fsync of every file it wrote. The source is read once into the
 page cache before each run (untimed); the previous output is deleted. CPU seconds (user + system) and peak RSS come
-from /usr/bin/time -v. `work_s` is the time each tool reports for itself (fp4kit convert's "in X s", which excludes
-the Python/torch start-up; the copy child's likewise excludes imports).
+from /usr/bin/time -v (getrusage where it is missing). `work_s` is the time each tool reports for itself (fp4kit
+convert's "in X s", which excludes the Python/torch start-up; the copy child's likewise excludes imports).
 
 Memory: `fp4kit convert` both ways and `fp4kit inspect` of both dialects run once on the --small-layers and once on
 the --layers checkpoints; the table gives each one's peak RSS and the growth per extra layer (a tool that held the
@@ -39,6 +39,11 @@ import time
 from pathlib import Path
 
 TIME_BIN = "/usr/bin/time"
+# where /usr/bin/time is missing: the child's getrusage, printed the way `time -v` prints it
+RUSAGE = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+          "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+          "print(f'User time (seconds): {u.ru_utime}', f'System time (seconds): {u.ru_stime}', "
+          "f'Maximum resident set size (kbytes): {u.ru_maxrss}', sep='\\n', file=sys.stderr); sys.exit(rc)")
 
 
 def child_copy(src: Path, dst: Path) -> None:
@@ -87,7 +92,7 @@ def time_run(command: list[str], src: Path, dst: Path | None) -> dict:
     if dst is not None:
         shutil.rmtree(dst, ignore_errors=True)
     warm(src)
-    wrapped = [TIME_BIN, "-v", *command] if os.path.exists(TIME_BIN) else command
+    wrapped = [TIME_BIN, "-v", *command] if os.path.exists(TIME_BIN) else [sys.executable, "-c", RUSAGE, *command]
     start = time.perf_counter()
     done = subprocess.run(wrapped, capture_output=True, text=True, check=False)
     if dst is not None and dst.exists():
