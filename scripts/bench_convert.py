@@ -3,6 +3,8 @@
 
     python scripts/bench_convert.py [--layers 8] [--small-layers 2] [--experts 128] [--repeats 3] [--workdir DIR]
 
+(--repeats 0: the memory runs only.)
+
 Checkpoints: a bf16 checkpoint of one decoder layer with Qwen3-30B-A3B's shapes (fp4kit.synthetic) is quantized once
 with `fp4kit quantize` (compressed-tensors NVFP4A16); `fp4kit.synthetic.repeat_first_layer` copies that layer into
 checkpoints of --small-layers and --layers layers (~350 MB of NVFP4 per layer), which `fp4kit convert` turns into
@@ -179,9 +181,9 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
 
     size = sum(p.stat().st_size for p in dirs["ct", args.layers].glob("*.safetensors"))
-    anchor = statistics.median(r["s"] for r in speed["copy"])
-    anchor_work = statistics.median(r["work_s"] for r in speed["copy"])
     rows = []
+    anchor = statistics.median(r["s"] for r in speed["copy"]) if speed else 0.0  # --repeats 0: memory only
+    anchor_work = statistics.median(r["work_s"] for r in speed["copy"]) if speed else 0.0
     for tool, runs in speed.items():
         median = {key: statistics.median(r[key] for r in runs) for key in ("s", "work_s", "cpu_s")}
         rss = max((r["rss"] for r in runs if r["rss"]), default=None)
