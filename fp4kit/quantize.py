@@ -8,7 +8,6 @@ in memory whatever the model's size.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -223,13 +222,6 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
     return planned
 
 
-def _import_config_classes() -> None:
-    try:
-        import compressed_tensors.quantization  # noqa: F401
-    except ImportError:  # reported where the config is built
-        pass
-
-
 def _calibrate(
     src: Path, plan: ModelPlan, options: QuantizeOptions, ranks: distributed.Ranks
 ) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
@@ -293,11 +285,6 @@ def _quantize_checkpoint(
     start = time.perf_counter()
     config = read_config(src)
     check_destination(src, dst, options.overwrite)
-    # compressed-tensors (and the transformers it imports) takes seconds to import: do it beside the work, on the
-    # one rank that writes the config
-    config_import = threading.Thread(target=_import_config_classes, daemon=True)
-    if ranks.main:
-        config_import.start()
     with CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader:
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=options.format == "modelopt")
@@ -339,7 +326,6 @@ def _quantize_checkpoint(
             writer.finish()
             ranks.sync()  # every rank's tensors are in place
             if ranks.main:
-                config_import.join()
                 _write_side_files(work, src, config, plan, options, routing_counts)
     return QuantizeReport(
         family=plan.family.name,
