@@ -383,14 +383,31 @@ def test_interrupted_run_leaves_nothing_and_rerun_finishes(quantized, tmp_path, 
     assert sorted(p.name for p in dst.iterdir()) == [SHARED_DIR, MANIFEST, rank_dir_name(0), rank_dir_name(1)]
 
 
-def test_cli_bad_input_is_one_line_exit_2(quantized, tmp_path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize(
+    ("case", "args", "message"),
+    [
+        ("model", ["--ep", "16"], "--ep 16 exceeds the model's 8 experts"),
+        ("model", ["--ep", "0"], "at least 1"),
+        ("model", ["--ep", "2", "--placement", "balanced", "--stats", "{stats}"], "model_type"),
+        ("layout", ["--ep", "3"], "E = 8 must be divisible by ep = 3"),
+    ],
+)
+def test_cli_bad_input_is_one_line_exit_2(quantized, tmp_path, monkeypatch, capsys, case: str, args: list[str],
+                                          message: str) -> None:
     from fp4kit.cli import main
 
-    monkeypatch.setattr("sys.argv", ["fp4kit", "shard", str(quantized("qwen3_moe")), str(tmp_path / "o"), "--ep", "16"])
+    src = quantized("qwen3_moe")
+    if case == "layout":
+        src = _fake_layout(src, tmp_path / "layout")
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps({"model_type": "llama4", "num_experts": 8, "layers": {}}))
+    argv = [a.format(stats=stats) for a in args]
+    monkeypatch.setattr("sys.argv", ["fp4kit", "shard", str(src), str(tmp_path / "o"), *argv])
     with pytest.raises(SystemExit) as exit_info:
         main()
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: --ep 16")
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_shards(quantized, tmp_path, monkeypatch, capsys) -> None:
