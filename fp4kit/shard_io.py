@@ -77,8 +77,9 @@ def read_bytes(tensor: SourceTensor) -> bytes:
 
 class ShardLayout:
     """Output shards of one directory for ``tensors`` (in that order), named ``{stem}-0000i-of-0000n.safetensors``:
-    split at ``max_shard_bytes`` like fp4kit.checkpoint.ShardWriter, headers written, files sized; the data is
-    placed afterwards at ``slots[name] = (file, absolute offset)``; ``heads[file]`` is what precedes it."""
+    split at ``max_shard_bytes`` like fp4kit.checkpoint.ShardWriter. The directory is created, the files are not:
+    ``heads[file]`` is a file's first bytes (length prefix and header) and tensor ``name`` goes at
+    ``slots[name] = (file, absolute offset)``."""
 
     def __init__(self, directory: Path, tensors: list[SourceTensor], max_shard_bytes: int, stem: str):
         groups: list[list[SourceTensor]] = [[]]
@@ -105,9 +106,6 @@ class ShardLayout:
             header_bytes += b" " * (-len(header_bytes) % 8)
             data_start = 8 + len(header_bytes)
             self.heads[fname] = struct.pack("<Q", len(header_bytes)) + header_bytes
-            with open(directory / fname, "wb") as f:
-                f.write(self.heads[fname])
-                f.truncate(data_start + offset)
             for t in group:
                 self.slots[t.name] = (fname, data_start + header[t.name]["data_offsets"][0])  # type: ignore[index]
             self.total_bytes += offset
