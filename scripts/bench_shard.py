@@ -15,7 +15,8 @@ fp4kit.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses 
 One run = the process's wall time plus an fsync of every file it wrote (fp4kit fsyncs its shards itself; cp does not,
 so without it cp would be credited with unflushed writes). Before every run the source is read once into the page
 cache (untimed) and the previous output is deleted. Reported: median of R runs, the ratio copy / shard (>= 1 means
-shard is as fast as a copy), CPU seconds (user + system), peak RSS (/usr/bin/time -v), the disk use of the output
+shard is as fast as a copy), CPU seconds (user + system), peak RSS (/usr/bin/time -v; without it getrusage, whose
+peak is the largest child so far), the disk use of the output
 (hard links counted once) and the machine's load average, since on a shared box other processes' load slows the
 CPU-bound part (checksumming) far more than cp's in-kernel copy.
 """
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -111,6 +113,15 @@ def fsync_tree(root: Path) -> None:
 
 def timed(command: list[str], out: Path) -> tuple[float, int, float]:
     """(wall seconds including fsync of the output, peak RSS in bytes, CPU seconds) of one process."""
+    if not os.path.exists(TIME_BIN):  # e.g. a GPU image: getrusage of the children instead
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        subprocess.run(command, check=True)
+        fsync_tree(out)
+        seconds = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        return seconds, after.ru_maxrss * 1024, cpu  # peak RSS: the largest child so far, not this one's
     with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
         start = time.perf_counter()
         subprocess.run([TIME_BIN, "-v", "-o", log.name, *command], check=True)
