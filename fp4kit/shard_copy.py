@@ -32,6 +32,7 @@ from fp4kit.shard_io import ShardLayout, SourceTensor
 
 _BLOCK = 4 << 20  # a multiple of every block size O_DIRECT may ask for alignment to
 _IN_FLIGHT = 4  # queued block writes per file
+_FILES_AT_ONCE = 8
 _BUFFER = 4 << 20
 _DIRECT = getattr(os, "O_DIRECT", 0)
 _NO_DIRECT = {errno.EINVAL, errno.EOPNOTSUPP}
@@ -188,9 +189,9 @@ class ShardCopier:
     ``progress(nbytes)`` is called as data moves."""
 
     def __init__(self, progress: Callable[[int], None] | None = None):
-        # More files in progress than cores on a small machine: a worker waiting for the disk leaves its core to
-        # another, and the disk sees more writes at once.
-        workers = max(4, min(8, (os.cpu_count() or 1) // 2))
+        # Eight files at once even on a 2-core machine: the workers mostly wait for the disk, and the disk is
+        # faster with more writes at once (benchmark VM, same minutes: 8 files 0.92x cp -r, 4 files 0.70x).
+        workers = _FILES_AT_ONCE
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp4kit-shard")
         self._writers = ThreadPoolExecutor(max_workers=workers * _IN_FLIGHT, thread_name_prefix="fp4kit-write")
         self._pending: dict[Path, Future[FileEntry]] = {}
