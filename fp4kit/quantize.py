@@ -186,8 +186,8 @@ class GroupBatcher:
 
     def _quantize(self, groups: list[QuantGroup], rows: list[torch.Tensor]) -> None:
         try:
-            stacked = quantize_stacked(torch.stack(rows), self.options.exact_fp32_global_scale,
-                                       self.options.compile_cpu)
+            stack = torch.stack(rows) if len(rows) > 1 else rows[0].unsqueeze(0)
+            stacked = quantize_stacked(stack, self.options.exact_fp32_global_scale, self.options.compile_cpu)
         except NonFiniteError:
             members = [list(row.split([c.linear.out_features for c in g.members]))
                        for g, row in zip(groups, rows, strict=True)]
