@@ -29,6 +29,7 @@ from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: 
     read_config,
     read_header,
     shard_files,
+    shard_layout,
 )
 
 DTYPES: dict[str, torch.dtype] = {
@@ -171,18 +172,6 @@ class PlannedTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _shard_layout(plan: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
-    shards: list[list[PlannedTensor]] = [[]]
-    filled = 0
-    for tensor in plan:
-        if shards[-1] and filled + tensor.nbytes > max_shard_bytes:
-            shards.append([])
-            filled = 0
-        shards[-1].append(tensor)
-        filled += tensor.nbytes
-    return shards
-
-
 class ShardWriter:
     """Writes a planned set of tensors into safetensors shards inside ``directory``.
 
@@ -207,7 +196,7 @@ class ShardWriter:
         if len(set(names)) != len(names):
             dupes = sorted({n for n in names if names.count(n) > 1})
             raise Fp4kitError(f"output would contain tensor {dupes[0]} twice")
-        shards = _shard_layout(plan, max_shard_bytes)
+        shards = shard_layout(plan, max_shard_bytes)
         count = len(shards)
         self.files: list[str] = []
         self.slots: dict[str, tuple[int, int, PlannedTensor]] = {}  # name -> (file idx, absolute offset, tensor)

@@ -7,13 +7,36 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from fp4kit.errors import Fp4kitError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+SizedT = TypeVar("SizedT", bound=_Sized)
+
+
+def shard_layout(tensors: Iterable[SizedT], max_shard_bytes: int) -> list[list[SizedT]]:
+    """Tensors in order, packed into consecutive shards of at most ``max_shard_bytes`` (a larger tensor alone)."""
+    shards: list[list[SizedT]] = [[]]
+    filled = 0
+    for tensor in tensors:
+        if shards[-1] and filled + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(tensor)
+        filled += tensor.nbytes
+    return shards
 
 
 def shard_files(root: Path) -> list[Path]:

@@ -23,6 +23,7 @@ from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: 
     read_config,
     read_header,
     shard_files,
+    shard_layout,
 )
 
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
@@ -82,14 +83,7 @@ class ShardLayout:
     ``slots[name] = (file, absolute offset)``."""
 
     def __init__(self, directory: Path, tensors: list[SourceTensor], max_shard_bytes: int, stem: str):
-        groups: list[list[SourceTensor]] = [[]]
-        filled = 0
-        for t in tensors:
-            if groups[-1] and filled + t.nbytes > max_shard_bytes:
-                groups.append([])
-                filled = 0
-            groups[-1].append(t)
-            filled += t.nbytes
+        groups = shard_layout(tensors, max_shard_bytes)
         directory.mkdir(parents=True)
         self.directory = directory
         self.files = [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
