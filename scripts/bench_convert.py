@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+import bench_quantize as bq  # the copy anchor and page-cache helpers every benchmark shares
+
 TIME_BIN = "/usr/bin/time"
 # where /usr/bin/time is missing: the child's getrusage, printed the way `time -v` prints it
 RUSAGE = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
@@ -49,56 +51,21 @@ RUSAGE = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]);
 
 
 def child_copy(src: Path, dst: Path) -> None:
-    import torch  # noqa: F401  (safe_open(framework="pt") needs it)
-    from safetensors import safe_open
-
-    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
-
     start = time.perf_counter()
-
-    dst.mkdir(parents=True, exist_ok=True)
-    with CheckpointReader(src) as headers:
-        infos = list(headers.tensors.values())
-    largest_shard = max(sum(i.nbytes for i in infos if i.file == f) for f in {i.file for i in infos})
-    writer = ShardWriter(dst, [PlannedTensor(i.name, i.dtype, i.shape) for i in infos], largest_shard)
-    for shard in sorted({i.file for i in infos}):
-        with safe_open(shard, framework="pt") as reader:
-            for name in reader.keys():
-                writer.write(name, reader.get_tensor(name))
-    writer.finish()
-    copy_side_files(src, dst)
-    shutil.copy2(src / "config.json", dst / "config.json")
+    bq.child_copy(src, dst)
     print(f"in {time.perf_counter() - start:.2f} s")
-
-
-def fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
-def warm(directory: Path) -> None:
-    for path in sorted(directory.iterdir()):
-        if path.is_file():
-            with open(path, "rb", buffering=0) as f:
-                while f.read(64 << 20):
-                    pass
 
 
 def time_run(command: list[str], src: Path, dst: Path | None) -> dict:
     """Wall seconds (incl. fsync of the output), the tool's own work seconds, CPU seconds and peak RSS bytes."""
     if dst is not None:
         shutil.rmtree(dst, ignore_errors=True)
-    warm(src)
+    bq.warm_page_cache(src)
     wrapped = [TIME_BIN, "-v", *command] if os.path.exists(TIME_BIN) else [sys.executable, "-c", RUSAGE, *command]
     start = time.perf_counter()
     done = subprocess.run(wrapped, capture_output=True, text=True, check=False)
     if dst is not None and dst.exists():
-        fsync_tree(dst)
+        bq.fsync_tree(dst)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")

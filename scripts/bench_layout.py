@@ -31,27 +31,9 @@ import sys
 import time
 from pathlib import Path
 
+import bench_quantize as bq  # the copy anchor and page-cache helpers every benchmark shares
+
 W4A4_BACKENDS = ("trtllm", "cutlass")
-
-
-def child_copy(src: Path, dst: Path) -> None:
-    import torch  # noqa: F401  (safe_open(framework="pt") needs it)
-    from safetensors import safe_open
-
-    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
-
-    dst.mkdir(parents=True, exist_ok=True)
-    with CheckpointReader(src) as headers:
-        infos = list(headers.tensors.values())
-    largest_shard = max(sum(i.nbytes for i in infos if i.file == f) for f in {i.file for i in infos})
-    writer = ShardWriter(dst, [PlannedTensor(i.name, i.dtype, i.shape) for i in infos], largest_shard)
-    for shard in sorted({i.file for i in infos}):
-        with safe_open(shard, framework="pt") as reader:
-            for name in reader.keys():
-                writer.write(name, reader.get_tensor(name))
-    writer.finish()
-    copy_side_files(src, dst)
-    shutil.copy2(src / "config.json", dst / "config.json")
 
 
 def add_input_scales(src: Path, dst: Path) -> Path:
@@ -96,17 +78,10 @@ def build_sources(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     return a16, w4a4
 
 
-def warm(src: Path) -> None:
-    for path in src.glob("*.safetensors"):
-        with open(path, "rb") as f:
-            while f.read(1 << 24):
-                pass
-
-
 def timed(command: list[str], src: Path, dst: Path) -> tuple[float, float]:
     """(wall seconds, CPU seconds user + system) of one child process."""
     shutil.rmtree(dst, ignore_errors=True)
-    warm(src)
+    bq.warm_page_cache(src)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
@@ -144,7 +119,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--child-copy":
-        child_copy(Path(sys.argv[2]), Path(sys.argv[3]))
+        bq.child_copy(Path(sys.argv[2]), Path(sys.argv[3]))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)

@@ -178,7 +178,7 @@ def fsync_tree(directory: Path) -> None:
 
 def warm_page_cache(directory: Path) -> None:
     """Read every file of the source once, so that each timed run starts with the source cached."""
-    for path in sorted(directory.iterdir()):
+    for path in sorted(directory.rglob("*")):
         if path.is_file():
             with open(path, "rb", buffering=0) as f:
                 while f.read(64 << 20):

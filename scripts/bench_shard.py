@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_quantize as bq  # page-cache and fsync helpers every benchmark shares
+
 TIME_BIN = "/usr/bin/time"
 
 
@@ -95,29 +97,13 @@ def skewed_stats(src: Path, path: Path) -> Path:
     return path
 
 
-def warm(src: Path) -> None:
-    for path in sorted(src.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                while f.read(1 << 24):
-                    pass
-
-
-def fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-
-
 def timed(command: list[str], out: Path) -> tuple[float, int, float]:
     """(wall seconds including fsync of the output, peak RSS in bytes, CPU seconds) of one process."""
     if not os.path.exists(TIME_BIN):  # e.g. a GPU image: getrusage of the children instead
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         subprocess.run(command, check=True)
-        fsync_tree(out)
+        bq.fsync_tree(out)
         seconds = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
@@ -125,7 +111,7 @@ def timed(command: list[str], out: Path) -> tuple[float, int, float]:
     with tempfile.NamedTemporaryFile("r", suffix=".log") as log:
         start = time.perf_counter()
         subprocess.run([TIME_BIN, "-v", "-o", log.name, *command], check=True)
-        fsync_tree(out)
+        bq.fsync_tree(out)
         seconds = time.perf_counter() - start
         fields = dict(line.strip().rsplit(": ", 1) for line in log.read().splitlines() if ": " in line)
     cpu = float(fields["User time (seconds)"]) + float(fields["System time (seconds)"])
@@ -165,7 +151,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for tool in commands:  # interleaved, so drift in the machine's load hits every tool alike
             shutil.rmtree(outputs[tool], ignore_errors=True)
-            warm(src)
+            bq.warm_page_cache(src)
             runs[tool].append(timed(commands[tool], outputs[tool]))
     load_after = os.getloadavg()[0]
     results = {}
