@@ -34,3 +34,15 @@ def tiny_nvfp4a16(tiny, tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: torch's thread pool costs more than it saves, badly so on a busy 2-core runner. Modules opt in
+    with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

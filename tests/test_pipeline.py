@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from fp4kit.pipeline import MARKER_SUFFIX, run_recipe
 
@@ -55,13 +54,7 @@ run_recipe(sys.argv[1], [], sys.argv[2])
 """
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: torch's thread pool costs more than it saves, badly so on a busy 2-core runner."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

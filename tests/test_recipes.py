@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.fixtures import RECIPE_STAND_INS
@@ -19,13 +18,7 @@ SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4
                 "llama-4-maverick", "demo"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: torch's thread pool costs more than it saves, badly so on a busy 2-core runner."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
