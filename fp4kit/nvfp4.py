@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fp4kit.native import nvfp4_cpu
+
 BLOCK = 16
 FP4_MAX = 6.0
 FP8_MAX = 448.0
@@ -111,14 +113,24 @@ class NonFiniteError(ValueError):
     """A weight to be quantized holds NaN or Inf."""
 
 
-def block_amax(weight: torch.Tensor) -> torch.Tensor:
-    """max |x| over each 16-block along K, in the weight's dtype; raises NonFiniteError on NaN/Inf."""
+def block_amax(weight: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """max |x| over each 16-block along K, in the weight's dtype; raises NonFiniteError on NaN/Inf.
+    ``native``: through fp4kit's C loop where it handles the weight (bf16 on the CPU), same values."""
     if weight.shape[-1] % BLOCK:
         raise ValueError(f"last dimension {weight.shape[-1]} is not a multiple of {BLOCK}")
+    if native and nvfp4_cpu.handles(weight):
+        return _native_block_amax(weight)[0]
     amax = weight.unflatten(-1, (-1, BLOCK)).abs().amax(dim=-1)
     if not torch.isfinite(amax).all():  # amax propagates NaN and Inf: one check on 1/16 of the data
         raise NonFiniteError("weight holds NaN or Inf")
     return amax
+
+
+def _native_block_amax(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax, tensor_amax, nonfinite = nvfp4_cpu.block_amax(weight)
+    if nonfinite:
+        raise NonFiniteError("weight holds NaN or Inf")
+    return amax, tensor_amax
 
 
 def encode_blocks(blocks: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
@@ -127,80 +139,64 @@ def encode_blocks(blocks: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     return pack_codes(e2m1_codes(scaled.flatten(-2)))
 
 
-_compiled_encode = None
-COMPILE_MIN_ELEMENTS = 1 << 20
-
-
-def _encode_blocks_compiled(blocks: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor | None:
-    """encode_blocks fused into one vectorized CPU loop by torch.compile (~10x less CPU time than eager), or None
-    when compilation is unavailable. Only the fp32 part is compiled: inductor keeps bf16 intermediates in fp32, which
-    would change the block scales' bf16 rounding, while fp32 division and compares are exact in any loop order.
-    Every weight is flattened to [blocks, 16] with a dynamic first dimension, so one compiled graph serves all shapes.
-    """
-    global _compiled_encode
-    if _compiled_encode is False:
-        return None
-    try:
-        if _compiled_encode is None:
-            _compiled_encode = torch.compile(encode_blocks, dynamic=False)
-        flat_blocks, flat_divisor = blocks.reshape(-1, BLOCK), divisor.reshape(-1)
-        torch._dynamo.mark_dynamic(flat_blocks, 0)
-        torch._dynamo.mark_dynamic(flat_divisor, 0)
-        packed = _compiled_encode(flat_blocks, flat_divisor)
-        return packed.reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK // 2)
-    except Exception as exc:  # no C++ toolchain, unsupported platform: eager gives the same bytes
-        import warnings
-
-        warnings.warn(f"torch.compile unavailable ({type(exc).__name__}); quantizing with eager torch", stacklevel=2)
-        _compiled_encode = False
-        return None
-
-
 def quantize(
     weight: torch.Tensor,
     global_mul: torch.Tensor,
     amax_per_block: torch.Tensor | None = None,
-    compile_cpu: bool = False,
+    native: bool = False,
 ) -> NVFP4Tensor:
     """Quantize [..., N, K] (K % 16 == 0) with a given fp32 multiplier global scale G: one (0-d), or one per
     leading index ([B]) of a stack [B, N, K].
 
     Math as compressed-tensors: s = fp8(G * (amax_blk / 6)) with amax_blk / 6 in the weight's dtype,
-    q = rne(x / (fp32(s) / G)) in fp32. All-zero blocks get s = 0.125.
+    q = rne(x / (fp32(s) / G)) in fp32. All-zero blocks get s = 0.125. ``native``: bf16 weights on the CPU go
+    through fp4kit's C loop (fp4kit.native.nvfp4_cpu), which computes the same bytes.
     """
     if amax_per_block is None:
-        amax_per_block = block_amax(weight)
+        amax_per_block = block_amax(weight, native)
     global_shape = global_mul.shape
+    if native and nvfp4_cpu.handles(weight) and amax_per_block.dtype == torch.bfloat16:
+        return _quantize_native(weight, global_mul.to(torch.float32).cpu(), amax_per_block.contiguous())
     global_mul = _per_leading_index(global_mul.to(device=weight.device, dtype=torch.float32), amax_per_block.dim())
     fp4_max = torch.tensor(FP4_MAX, dtype=amax_per_block.dtype, device=weight.device)
     scale = torch.clamp(global_mul * (amax_per_block / fp4_max), -FP8_MAX, FP8_MAX)
     block_scale_f32 = scale.to(torch.float8_e4m3fn).to(torch.float32)
     block_scale_f32 = torch.where(block_scale_f32 == 0, ZERO_BLOCK_SCALE, block_scale_f32)
     divisor = block_scale_f32 / global_mul
-    blocks = weight.unflatten(-1, (-1, BLOCK))
-    packed = None
-    if compile_cpu and weight.device.type == "cpu" and weight.numel() >= COMPILE_MIN_ELEMENTS:
-        packed = _encode_blocks_compiled(blocks, divisor)
-    if packed is None:
-        packed = encode_blocks(blocks, divisor)
+    packed = encode_blocks(weight.unflatten(-1, (-1, BLOCK)), divisor)
     return NVFP4Tensor(packed, block_scale_f32.to(torch.float8_e4m3fn),
                        (1.0 / global_mul.double().cpu()).reshape(global_shape))
 
 
+def _quantize_native(weight: torch.Tensor, global_mul: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
+    """quantize() through the C loop: one call per global scale (a 0-d G, or one per entry of a stack)."""
+    if global_mul.dim() == 0:
+        packed, block_scale = nvfp4_cpu.encode(weight, amax, float(global_mul))
+    else:
+        parts = [nvfp4_cpu.encode(w, a, float(g)) for w, a, g in zip(weight, amax, global_mul, strict=True)]
+        packed, block_scale = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
+    return NVFP4Tensor(packed, block_scale, 1.0 / global_mul.double())
+
+
 def quantize_group(
-    weights: list[torch.Tensor], exact_fp32: bool = False, compile_cpu: bool = False
+    weights: list[torch.Tensor], exact_fp32: bool = False, native: bool = False
 ) -> list[NVFP4Tensor]:
     """Quantize tensors that a kernel fuses (gate+up, q+k+v) with one shared global scale."""
+    if native and all(nvfp4_cpu.handles(w) for w in weights):
+        # the C loop returns each member's amax with its block amaxes: no torch reduction between the two passes
+        amaxes, tensor_amaxes = zip(*(_native_block_amax(w) for w in weights), strict=True)
+        global_mul = global_scale_mul(max(tensor_amaxes, key=float), exact_fp32)
+        return [_quantize_native(w, global_mul, a) for w, a in zip(weights, amaxes, strict=True)]
     amaxes = [block_amax(w) for w in weights]
     global_mul = global_scale_mul(torch.stack([a.amax() for a in amaxes]).amax(), exact_fp32)
-    return [quantize(w, global_mul, a, compile_cpu) for w, a in zip(weights, amaxes, strict=True)]
+    return [quantize(w, global_mul, a) for w, a in zip(weights, amaxes, strict=True)]
 
 
 def quantize_stacked(
-    stack: torch.Tensor, exact_fp32: bool = False, compile_cpu: bool = False
+    stack: torch.Tensor, exact_fp32: bool = False, native: bool = False
 ) -> NVFP4Tensor:
     """Quantize a stack [B, N, K] of independent groups (each group's members concatenated along N) in one pass:
     entry b gets the global scale of stack[b] alone, and the same bytes as ``quantize_group`` on its members."""
-    amax = block_amax(stack)
+    amax = block_amax(stack, native)
     global_mul = global_scale_mul(amax.flatten(1).amax(dim=1), exact_fp32)
-    return quantize(stack, global_mul, amax, compile_cpu)
+    return quantize(stack, global_mul, amax, native)

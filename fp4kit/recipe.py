@@ -41,7 +41,7 @@ class QuantizeStep(_Options):
     targets: list[str] = Field(default_factory=list)
     default_ignore: bool = True
     exact_fp32_global_scale: bool = False
-    compile: bool = True
+    native: bool = True
     max_shard_size: str = "5GB"
     calib: str | None = None  # calibration file (.jsonl/.txt/.parquet); None: the built-in English set
     samples: int | None = Field(default=None, ge=1)  # None: fp4kit quantize's default

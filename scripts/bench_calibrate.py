@@ -67,7 +67,7 @@ def tool_command(bq, tool: str, src: Path, dst: Path, calib: Path, args: argpars
         return [*bq.fp4kit_launcher(args.nproc), "quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib",
                 str(calib), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--batch-size",
                 str(args.batch_size), "--device", args.device, "--quiet",
-                *(["--no-compile"] if args.no_compile else [])]
+                *(["--no-native"] if args.no_native else [])]
     return [sys.executable, str(Path(__file__).resolve()), "--child", "--src", str(src), "--dst", str(dst),
             "--calib", str(calib), "--device", args.device]
 
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="fp4kit's calibration batch size")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--no-compile", action="store_true", help="pass --no-compile to fp4kit quantize")
+    parser.add_argument("--no-native", action="store_true", help="pass --no-native to fp4kit quantize")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=0, help="run fp4kit under torchrun with N ranks (0: plain)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench-calib"))

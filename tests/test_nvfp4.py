@@ -65,20 +65,22 @@ def adversarial(kind: str, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["normal", "zeros_blocks", "outlier", "denormal", "ties", "range", "all_zero",
                                   "vanishing"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_quantize_matches_compressed_tensors(kind, seed):
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_quantize_matches_compressed_tensors(kind, seed, native):
     w = adversarial(kind, torch.Generator().manual_seed(seed))
     packed, scale, gscale = ct_reference(w)
-    q = quantize_group([w])[0]
+    q = quantize_group([w], native=native)[0]
     assert torch.equal(q.global_scale_mul_fp32.reshape(1), gscale)
     assert torch.equal(q.block_scale.view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(q.packed, packed)
 
 
-def test_fused_group_shares_global_scale_like_compressed_tensors():
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_fused_group_shares_global_scale_like_compressed_tensors(native):
     gen = torch.Generator().manual_seed(5)
     gate = torch.randn(32, 64, generator=gen).bfloat16()
     up = (3 * torch.randn(32, 64, generator=gen)).bfloat16()
-    q_gate, q_up = quantize_group([gate, up])
+    q_gate, q_up = quantize_group([gate, up], native=native)
     assert torch.equal(q_gate.global_scale_div, q_up.global_scale_div)
     amax = torch.maximum(gate.abs().amax(), up.abs().amax())
     for w, q in ((gate, q_gate), (up, q_up)):
@@ -88,7 +90,8 @@ def test_fused_group_shares_global_scale_like_compressed_tensors():
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_stacked_groups_equal_group_by_group(seed):
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_stacked_groups_equal_group_by_group(seed, native):
     """Each entry of a stack keeps its own global scale: groups of very different range side by side (one all
     zero, one denormal, one with an outlier) give the bytes quantize_group gives each alone."""
     gen = torch.Generator().manual_seed(seed)
@@ -96,7 +99,7 @@ def test_stacked_groups_equal_group_by_group(seed):
     groups = [[adversarial(kind, gen)[:16], adversarial(kind, gen)[16:48]] for kind in kinds]
     groups.append([torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(32, 128, dtype=torch.bfloat16)])
     groups.append([torch.zeros(16, 128, dtype=torch.bfloat16), adversarial("normal", gen)[:32]])
-    stacked = quantize_stacked(torch.stack([torch.cat(g) for g in groups]))
+    stacked = quantize_stacked(torch.stack([torch.cat(g) for g in groups]), native=native)
     assert stacked.global_scale_div.shape == (len(groups),)
     for b, group in enumerate(groups):
         for q, rows in zip(quantize_group(group), (slice(0, 16), slice(16, 48)), strict=True):
@@ -157,21 +160,3 @@ def test_cuda_matches_cpu():
     gpu = quantize_group([w.cuda()])[0]
     assert torch.equal(cpu.packed, gpu.packed.cpu())
     assert torch.equal(cpu.block_scale.view(torch.uint8), gpu.block_scale.view(torch.uint8).cpu())
-
-
-def test_compiled_cpu_encode_gives_the_same_bytes():
-    """The torch.compile'd CPU loop (used for large tensors) against eager, on data with ties and zero blocks."""
-    gen = torch.Generator().manual_seed(11)
-    w = torch.randn(1024, 1024, generator=gen)
-    w[::7, :64] = 0
-    w[3::5] = torch.randint(-24, 25, (w[3::5].shape), generator=gen).float() / 4
-    w = w.bfloat16()
-    eager = quantize_group([w])[0]
-    compiled = quantize_group([w], compile_cpu=True)[0]
-    from fp4kit import nvfp4
-
-    if nvfp4._compiled_encode is False:
-        pytest.skip("torch.compile is unavailable here (quantize falls back to eager)")
-    assert callable(nvfp4._compiled_encode), "torch.compile path did not run"
-    assert torch.equal(eager.packed, compiled.packed)
-    assert torch.equal(eager.block_scale.view(torch.uint8), compiled.block_scale.view(torch.uint8))

@@ -36,8 +36,9 @@ def quantize(
         str, typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
                                "per-expert: each expert's own")
     ] = "shared",
-    compile: Annotated[
-        bool, typer.Option("--compile/--no-compile", help="fuse the CPU encode loop with torch.compile (same bytes)")
+    native: Annotated[
+        bool, typer.Option("--native/--no-native",
+                           help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
     ] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
@@ -51,7 +52,7 @@ def quantize(
     options = QuantizeOptions(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
-        exact_fp32_global_scale=exact_fp32_global_scale, compile_cpu=compile, calib=calib, samples=samples,
+        exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales,
     )
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")

@@ -1,0 +1,154 @@
+/* NVFP4 quantization of bf16 weights on the CPU: the same bytes as fp4kit.nvfp4.quantize (compressed-tensors'
+ * math), in one pass per 16-block instead of a dozen whole-tensor torch ops.
+ *
+ * Every step is an IEEE fp32 operation in the order torch performs it, so the result is bit-identical provided the
+ * compiler neither contracts to FMA nor flushes denormals (built with -ffp-contract=off, without -ffast-math). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 16
+
+/* One build runs anywhere: the loops are also compiled for AVX2 and picked at load time where the CPU has it. */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 6)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+/* Round a finite fp32 to bf16, nearest-even (torch's rounding of a bf16 op's fp32 result). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_to_bits(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* fp8 e4m3fn code of v in [0, 448], nearest-even. Subnormals are multiples of 2^-9; lrintf rounds half to even
+ * in the default rounding mode, and 8 * 2^-9 comes out as code 0x08, the smallest normal. */
+static inline uint8_t f32_to_e4m3(float v) {
+    if (v < 0.015625f) return (uint8_t)lrintf(v * 512.0f);
+    uint32_t u = f32_to_bits(v);
+    u += 0x7FFFFu + ((u >> 20) & 1u);
+    return (uint8_t)((((u >> 23) - 127u + 7u) << 3) | ((u >> 20) & 7u));
+}
+
+static inline float e4m3_to_f32(uint8_t code) {
+    uint32_t exponent = code >> 3, mantissa = code & 7u;
+    if (exponent == 0) return (float)mantissa * 0.001953125f;
+    return bits_to_f32(((exponent - 7u + 127u) << 23) | (mantissa << 20));
+}
+
+/* max |x| per 16-block as a bf16 bit pattern (compared as integers: |x| orders like its bits), and the largest of
+ * them in *tensor_amax. Returns 1 when a value is NaN or Inf. */
+VECTOR_CLONES int fp4kit_block_amax_bf16(const uint16_t *x, int64_t n_blocks, uint16_t *amax, uint16_t *tensor_amax) {
+    uint16_t worst = 0;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint16_t *block = x + b * BLOCK;
+        uint16_t m = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            uint16_t a = block[i] & 0x7FFFu;
+            m = a > m ? a : m;
+        }
+        amax[b] = m;
+        worst = m > worst ? m : worst;
+    }
+    *tensor_amax = worst;
+    return worst >= 0x7F80u;
+}
+
+/* fp32 quotient x / divisor as torch computes it, compared with an E2M1 rounding boundary. */
+static inline int above(uint16_t magnitude, float divisor, float boundary) {
+    return bf16_to_f32(magnitude) / divisor > boundary;
+}
+
+/* Smallest bf16 magnitude whose quotient by divisor lies above boundary (0x7F80 if none). The quotient is monotone
+ * in the magnitude, so "quotient above boundary" is exactly "magnitude bits >= threshold". */
+static uint16_t threshold(float divisor, float boundary) {
+    uint32_t low = 0, high = 0x7F80u;
+    while (low < high) {
+        uint32_t mid = (low + high) / 2;
+        if (above((uint16_t)mid, divisor, boundary)) high = mid;
+        else low = mid + 1;
+    }
+    return (uint16_t)low;
+}
+
+#define SCALE_UNSET 0xFFu
+#define NUM_THRESHOLDS 8 /* seven E2M1 rounding boundaries, then "quotient above zero" for the sign */
+
+typedef struct {
+    float global_mul;
+    uint8_t scale_of_amax[0x7F80]; /* fp8 block-scale code per bf16 block-amax pattern, filled on first use */
+    uint8_t ready[128];
+    uint16_t thresholds[128][NUM_THRESHOLDS]; /* per fp8 block-scale code */
+} Tables;
+
+static uint8_t block_scale_code(Tables *t, uint16_t amax) {
+    uint8_t code8 = t->scale_of_amax[amax];
+    if (code8 != SCALE_UNSET) return code8;
+    float amax_over_6 = bf16_to_f32(f32_to_bf16(bf16_to_f32(amax) / 6.0f));
+    float scale = t->global_mul * amax_over_6;
+    code8 = f32_to_e4m3(scale > 448.0f ? 448.0f : scale);
+    if (code8 == 0) code8 = 0x20; /* an all-zero block: 0.125, as compressed-tensors */
+    t->scale_of_amax[amax] = code8;
+    return code8;
+}
+
+static const uint16_t *thresholds_of(Tables *t, uint8_t code8) {
+    if (!t->ready[code8]) {
+        /* codes count the boundaries strictly below |x / divisor|; the midpoints that round up to an even code
+         * (0.75, 1.75, 3.5) sit one ulp lower so that "strictly below" includes them (round half to even) */
+        const float boundaries[NUM_THRESHOLDS] = {0.25f, nextafterf(0.75f, 0.0f), 1.25f, nextafterf(1.75f, 0.0f),
+                                                  2.5f,  nextafterf(3.5f, 0.0f),  5.0f,  0.0f};
+        float divisor = e4m3_to_f32(code8) / t->global_mul;
+        for (int k = 0; k < NUM_THRESHOLDS; k++) t->thresholds[code8][k] = threshold(divisor, boundaries[k]);
+        t->ready[code8] = 1;
+    }
+    return t->thresholds[code8];
+}
+
+/* The E2M1 codes of one block from its thresholds: integer compares on bf16 bit patterns give the same codes as
+ * dividing in fp32 and comparing with the boundaries; the sign bit is set where x < 0 and x / divisor is not 0. */
+static inline void encode_block(const uint16_t *block, const uint16_t *th, uint8_t *out) {
+    uint8_t codes[BLOCK];
+    for (int i = 0; i < BLOCK; i++) {
+        uint16_t a = block[i] & 0x7FFFu;
+        uint16_t c = (uint16_t)((a >= th[0]) + (a >= th[1]) + (a >= th[2]) + (a >= th[3]) + (a >= th[4]) +
+                                (a >= th[5]) + (a >= th[6]));
+        uint16_t negative = (uint16_t)((block[i] >> 15) & (a >= th[7]));
+        codes[i] = (uint8_t)(c | (negative << 3));
+    }
+    for (int j = 0; j < BLOCK / 2; j++) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+}
+
+/* Packed E2M1 codes (two per byte, element 2j in the low nibble) and fp8 block scales of n_blocks 16-blocks. */
+VECTOR_CLONES int fp4kit_encode_bf16(const uint16_t *x, const uint16_t *amax, int64_t n_blocks, float global_mul,
+                       uint8_t *packed, uint8_t *block_scale) {
+    Tables *t = malloc(sizeof *t);
+    if (t == NULL) return -1;
+    t->global_mul = global_mul;
+    memset(t->scale_of_amax, SCALE_UNSET, sizeof t->scale_of_amax);
+    memset(t->ready, 0, sizeof t->ready);
+    for (int64_t b = 0; b < n_blocks; b++) {
+        uint8_t code8 = block_scale_code(t, amax[b]);
+        block_scale[b] = code8;
+        encode_block(x + b * BLOCK, thresholds_of(t, code8), packed + b * (BLOCK / 2));
+    }
+    free(t);
+    return 0;
+}

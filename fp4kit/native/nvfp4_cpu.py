@@ -1,0 +1,118 @@
+"""NVFP4 quantization of bf16 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use.
+
+The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
+with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
+no compiler works, ``available()`` is False and fp4kit.nvfp4 quantizes with torch ops: the same bytes, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("nvfp4_cpu.c")
+# -ffp-contract=off: no FMA contraction, every fp32 step rounds as torch's does; no -ffast-math (no flush-to-zero)
+CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno"]
+BLOCK = 16
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None | bool = None  # False: tried and failed
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FP4KIT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fp4kit"
+    )
+    return Path(root)
+
+
+def _compiler() -> str | None:
+    candidates = [os.environ.get("CC"), (sysconfig.get_config_var("CC") or "").split(" ")[0], "cc", "gcc", "clang"]
+    for name in candidates:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS, sys.platform]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"nvfp4_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent processes (torchrun ranks) never load a half-written file
+    fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
+                       timeout=120)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _load() -> ctypes.CDLL | None:
+    global _library
+    with _lock:
+        if _library is None:
+            _library = False
+            if os.environ.get("FP4KIT_NATIVE", "1") != "0" and (compiler := _compiler()) is not None:
+                try:
+                    library = ctypes.CDLL(str(_build(compiler)))
+                except (OSError, subprocess.SubprocessError):
+                    library = None
+                if library is not None:
+                    library.fp4kit_block_amax_bf16.restype = ctypes.c_int
+                    library.fp4kit_block_amax_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                                                ctypes.c_void_p]
+                    library.fp4kit_encode_bf16.restype = ctypes.c_int
+                    library.fp4kit_encode_bf16.argtypes = [
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                        ctypes.c_void_p,
+                    ]
+                    _library = library
+        return _library or None
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def handles(weight: torch.Tensor) -> bool:
+    """Whether this weight can take the native path (and the library is built)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.shape[-1] % BLOCK == 0 and available())
+
+
+def block_amax(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(max |x| per 16-block along K as bf16 [..., K/16], the largest of them as a 0-d bf16, whether any value is
+    NaN or Inf)."""
+    amax = torch.empty((*weight.shape[:-1], weight.shape[-1] // BLOCK), dtype=torch.bfloat16)
+    tensor_amax = torch.zeros((), dtype=torch.bfloat16)
+    nonfinite = _load().fp4kit_block_amax_bf16(weight.data_ptr(), amax.numel(), amax.data_ptr(),
+                                               tensor_amax.data_ptr())
+    return amax, tensor_amax, bool(nonfinite)
+
+
+def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes uint8 [..., K/2], fp8 block scales [..., K/16]) of a weight with one fp32 multiplier G."""
+    if not amax.is_contiguous() or amax.dtype != torch.bfloat16:
+        raise ValueError("amax must be the contiguous bf16 block amax of the weight")
+    packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
+    block_scale = torch.empty(amax.shape, dtype=torch.uint8)
+    _load().fp4kit_encode_bf16(weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul),
+                               packed.data_ptr(), block_scale.data_ptr())
+    return packed, block_scale.view(torch.float8_e4m3fn)

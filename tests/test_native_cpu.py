@@ -1,0 +1,111 @@
+"""fp4kit's C encode loop (fp4kit/native/nvfp4_cpu.c) against the torch ops of fp4kit.nvfp4, bit for bit.
+
+test_nvfp4.py runs the compressed-tensors parity cases through both paths; here the native path is driven over every
+bf16 magnitude under many block scales (so every E2M1 boundary, tie and fp8 subnormal scale is hit), random bit
+patterns, NaN/Inf detection, and the fallback when no compiler works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp4kit.native import nvfp4_cpu
+from fp4kit.nvfp4 import NonFiniteError, block_amax, quantize_group, quantize_stacked
+
+
+def test_the_library_builds_here():
+    """CI machines have a C compiler: the native path must really run there, not fall back silently."""
+    assert nvfp4_cpu.available()
+
+
+def assert_same(a, b):
+    assert torch.equal(a.packed, b.packed)
+    assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+    assert torch.equal(a.global_scale_div, b.global_scale_div)
+
+
+def every_magnitude_under(block_amaxes: list[float]) -> torch.Tensor:
+    """One row per block amax: blocks led by that amax (setting the block's fp8 scale) and filled with every bf16
+    magnitude up to it, both signs."""
+    magnitudes = torch.arange(0, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    rows = []
+    for amax in block_amaxes:
+        amax_bf16 = torch.tensor(amax, dtype=torch.bfloat16)
+        values = magnitudes[magnitudes <= amax_bf16]
+        values = torch.cat([values, -values])
+        values = values[: values.numel() // 15 * 15].reshape(-1, 15)
+        blocks = torch.cat([amax_bf16.expand(values.shape[0], 1), values], dim=1)
+        rows.append(blocks.reshape(-1))
+    width = max(r.numel() for r in rows)
+    return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+
+
+@pytest.mark.parametrize("tensor_amax", [1.0, 3.0e4, 2.0e-30])
+def test_every_magnitude_and_block_scale(tensor_amax):
+    """Block amaxes from the tensor's amax down through the fp8 subnormal scales to the all-zero block, each with
+    every smaller bf16 magnitude: the torch ops and the C loop give the same codes and scales."""
+    block_amaxes = [tensor_amax * 2.0**-e for e in range(0, 40)] + [tensor_amax * 0.7, tensor_amax * 0.3, 0.0]
+    w = every_magnitude_under(block_amaxes)
+    assert_same(quantize_group([w], native=True)[0], quantize_group([w], native=False)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.booleans())
+def test_random_bit_patterns(seed, rows, exact_fp32):
+    """Any finite bf16 bit pattern (denormals, both zeros, the largest finite values)."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 1 << 16, (rows, 64), generator=gen, dtype=torch.int32)
+    bits = torch.where((bits & 0x7F80) == 0x7F80, bits & 0x807F, bits)  # exponent all ones -> zero exponent
+    w = bits.to(torch.int16).view(torch.bfloat16)
+    assert_same(quantize_group([w], exact_fp32, native=True)[0], quantize_group([w], exact_fp32, native=False)[0])
+
+
+def test_stack_and_fused_group():
+    gen = torch.Generator().manual_seed(3)
+    stack = torch.randn(3, 32, 128, generator=gen) * torch.tensor([1e-3, 1.0, 1e3]).reshape(3, 1, 1)
+    stack = stack.bfloat16()
+    assert_same(quantize_stacked(stack, native=True), quantize_stacked(stack, native=False))
+    gate, up = stack[1, :16], stack[2, 16:]
+    for native_q, torch_q in zip(quantize_group([gate, up], native=True), quantize_group([gate, up]), strict=True):
+        assert_same(native_q, torch_q)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_and_inf_are_refused(bad):
+    w = torch.randn(8, 64).bfloat16()
+    w[5, 37] = bad
+    with pytest.raises(NonFiniteError):
+        block_amax(w, native=True)
+    with pytest.raises(NonFiniteError):
+        quantize_group([w], native=True)
+
+
+def test_other_dtypes_and_layouts_take_the_torch_path():
+    w = torch.randn(32, 64)
+    assert not nvfp4_cpu.handles(w)  # fp32
+    assert not nvfp4_cpu.handles(w.bfloat16().t())  # not contiguous
+    assert_same(quantize_group([w.half()], native=True)[0], quantize_group([w.half()])[0])
+
+
+def test_without_a_compiler_quantize_falls_back_to_the_same_bytes(tmp_path):
+    """A machine without a working C compiler: nothing is cached, the torch ops run, the bytes are the same."""
+    code = (
+        "import torch\n"
+        "from fp4kit.native import nvfp4_cpu\n"
+        "from fp4kit.nvfp4 import quantize_group\n"
+        "w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()\n"
+        "q = quantize_group([w], native=True)[0]\n"
+        "print(nvfp4_cpu.available(), q.packed.sum().item(), q.block_scale.view(torch.uint8).sum().item())\n"
+    )
+    env = {**os.environ, "CC": "/bin/false", "FP4KIT_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/nonexistent"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    q = quantize_group([w])[0]
+    assert out.split() == ["False", str(q.packed.sum().item()), str(q.block_scale.view(torch.uint8).sum().item())]
+    assert not any((tmp_path / "cache").glob("*.so"))
