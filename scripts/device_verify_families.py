@@ -1,7 +1,7 @@
 """Every seed recipe end to end on the GPU, on a tiny stand-in of its family: quantize (calibrated on the device),
 layout, EP shard and `verify --device cuda` with the kernels the GPU allows.
 
-    python scripts/device_verify_families.py [--json OUT] [--tokens 1,16,256]
+    python scripts/device_verify_families.py [--json OUT] [--tokens 1,16,256] [--recipes glm-4.5-air,demo]
 
 Prints one line per verify check that failed and a table per recipe: checks passed / run, the worst kernel error
 against the fp32 reference for each backend and mode, and the quantized-vs-BF16 error. Exit 1 when a check fails.
@@ -27,11 +27,13 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tokens", default="1,16,256")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--recipes", help="comma-separated recipe names (file stems); default every recipe")
     args = parser.parse_args()
+    recipes = [p for p in RECIPES if not args.recipes or p.stem in args.recipes.split(",")]
     rows, failed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         stand_ins: dict[str, Path] = {}
-        for path in RECIPES:
+        for path in recipes:
             family = load_recipe(path).recipe.family
             if family not in stand_ins:
                 stand_ins[family] = build_fixture(family, Path(tmp) / f"bf16-{family}",

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from fp4kit.routing import RoutingSpec
+from fp4kit.verify.ambiguity import RECIPROCAL_EPS
 from fp4kit.verify.moe_layer import QuantizedMoe
 
 Runner = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -73,6 +74,8 @@ class Backend:
     name: str
     description: str
     modes: tuple[str, ...] = ("w4a16", "w4a4")  # the arithmetic the kernel runs
+    # W4A4: relative uncertainty of the GEMM1 input values it rounds, against the reference's (fp4kit.verify.ambiguity)
+    input_rounding_eps: float = RECIPROCAL_EPS
 
     def available(self, device: torch.device) -> tuple[bool, str]:
         return _AVAILABLE[self.name](device)
@@ -298,7 +301,8 @@ BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("reference", "fp32 torch reference on the dequantized weights"),
-        Backend("triton", "fp4kit's Triton fused NVFP4 MoE"),
+        # the Triton kernel rounds its input with the reference's IEEE operations (div_rn): bit-identical
+        Backend("triton", "fp4kit's Triton fused NVFP4 MoE", input_rounding_eps=0.0),
         Backend("flashinfer-cutlass", "FlashInfer cutlass_fused_moe (NVFP4)", modes=("w4a4",)),
         Backend("flashinfer-trtllm", "FlashInfer trtllm_fp4_block_scale_moe", modes=("w4a4",)),
         Backend("marlin", "vLLM fused_marlin_moe (FP4 W4A16)", modes=("w4a16",)),
