@@ -7,6 +7,7 @@ the achieved bandwidth on the bytes that must be read (touched experts' packed w
 measured device copy bandwidth, and the speedup over a per-expert torch loop (dequantize to bf16 + bf16 matmuls).
 
     python scripts/bench_verify_kernel.py [--quick] [--json FILE]
+    python scripts/bench_verify_kernel.py --variants current,fast-scales --tokens 1,16,64 [--json FILE]
     TRITON_INTERPRET=1 python scripts/bench_verify_kernel.py --smoke   # tiny shapes on a CPU: checks the script only
 """
 
@@ -56,6 +57,13 @@ PREFILL_CANDIDATES = [
     replace(PREFILL_CONFIG, block_n2=256),
     replace(PREFILL_CONFIG, num_stages=4),
 ]
+
+
+# --variants: kernel alternatives timed against each other on the default config of each batch size
+VARIANTS = {
+    "current": lambda cfg: cfg,
+    "fast-scales": lambda cfg: replace(cfg, fast_scales=True),
+}
 
 
 def random_experts(num_experts: int, rows: int, cols: int, generator: torch.Generator) -> NVFP4Tensor:
@@ -203,11 +211,59 @@ def best_config(fn_for_config, candidates: list[KernelConfig]) -> tuple[KernelCo
     return best, best_ms, trials
 
 
+def compare_variants(shapes, tokens_list, names, generator, copy_bw) -> dict:
+    """Each variant on the default config at each batch size, W4A16 and W4A4: do_bench and CUDA-graph medians, and
+    whether its output equals the first variant's bit for bit (the variants change instructions, not values)."""
+    rows = []
+    for name, (num_experts, hidden_size, inter_size, top_k) in shapes:
+        w13 = random_experts(num_experts, 2 * inter_size, hidden_size, generator)
+        w2 = random_experts(num_experts, hidden_size, inter_size, generator)
+        per_expert = expert_bytes(w13, w2)
+        spec = RoutingSpec("softmax_topk", num_experts, top_k)
+        divisors = (torch.full((num_experts,), 5.0 / 2688, dtype=torch.float64),
+                    torch.full((num_experts,), 0.05 / 2688, dtype=torch.float64))  # fmt: skip
+        modes = {"W4A16": TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE),
+                 "W4A4": TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)}  # fmt: skip
+        for tokens in tokens_list:
+            hidden = torch.randn(tokens, hidden_size, device=DEVICE, generator=generator).to(torch.bfloat16)
+            weights, ids = route(torch.randn(tokens, num_experts, device=DEVICE, generator=generator), spec)
+            read_bytes = int(torch.unique(ids).numel()) * per_expert
+            base_cfg = default_config(ids.numel(), num_experts)
+            for mode, moe_weights in modes.items():
+                first = None
+                for variant in names:
+                    cfg = VARIANTS[variant](base_cfg)
+
+                    def run(cfg=cfg, moe_weights=moe_weights, hidden=hidden, weights=weights, ids=ids, spec=spec):
+                        return fused_moe(hidden, weights, ids, moe_weights, spec, config=cfg)
+
+                    out = run()
+                    first = out if first is None else first
+                    ms, graph_ms = time_ms(run), time_ms(run, graph=True)
+                    row = {
+                        "shape": name, "tokens": tokens, "mode": mode, "variant": variant, "read_mb": read_bytes / 1e6,
+                        "us": ms * 1e3, "graph_us": graph_ms * 1e3,
+                        "graph_pct_copy": 100 * read_bytes / (graph_ms * 1e-3) / copy_bw,
+                        "identical_to_first": bool(torch.equal(out.nan_to_num(), first.nan_to_num())),
+                        "config": asdict(cfg),
+                    }  # fmt: skip
+                    rows.append(row)
+                    print("variant", json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    print("\n| shape | tokens | mode | variant | MB read | µs | graph µs | graph % copy | same bits |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['tokens']} | {r['mode']} | {r['variant']} | {r['read_mb']:.1f} | {r['us']:.1f} "
+              f"| {r['graph_us']:.1f} | {r['graph_pct_copy']:.0f}% | {r['identical_to_first']} |")  # fmt: skip
+    return {"variants": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="no config sweep, first shape only")
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--variants", default=None, help=f"compare kernel variants only: {','.join(VARIANTS)}")
+    parser.add_argument("--tokens", default=None, help="batch sizes, e.g. 1,16,64 (default 1,16,64,4096)")
     args = parser.parse_args()
     global DEVICE, TOKENS
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -221,7 +277,20 @@ def main() -> None:
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     precision = f"{torch.get_float32_matmul_precision()}, allow_tf32 {torch.backends.cuda.matmul.allow_tf32}"
     print(f"device {device_name}  copy bandwidth {copy_bw / 1e12:.2f} TB/s  fp32 matmul {precision}", flush=True)
+    if args.tokens:
+        TOKENS = tuple(int(t) for t in args.tokens.split(","))
     fast = probe_fast_dequant(generator)
+    if args.variants:
+        names = args.variants.split(",")
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+        results = {"device": device_name, "copy_bw": copy_bw, "fast_dequant": fast,
+                   **compare_variants(shapes, TOKENS, names, generator, copy_bw)}  # fmt: skip
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=1)
+        return
     results = {"device": device_name, "copy_bw": copy_bw, "fast_dequant": fast, "checks": [], "timings": []}
     for name, (num_experts, hidden_size, inter_size, top_k) in shapes:
         started = time.time()

@@ -207,3 +207,28 @@ def test_ptx_decode_matches_e2m1_table_times_scale() -> None:
         expected = [low_nibbles[:2], low_nibbles[2:], high_nibbles[:2], high_nibbles[2:]]
         for register, pair in zip(("$0", "$1", "$2", "$3"), expected, strict=True):
             assert out[register] == bf16_word(*pair)
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_fast_scales_are_bit_identical(w4a4: bool) -> None:
+    """`KernelConfig.fast_scales` (FP8 scale bits placed in an fp32 and multiplied by 2^120, vector scale loads)
+    gives the integer decode's output bit for bit, with every finite E4M3 byte (subnormals, 0, both signs) used as a
+    block scale somewhere, on a shape whose K is a multiple of BLOCK_K (the aligned-scale path) and one that is not."""
+    from dataclasses import replace
+
+    spec = RoutingSpec("softmax_topk", 4, 2)
+    for hidden_size, inter_size in ((128, 128), (80, 48)):
+        w13, w2, hidden, logits = _setup(21, 6, spec.num_experts, hidden_size, inter_size)
+        finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+        for tensor in (w13, w2):
+            raw = tensor.block_scale.view(torch.uint8).reshape(-1)
+            raw[: min(len(raw), len(finite))] = finite[: len(raw)]
+        weights, ids = route(logits, spec)
+        divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
+        moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
+        args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+        config = replace(CONFIG, block_k=64, fast_dequant=False)
+        plain = fused_moe(*args, config=config)
+        fast = fused_moe(*args, config=replace(config, fast_scales=True))
+        assert torch.equal(plain.isnan(), fast.isnan())
+        assert torch.equal(plain.nan_to_num(), fast.nan_to_num())

@@ -73,6 +73,15 @@ def _e4m3_value(byte):
 
 
 @triton.jit
+def _e4m3_value_bits(byte):
+    """The same values as `_e4m3_value` in three operations: E4M3's exponent and mantissa bits placed in an fp32's
+    make it hold value · 2^-120 (E4M3 subnormals become fp32 subnormals, exactly), and one multiply by 2^120 restores
+    it exactly (PTX mul.f32 without .ftz keeps subnormal inputs; so does the interpreter's numpy)."""
+    bits = ((byte & 128) << 24) | ((byte & 127) << 20)
+    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
+
+
+@triton.jit
 def _round_e4m3(x):
     """Non-negative fp32 -> nearest E4M3 value (ties to even, saturating at 448), by the add-and-subtract trick."""
     x = tl.minimum(x, 448.0)
@@ -146,11 +155,20 @@ def _fake_quant_pair(x_even, x_odd, global_mul, ROWS: tl.constexpr, BLOCK_K: tl.
 
 @triton.jit
 def _dequant_pair(
-    packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_BF16: tl.constexpr, FAST: tl.constexpr
+    packed,
+    scale_bytes,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    FAST: tl.constexpr,
+    BIT_SCALES: tl.constexpr = False,
 ):
     """packed u8 [ROWS, BLOCK_K/2] + scale u8 [ROWS, BLOCK_K/16] -> (even, odd) MMA operands, no global scale.
-    e2m1 · e4m3 has at most 5 significant bits: exact in bf16."""
-    scale = _e4m3_value(scale_bytes.to(tl.int32))
+    e2m1 · e4m3 has at most 5 significant bits: exact in bf16. BIT_SCALES: `_e4m3_value_bits` (same values)."""
+    if BIT_SCALES:
+        scale = _e4m3_value_bits(scale_bytes.to(tl.int32))
+    else:
+        scale = _e4m3_value(scale_bytes.to(tl.int32))
     if FAST:
         scale = tl.reshape(
             tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (ROWS, BLOCK_K // 16, 8)), (ROWS, BLOCK_K // 2)
@@ -249,6 +267,8 @@ def gemm1_swiglu_kernel(
     EMULATE_BF16: tl.constexpr,
     FAST_DEQUANT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K, so that loads vectorize
+    BIT_SCALES: tl.constexpr = False,  # FP8 block scales decoded by `_e4m3_value_bits`
+    ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -268,6 +288,8 @@ def gemm1_swiglu_kernel(
     gate_rows = w_ptr + expert * (2 * inter_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     up_rows = gate_rows + inter_size * half_k
     scale_k = hidden_size // 16
+    if ALIGNED_SCALES:
+        scale_k = tl.multiple_of(scale_k, BLOCK_K // 16)
     gate_scales = (
         w_scale_ptr + expert * (2 * inter_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
     )
@@ -300,6 +322,7 @@ def gemm1_swiglu_kernel(
             BLOCK_K,
             EMULATE_BF16,
             FAST_DEQUANT,
+            BIT_SCALES,
         )
         acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
         acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
@@ -310,6 +333,7 @@ def gemm1_swiglu_kernel(
             BLOCK_K,
             EMULATE_BF16,
             FAST_DEQUANT,
+            BIT_SCALES,
         )
         acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
         acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
@@ -346,6 +370,8 @@ def gemm2_combine_kernel(
     EMULATE_BF16: tl.constexpr,
     FAST_DEQUANT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K, so that loads vectorize
+    BIT_SCALES: tl.constexpr = False,  # FP8 block scales decoded by `_e4m3_value_bits`
+    ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -360,6 +386,8 @@ def gemm2_combine_kernel(
     offs_s = tl.arange(0, BLOCK_K // 16)
     half_k = inter_size // 2
     scale_k = inter_size // 16
+    if ALIGNED_SCALES:
+        scale_k = tl.multiple_of(scale_k, BLOCK_K // 16)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_k[None, :]
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
@@ -380,6 +408,7 @@ def gemm2_combine_kernel(
             BLOCK_K,
             EMULATE_BF16,
             FAST_DEQUANT,
+            BIT_SCALES,
         )
         acc = _mma(a_even, w_even, acc, EMULATE_BF16)
         acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)
