@@ -34,7 +34,7 @@ from torch import Tensor
 
 from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX
 from fp4kit.routing import RoutingSpec
-from fp4kit.verify.reference import fake_quantize_activation
+from fp4kit.verify.reference import block_scale_input, fake_quantize_activation
 
 ACCUMULATION_EPS = 1e-5
 RECIPROCAL_EPS = 2.0**-22  # x·(1/d) instead of x/d: within 2 ulps
@@ -59,7 +59,7 @@ def quantization_flips(x: Tensor, delta: Tensor, global_div: Tensor) -> tuple[Te
     change [R, K]), the most each dequantized element can differ between the two (0 where no rounding can flip)."""
     global_mul = (1.0 / global_div.double()).to(torch.float32).to(x.device)
     blocks, block_delta = x.float().unflatten(-1, (-1, BLOCK)), delta.float().unflatten(-1, (-1, BLOCK))
-    pre = blocks.abs().amax(dim=-1, keepdim=True) / FP4_MAX * global_mul  # the reference's exact operations
+    pre = block_scale_input(blocks.abs().amax(dim=-1, keepdim=True), global_mul)  # the reference's exact value
     scale = torch.clamp(pre, max=FP8_MAX).to(torch.float8_e4m3fn).float()
     unit = scale / global_mul  # one E2M1 unit in x's terms
     safe_unit = torch.where(unit > 0, unit, torch.ones_like(unit))

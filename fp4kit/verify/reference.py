@@ -53,12 +53,19 @@ def dequantize_experts(experts: NVFP4Tensor, dtype: torch.dtype = torch.float32)
     )
 
 
+def block_scale_input(block_amax: Tensor, global_mul: Tensor) -> Tensor:
+    """amax_blk / 6 · G_a in fp32, the value rounded to the FP8 block scale. The divisor is a tensor on amax's device:
+    CUDA torch turns a division by a Python number into a multiplication by its reciprocal, which is not amax / 6
+    in the last bit, and activations often sit exactly on an FP8 rounding tie (the kernel divides exactly)."""
+    return block_amax / torch.tensor(FP4_MAX, device=block_amax.device) * global_mul
+
+
 def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:
     """Quantize-dequantize fp32 activations [..., K] per 16-block with a static divisor global scale D_a (0-d)."""
     global_mul = (1.0 / global_div.double()).to(torch.float32).to(x.device)
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)
-    block_scale = torch.clamp(block_amax / FP4_MAX * global_mul, max=FP8_MAX).to(torch.float8_e4m3fn).float()
+    block_scale = torch.clamp(block_scale_input(block_amax, global_mul), max=FP8_MAX).to(torch.float8_e4m3fn).float()
     divisor = block_scale / global_mul
     safe_divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
     code_values = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), device=x.device)
