@@ -167,6 +167,8 @@ def _run_ptx(body: str, registers: dict[str, int]) -> dict[str, int]:
             registers[dst] = sum(source[(value(src[2]) >> (4 * i)) & 7] << (8 * i) for i in range(4))
         elif op == "shl.b32":
             registers[dst] = (value(src[0]) << value(src[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            registers[dst] = value(src[0]) >> value(src[1])
         elif op == "and.b32":
             registers[dst] = value(src[0]) & value(src[1])
         elif op == "lop3.b32":
@@ -232,3 +234,71 @@ def test_fast_scales_are_bit_identical(w4a4: bool) -> None:
         fast = fused_moe(*args, config=replace(config, fast_scales=True))
         assert torch.equal(plain.isnan(), fast.isnan())
         assert torch.equal(plain.nan_to_num(), fast.nan_to_num())
+
+
+def test_shuffle_packed_is_a_bit_permutation_of_each_word() -> None:
+    """Each of the 32 bits of a word lands on a distinct bit of the same word: one-hot words stay one-hot, and no two
+    inputs share an output bit."""
+    from fp4kit.verify.triton_moe import shuffle_packed
+
+    one_hot = torch.zeros(32, 4, dtype=torch.uint8)
+    for bit in range(32):
+        one_hot[bit, bit // 8] = 1 << (bit % 8)
+    out = shuffle_packed(one_hot.view(32, 1, 4)).view(32, 4).to(torch.int64)
+    words = out[:, 0] | out[:, 1] << 8 | out[:, 2] << 16 | out[:, 3] << 24
+    assert all(int(w).bit_count() == 1 for w in words)
+    assert len({int(w) for w in words}) == 32
+
+
+def test_shuffled_ptx_decode_matches_e2m1_table_times_scale() -> None:
+    """The GPU-only decode of the pre-shuffled layout, emulated: random rows of 4 bytes shuffled by
+    `shuffle_packed`, decoded by `_DEQUANT_SHUFFLED_PTX` into the even and odd element pairs, equal to the e2m1
+    table times the block scale element by element (fails if any bit of `SHUFFLE_BITS` or of the PTX is off)."""
+    from fp4kit.nvfp4 import E2M1_MAGNITUDES
+    from fp4kit.verify.triton_kernels import _DEQUANT_SHUFFLED_PTX
+    from fp4kit.verify.triton_moe import shuffle_packed
+
+    table = list(E2M1_MAGNITUDES) + [-v for v in E2M1_MAGNITUDES]
+    generator = torch.Generator().manual_seed(16)
+    scales = torch.tensor([0.001953125, 0.013671875, 0.5, 1.0, 4.5, 64.0, 448.0, 13.0])
+
+    def bf16_word(low: float, high: float) -> int:
+        bits = torch.tensor([low, high]).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+        return int(bits[0]) | (int(bits[1]) << 16)
+
+    packed_rows = torch.randint(0, 256, (200, 4), generator=generator, dtype=torch.uint8)
+    packed_rows[:16, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code in both nibbles of a byte
+    shuffled_rows = shuffle_packed(packed_rows)
+    assert not torch.equal(shuffled_rows, packed_rows)
+    for packed_row, shuffled_row in zip(packed_rows.tolist(), shuffled_rows.tolist(), strict=True):
+        scale = float(scales[torch.randint(0, len(scales), (1,), generator=generator)])
+        word = shuffled_row[0] | shuffled_row[1] << 8 | shuffled_row[2] << 16 | shuffled_row[3] << 24
+        out = _run_ptx(_DEQUANT_SHUFFLED_PTX.value, {"$4": word, "$5": bf16_word(scale, scale),
+                                                      "$6": bf16_word(scale, scale)})  # fmt: skip
+        even = [table[b & 15] * scale for b in packed_row]
+        odd = [table[b >> 4] * scale for b in packed_row]
+        for register, pair in zip(("$0", "$1", "$2", "$3"), (even[:2], even[2:], odd[:2], odd[2:]), strict=True):
+            assert out[register] == bf16_word(*pair)
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_shuffled_weights_are_bit_identical(w4a4: bool) -> None:
+    """`KernelConfig.shuffled` (pre-shuffled packed weights, cached on the weights object) gives the current
+    kernel's output bit for bit, with and without fast_scales, on a K that is a multiple of BLOCK_K and one that is
+    not (masked tail words)."""
+    from dataclasses import replace
+
+    spec = RoutingSpec("softmax_topk", 4, 2)
+    for hidden_size, inter_size in ((128, 128), (80, 48)):
+        w13, w2, hidden, logits = _setup(22, 6, spec.num_experts, hidden_size, inter_size)
+        weights, ids = route(logits, spec)
+        divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
+        moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
+        args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+        config = replace(CONFIG, block_k=64)
+        plain = fused_moe(*args, config=config)
+        for fast_scales in (False, True):
+            shuffled = fused_moe(*args, config=replace(config, shuffled=True, fast_scales=fast_scales))
+            assert torch.equal(plain.isnan(), shuffled.isnan())
+            assert torch.equal(plain.nan_to_num(), shuffled.nan_to_num())
+        assert moe_weights.shuffled_packed() is moe_weights.shuffled_packed()

@@ -19,7 +19,7 @@ is applied after accumulation: equal to the Blackwell kernels up to summation or
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -42,6 +42,9 @@ class KernelConfig:
     # vectors where K/16 is a multiple of BLOCK_K/16: same values, fewer instructions per weight byte (a variant
     # until measured on the H200: docs/verify_kernel_notes.md)
     fast_scales: bool = False
+    # Packed weights pre-shuffled once per layer (`shuffle_packed`, cached on the `TritonMoeWeights`) so that the
+    # nibble decode needs 11 bit operations per 4 bytes instead of 18: same values (a variant until measured)
+    shuffled: bool = False
 
 
 DECODE_CONFIG = KernelConfig()
@@ -51,6 +54,43 @@ PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=64, block_n2=128, block_k=12
 def default_config(num_pairs: int, num_experts: int) -> KernelConfig:
     """Few rows per expert: small M tiles, long K tiles, many programs to keep HBM busy; else MMA-sized tiles."""
     return DECODE_CONFIG if num_pairs <= 16 * num_experts else PREFILL_CONFIG
+
+
+# Where `shuffle_packed` puts the sign, e1, e0 and mantissa bits of element e (of the 8 in a 4-byte word): the bit
+# of the word that `_DEQUANT_SHUFFLED_PTX` moves to bf16 bits 15, 8, 7, 6 of its output register's half.
+SHUFFLE_BITS = (
+    (15, 8, 7, 6),  # e0: register 0, low half (q & M)
+    (9, 2, 1, 0),  # e1: register 2, low half ((q << 6) & M)
+    (31, 24, 23, 22),  # e2: register 0, high half
+    (25, 18, 17, 16),  # e3: register 2, high half
+    (12, 5, 4, 3),  # e4: register 1, low half ((q << 3) & M)
+    (14, 11, 10, 13),  # e5: register 3, low half (sign << 1, exponent >> 3, mantissa >> 7)
+    (28, 21, 20, 19),  # e6: register 1, high half
+    (30, 27, 26, 29),  # e7: register 3, high half
+)
+
+
+def shuffle_packed(packed: Tensor) -> Tensor:
+    """Packed FP4 u8 [..., K/2] (element 2j in the low nibble of byte j) -> the same shape in the layout of
+    `_DEQUANT_SHUFFLED_PTX`: each aligned 4-byte word (elements 8w..8w+7 of a row, little-endian) has the bits of its
+    8 codes permuted as `SHUFFLE_BITS` says. Words never cross rows or 16-blocks, so tiles, masks and block scales
+    are unchanged. Done once per layer, in chunks of the leading dimension to bound the int64 temporaries."""
+    if packed.shape[-1] % 4:
+        raise Fp4kitError(f"packed rows of {packed.shape[-1]} bytes are not whole 4-byte words")
+    out = torch.empty_like(packed)
+    flat_in, flat_out = packed.reshape(-1, packed.shape[-1]), out.view(-1, packed.shape[-1])
+    rows_per_chunk = max(1, (1 << 24) // packed.shape[-1])
+    byte_shift = torch.arange(0, 32, 8, device=packed.device, dtype=torch.int64)
+    for start in range(0, flat_in.shape[0], rows_per_chunk):
+        chunk = flat_in[start : start + rows_per_chunk].to(torch.int64).view(-1, packed.shape[-1] // 4, 4)
+        word = (chunk << byte_shift).sum(dim=-1)
+        shuffled = torch.zeros_like(word)
+        for element, positions in enumerate(SHUFFLE_BITS):
+            for bit, position in zip((3, 2, 1, 0), positions, strict=True):
+                shuffled |= ((word >> (4 * element + bit)) & 1) << position
+        shuffled_bytes = (shuffled[..., None] >> byte_shift) & 255
+        flat_out[start : start + rows_per_chunk] = shuffled_bytes.to(torch.uint8).view(-1, packed.shape[-1])
+    return out
 
 
 @dataclass(frozen=True)
@@ -67,6 +107,13 @@ class TritonMoeWeights:
     alpha2: Tensor  # fp32 [E]
     act13_gmul: Tensor | None = None
     act2_gmul: Tensor | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shuffled_packed(self) -> tuple[Tensor, Tensor]:
+        """(w13, w2) packed weights in `shuffle_packed`'s layout, built on first use and kept with these weights."""
+        if "shuffled" not in self._cache:
+            self._cache["shuffled"] = (shuffle_packed(self.w13_packed), shuffle_packed(self.w2_packed))
+        return self._cache["shuffled"]
 
     @property
     def num_experts(self) -> int:
@@ -183,16 +230,18 @@ def fused_moe(
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
     no_scale = moe_weights.alpha13  # any fp32 tensor: never read in W4A16 mode
+    w13_packed, w2_packed = moe_weights.shuffled_packed() if cfg.shuffled else (moe_weights.w13_packed,
+                                                                                moe_weights.w2_packed)  # fmt: skip
     kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1))](
         hidden, flat_weights, sorted_pairs, block_expert, num_padded,
-        moe_weights.w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act13_gmul if moe_weights.w4a4 else no_scale,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
         inter, num_pairs, top_k, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
         EMULATE_BF16=emulate_bf16, FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
         EVEN_K=hidden_size % block_k1 == 0, BIT_SCALES=cfg.fast_scales,
-        ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
+        ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0, SHUFFLED=cfg.shuffled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
@@ -201,12 +250,12 @@ def fused_moe(
     pair_out = alloc(num_pairs, hidden_size, dtype=torch.float32, device=device)
     kernels.gemm2_combine_kernel[(max_blocks, _cdiv(hidden_size, block_n2))](
         inter, flat_weights, sorted_pairs, block_expert, num_padded,
-        moe_weights.w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
+        w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
         num_pairs, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
         FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16, EVEN_K=inter_size % block_k2 == 0,
         BIT_SCALES=cfg.fast_scales, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SHUFFLED=cfg.shuffled, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
