@@ -63,7 +63,16 @@ PREFILL_CANDIDATES = [
 VARIANTS = {
     "current": lambda cfg: cfg,
     "fast-scales": lambda cfg: replace(cfg, fast_scales=True),
+    "shuffled": lambda cfg: replace(cfg, fast_scales=True, shuffled=True),
+    "shuffled-folded": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True),
+    # the same with 64-row N tiles at decode: twice the weight bytes per thread per K step over the same activation
+    # fragments, scale loads and loop overhead (SASS per byte 8.1 / 7.4 for GEMM2 / GEMM1 against 9.9 / 8.2)
+    "shuffled-folded-n64": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True, **_n64(cfg)),
 }
+
+
+def _n64(cfg: KernelConfig) -> dict:
+    return {"block_n1": 64, "block_n2": 64} if cfg.block_m == DECODE_CONFIG.block_m else {}
 
 
 def random_experts(num_experts: int, rows: int, cols: int, generator: torch.Generator) -> NVFP4Tensor:

@@ -255,7 +255,7 @@ def test_shuffled_ptx_decode_matches_e2m1_table_times_scale() -> None:
     `shuffle_packed`, decoded by `_DEQUANT_SHUFFLED_PTX` into the even and odd element pairs, equal to the e2m1
     table times the block scale element by element (fails if any bit of `SHUFFLE_BITS` or of the PTX is off)."""
     from fp4kit.nvfp4 import E2M1_MAGNITUDES
-    from fp4kit.verify.triton_kernels import _DEQUANT_SHUFFLED_PTX
+    from fp4kit.verify.triton_kernels import _DEQUANT_SHUFFLED_FOLDED_PTX, _DEQUANT_SHUFFLED_PTX
     from fp4kit.verify.triton_moe import shuffle_packed
 
     table = list(E2M1_MAGNITUDES) + [-v for v in E2M1_MAGNITUDES]
@@ -273,19 +273,22 @@ def test_shuffled_ptx_decode_matches_e2m1_table_times_scale() -> None:
     for packed_row, shuffled_row in zip(packed_rows.tolist(), shuffled_rows.tolist(), strict=True):
         scale = float(scales[torch.randint(0, len(scales), (1,), generator=generator)])
         word = shuffled_row[0] | shuffled_row[1] << 8 | shuffled_row[2] << 16 | shuffled_row[3] << 24
-        out = _run_ptx(_DEQUANT_SHUFFLED_PTX.value, {"$4": word, "$5": bf16_word(scale, scale),
-                                                      "$6": bf16_word(scale, scale)})  # fmt: skip
-        even = [table[b & 15] * scale for b in packed_row]
-        odd = [table[b >> 4] * scale for b in packed_row]
-        for register, pair in zip(("$0", "$1", "$2", "$3"), (even[:2], even[2:], odd[:2], odd[2:]), strict=True):
-            assert out[register] == bf16_word(*pair)
+        # plain, and folded: scale operand s · 2^119, values e2m1 · s · 2^-7
+        for ptx, scale_in, factor in ((_DEQUANT_SHUFFLED_PTX, scale, 1.0),
+                                      (_DEQUANT_SHUFFLED_FOLDED_PTX, scale * 2.0**119, 2.0**-7)):  # fmt: skip
+            out = _run_ptx(ptx.value, {"$4": word, "$5": bf16_word(scale_in, scale_in),
+                                       "$6": bf16_word(scale_in, scale_in)})  # fmt: skip
+            even = [table[b & 15] * scale * factor for b in packed_row]
+            odd = [table[b >> 4] * scale * factor for b in packed_row]
+            for register, pair in zip(("$0", "$1", "$2", "$3"), (even[:2], even[2:], odd[:2], odd[2:]), strict=True):
+                assert out[register] == bf16_word(*pair)
 
 
 @pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
 def test_shuffled_weights_are_bit_identical(w4a4: bool) -> None:
     """`KernelConfig.shuffled` (pre-shuffled packed weights, cached on the weights object) gives the current
-    kernel's output bit for bit, with and without fast_scales, on a K that is a multiple of BLOCK_K and one that is
-    not (masked tail words)."""
+    kernel's output bit for bit, with and without fast_scales and fold_bias, on a K that is a multiple of BLOCK_K and
+    one that is not (masked tail words)."""
     from dataclasses import replace
 
     spec = RoutingSpec("softmax_topk", 4, 2)
@@ -295,10 +298,12 @@ def test_shuffled_weights_are_bit_identical(w4a4: bool) -> None:
         divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
         moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
         args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
-        config = replace(CONFIG, block_k=64)
+        config = replace(CONFIG, block_k=64, num_warps=2)
         plain = fused_moe(*args, config=config)
-        for fast_scales in (False, True):
-            shuffled = fused_moe(*args, config=replace(config, shuffled=True, fast_scales=fast_scales))
+        variants = [(2, False, False), (2, True, False), (2, True, True), (1, True, True), (4, True, True)]
+        for num_warps, fast_scales, fold_bias in variants:  # 4 warps: the plain layout (wgmma's operand on sm90)
+            variant = replace(config, num_warps=num_warps, shuffled=True, fast_scales=fast_scales, fold_bias=fold_bias)
+            shuffled = fused_moe(*args, config=variant)
             assert torch.equal(plain.isnan(), shuffled.isnan())
             assert torch.equal(plain.nan_to_num(), shuffled.nan_to_num())
         assert moe_weights.shuffled_packed() is moe_weights.shuffled_packed()

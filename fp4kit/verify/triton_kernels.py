@@ -67,10 +67,7 @@ mul.rn.bf16x2 $3, $3, $6;
 # of the word under the mask 0x81C081C0 (sign at bit 15, magnitude at bits 6-8 of each bf16 half):
 # $0 = (e0, e2) = q & M, $1 = (e4, e6) = (q << 3) & M, $2 = (e1, e3) = (q << 6) & M, and $3 = (e5, e7) gathered by
 # three shifts. 11 bit operations per word instead of 18; the two multiplies per register are unchanged.
-_DEQUANT_SHUFFLED_PTX = tl.constexpr("""
-{
-.reg .b32 a, b, c, k;
-mov.b32 k, 0x7E807E80;
+_SHUFFLED_BITS_PTX = """
 and.b32 $0, $4, 0x81C081C0;
 shl.b32 a, $4, 3;
 and.b32 $1, a, 0x81C081C0;
@@ -82,16 +79,25 @@ shl.b32 c, $4, 1;
 and.b32 a, a, 0x01800180;
 lop3.b32 a, b, 0x00400040, a, 0xEA;
 lop3.b32 $3, c, 0x80008000, a, 0xEA;
-mul.rn.bf16x2 $0, $0, k;
-mul.rn.bf16x2 $0, $0, $5;
-mul.rn.bf16x2 $1, $1, k;
-mul.rn.bf16x2 $1, $1, $6;
-mul.rn.bf16x2 $2, $2, k;
-mul.rn.bf16x2 $2, $2, $5;
-mul.rn.bf16x2 $3, $3, k;
-mul.rn.bf16x2 $3, $3, $6;
-}
-""")
+"""
+_DEQUANT_SHUFFLED_PTX = tl.constexpr(
+    "{\n.reg .b32 a, b, c, k;\nmov.b32 k, 0x7E807E80;"
+    + _SHUFFLED_BITS_PTX
+    + "".join(f"mul.rn.bf16x2 ${r}, ${r}, k;\nmul.rn.bf16x2 ${r}, ${r}, ${5 + r % 2};\n" for r in range(4))
+    + "}"
+)
+# The same with the 2^126 multiply folded into the block scale: $5, $6 hold s · 2^119 (exact in bf16, s <= 448 =
+# 1.75 · 2^8), so the weights come out as e2m1 · s · 2^-7 (>= 2^-17, exact) and the epilogue multiplies alpha by 2^7.
+# One multiply per register instead of two. The accumulator is the current one times 2^-7 exactly (each product and
+# partial sum scaled by a power of two), so the outputs are the same unless partial sums fall below 2^-119.
+_DEQUANT_SHUFFLED_FOLDED_PTX = tl.constexpr(
+    "{\n.reg .b32 a, b, c;"
+    + _SHUFFLED_BITS_PTX
+    + "".join(f"mul.rn.bf16x2 ${r}, ${r}, ${5 + r % 2};\n" for r in range(4))
+    + "}"
+)
+_FOLD_SCALE = tl.constexpr(2.0**119)  # the block scale's factor when the decode bias is folded
+_FOLD_ALPHA = tl.constexpr(2.0**7)  # and the epilogue's
 
 _SIGN_MAGNITUDE_MASK = tl.constexpr(0x81C081C0 - (1 << 32))  # as an int32
 
@@ -105,8 +111,9 @@ def _bf16_halves(register):
 
 
 @triton.jit
-def _decode_shuffled(packed, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """`_DEQUANT_SHUFFLED_PTX` in integer and fp32 arithmetic (the interpreter's path): packed u8 [ROWS, BLOCK_K/2]
+def _decode_shuffled(packed, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_BIAS: tl.constexpr):
+    """`_DEQUANT_SHUFFLED_PTX` (FOLD_BIAS: `_DEQUANT_SHUFFLED_FOLDED_PTX`) in integer and fp32 arithmetic (the
+    interpreter's path): packed u8 [ROWS, BLOCK_K/2]
     in the shuffled layout, scale fp32 [ROWS, BLOCK_K/16] -> (even, odd) fp32 [ROWS, BLOCK_K/2], the same values as
     `_e2m1_value(code) * scale` on the unshuffled codes. The bf16 bit patterns hold value · 2^-126 (0.5 an fp32
     subnormal, kept by the interpreter's numpy); times 2^126, then the scale: both exact."""
@@ -124,6 +131,9 @@ def _decode_shuffled(packed, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     # [ROWS, W, register, half] flattened: even j = 4w + 2·register + half
     even = (tl.join(tl.join(e0, e4), tl.join(e2, e6)) * 8.507059173023462e37) * word_scale[:, :, None, None]
     odd = (tl.join(tl.join(e1, e5), tl.join(e3, e7)) * 8.507059173023462e37) * word_scale[:, :, None, None]
+    if FOLD_BIAS:  # the values `_DEQUANT_SHUFFLED_FOLDED_PTX` makes: times 2^-7, exactly
+        even = even * (1.0 / _FOLD_ALPHA)
+        odd = odd * (1.0 / _FOLD_ALPHA)
     return tl.reshape(even, (ROWS, BLOCK_K // 2)), tl.reshape(odd, (ROWS, BLOCK_K // 2))
 
 
@@ -228,25 +238,29 @@ def _dequant_pair(
     FAST: tl.constexpr,
     BIT_SCALES: tl.constexpr = False,
     SHUFFLED: tl.constexpr = False,
+    FOLD_BIAS: tl.constexpr = False,
 ):
     """packed u8 [ROWS, BLOCK_K/2] + scale u8 [ROWS, BLOCK_K/16] -> (even, odd) MMA operands, no global scale.
     e2m1 · e4m3 has at most 5 significant bits: exact in bf16. BIT_SCALES: `_e4m3_value_bits` (same values).
-    SHUFFLED: the packed bytes are in `triton_moe.shuffle_packed`'s layout (same values)."""
+    SHUFFLED: the packed bytes are in `triton_moe.shuffle_packed`'s layout (same values). FOLD_BIAS (with SHUFFLED):
+    the values times 2^-7, which the caller undoes by multiplying alpha by `_FOLD_ALPHA`."""
     if BIT_SCALES:
         scale = _e4m3_value_bits(scale_bytes.to(tl.int32))
     else:
         scale = _e4m3_value(scale_bytes.to(tl.int32))
     if SHUFFLED and not FAST:
-        even, odd = _decode_shuffled(packed, scale, ROWS, BLOCK_K)
+        even, odd = _decode_shuffled(packed, scale, ROWS, BLOCK_K, FOLD_BIAS)
         return _to_mma(even, EMULATE_BF16), _to_mma(odd, EMULATE_BF16)
     if FAST:
+        if SHUFFLED and FOLD_BIAS:
+            scale = scale * _FOLD_SCALE
         scale = tl.reshape(
             tl.broadcast_to(scale.to(tl.bfloat16)[:, :, None], (ROWS, BLOCK_K // 16, 8)), (ROWS, BLOCK_K // 2)
         )
         # pack=4 hands the asm 4 consecutive bytes of a row; the shuffled decode needs them to be one aligned word
         # (the dot-operand layout's groups of 4 along K are: the GPU tests compare both layouts bit for bit)
         return tl.inline_asm_elementwise(
-            _DEQUANT_SHUFFLED_PTX if SHUFFLED else _DEQUANT_PTX,
+            (_DEQUANT_SHUFFLED_FOLDED_PTX if FOLD_BIAS else _DEQUANT_SHUFFLED_PTX) if SHUFFLED else _DEQUANT_PTX,
             "=r,=r,=r,=r,r,r,r",
             [packed, scale],
             dtype=(tl.bfloat16, tl.bfloat16),
@@ -347,6 +361,7 @@ def gemm1_swiglu_kernel(
     BIT_SCALES: tl.constexpr = False,  # FP8 block scales decoded by `_e4m3_value_bits`
     ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
+    FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -402,6 +417,7 @@ def gemm1_swiglu_kernel(
             FAST_DEQUANT,
             BIT_SCALES,
             SHUFFLED,
+            SHUFFLED and FOLD_BIAS,
         )
         acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
         acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
@@ -414,10 +430,13 @@ def gemm1_swiglu_kernel(
             FAST_DEQUANT,
             BIT_SCALES,
             SHUFFLED,
+            SHUFFLED and FOLD_BIAS,
         )
         acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
         acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
     alpha = tl.load(alpha_ptr + expert)
+    if SHUFFLED and FOLD_BIAS:
+        alpha = alpha * _FOLD_ALPHA
     gate = tl.trans(acc_gate) * alpha
     inter = gate / (1.0 + tl.exp(-gate)) * (tl.trans(acc_up) * alpha)
     if W4A4:
@@ -453,6 +472,7 @@ def gemm2_combine_kernel(
     BIT_SCALES: tl.constexpr = False,  # FP8 block scales decoded by `_e4m3_value_bits`
     ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
+    FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -491,10 +511,14 @@ def gemm2_combine_kernel(
             FAST_DEQUANT,
             BIT_SCALES,
             SHUFFLED,
+            SHUFFLED and FOLD_BIAS,
         )
         acc = _mma(a_even, w_even, acc, EMULATE_BF16)
         acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)
-    acc = tl.trans(acc) * tl.load(alpha_ptr + expert)
+    alpha = tl.load(alpha_ptr + expert)
+    if SHUFFLED and FOLD_BIAS:
+        alpha = alpha * _FOLD_ALPHA
+    acc = tl.trans(acc) * alpha
     if not SCALE_INPUT:
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
     out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]

@@ -43,8 +43,12 @@ class KernelConfig:
     # until measured on the H200: docs/verify_kernel_notes.md)
     fast_scales: bool = False
     # Packed weights pre-shuffled once per layer (`shuffle_packed`, cached on the `TritonMoeWeights`) so that the
-    # nibble decode needs 11 bit operations per 4 bytes instead of 18: same values (a variant until measured)
+    # nibble decode needs 11 bit operations per 4 bytes instead of 18: same values (a variant until measured). Only
+    # for num_warps < 4 (mma.sync); configs with more warps use the plain layout.
     shuffled: bool = False
+    # With shuffled: the decode's 2^126 multiply folded into the block scales (s · 2^119) and alpha (· 2^7): one
+    # bf16x2 multiply per output register instead of two; outputs equal unless fp32 partial sums fall below 2^-119
+    fold_bias: bool = False
 
 
 DECODE_CONFIG = KernelConfig()
@@ -230,8 +234,11 @@ def fused_moe(
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
     no_scale = moe_weights.alpha13  # any fp32 tensor: never read in W4A16 mode
-    w13_packed, w2_packed = moe_weights.shuffled_packed() if cfg.shuffled else (moe_weights.w13_packed,
-                                                                                moe_weights.w2_packed)  # fmt: skip
+    # The shuffled decode takes 4 consecutive bytes of a row as one aligned word: true of the 8-bit dot operand of
+    # mma.sync (kWidth 4), which is all Triton uses below 4 warps; wgmma's (sm90, 4+ warps) has kWidth 2.
+    shuffled = cfg.shuffled and cfg.num_warps < 4
+    w13_packed, w2_packed = moe_weights.shuffled_packed() if shuffled else (moe_weights.w13_packed,
+                                                                            moe_weights.w2_packed)  # fmt: skip
     kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1))](
         hidden, flat_weights, sorted_pairs, block_expert, num_padded,
         w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
@@ -241,8 +248,8 @@ def fused_moe(
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
         EMULATE_BF16=emulate_bf16, FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
         EVEN_K=hidden_size % block_k1 == 0, BIT_SCALES=cfg.fast_scales,
-        ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0, SHUFFLED=cfg.shuffled,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0, SHUFFLED=shuffled,
+        FOLD_BIAS=cfg.fold_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
     block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
@@ -255,7 +262,7 @@ def fused_moe(
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
         FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16, EVEN_K=inter_size % block_k2 == 0,
         BIT_SCALES=cfg.fast_scales, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
-        SHUFFLED=cfg.shuffled, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SHUFFLED=shuffled, FOLD_BIAS=cfg.fold_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
