@@ -7,7 +7,7 @@ the achieved bandwidth on the bytes that must be read (touched experts' packed w
 measured device copy bandwidth, and the speedup over a per-expert torch loop (dequantize to bf16 + bf16 matmuls).
 
     python scripts/bench_verify_kernel.py [--quick] [--json FILE]
-    python scripts/bench_verify_kernel.py --variants current,fast-scales --tokens 1,16,64 [--json FILE]
+    python scripts/bench_verify_kernel.py --variants current,fast-scales --tokens 1,16,64 [--modes W4A16] [--json FILE]
     TRITON_INTERPRET=1 python scripts/bench_verify_kernel.py --smoke   # tiny shapes on a CPU: checks the script only
 """
 
@@ -68,6 +68,10 @@ VARIANTS = {
     # the same with 64-row N tiles at decode: twice the weight bytes per thread per K step over the same activation
     # fragments, scale loads and loop overhead (SASS per byte 8.1 / 7.4 for GEMM2 / GEMM1 against 9.9 / 8.2)
     "shuffled-folded-n64": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True, **_n64(cfg)),
+    # 4 K slices per GEMM at decode: 4x the programs, for the one-token case where most SMs idle (partial sums in a
+    # different order: `same bits` False)
+    "shuffled-folded-split4": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True,
+                                                  split_k=4 if cfg.block_m == DECODE_CONFIG.block_m else 1),
 }
 
 
@@ -220,7 +224,7 @@ def best_config(fn_for_config, candidates: list[KernelConfig]) -> tuple[KernelCo
     return best, best_ms, trials
 
 
-def compare_variants(shapes, tokens_list, names, generator, copy_bw) -> dict:
+def compare_variants(shapes, tokens_list, names, generator, copy_bw, mode_names=("W4A16", "W4A4")) -> dict:
     """Each variant on the default config at each batch size, W4A16 and W4A4: do_bench and CUDA-graph medians, and
     whether its output equals the first variant's bit for bit (the variants change instructions, not values)."""
     rows = []
@@ -233,6 +237,7 @@ def compare_variants(shapes, tokens_list, names, generator, copy_bw) -> dict:
                     torch.full((num_experts,), 0.05 / 2688, dtype=torch.float64))  # fmt: skip
         modes = {"W4A16": TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE),
                  "W4A4": TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)}  # fmt: skip
+        modes = {mode: modes[mode] for mode in mode_names}
         for tokens in tokens_list:
             hidden = torch.randn(tokens, hidden_size, device=DEVICE, generator=generator).to(torch.bfloat16)
             weights, ids = route(torch.randn(tokens, num_experts, device=DEVICE, generator=generator), spec)
@@ -273,6 +278,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU under TRITON_INTERPRET=1")
     parser.add_argument("--variants", default=None, help=f"compare kernel variants only: {','.join(VARIANTS)}")
     parser.add_argument("--tokens", default=None, help="batch sizes, e.g. 1,16,64 (default 1,16,64,4096)")
+    parser.add_argument("--modes", default="W4A16,W4A4", help="with --variants: W4A16, W4A4 or both")
     args = parser.parse_args()
     global DEVICE, TOKENS
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -295,7 +301,7 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         results = {"device": device_name, "copy_bw": copy_bw, "fast_dequant": fast,
-                   **compare_variants(shapes, TOKENS, names, generator, copy_bw)}  # fmt: skip
+                   **compare_variants(shapes, TOKENS, names, generator, copy_bw, args.modes.split(","))}  # fmt: skip
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(results, handle, indent=1)

@@ -307,3 +307,31 @@ def test_shuffled_weights_are_bit_identical(w4a4: bool) -> None:
             assert torch.equal(plain.isnan(), shuffled.isnan())
             assert torch.equal(plain.nan_to_num(), shuffled.nan_to_num())
         assert moe_weights.shuffled_packed() is moe_weights.shuffled_packed()
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_split_k_matches_reference(w4a4: bool) -> None:
+    """`KernelConfig.split_k`: K slices summed after the GEMMs (GEMM1's SwiGLU in `splitk_swiglu_kernel`, W4A16 only),
+    with more slices than K tiles (empty slices), with the shuffled and folded decode, and with an expert mask."""
+    from dataclasses import replace
+
+    spec = RoutingSpec("softmax_topk", 8, 2)
+    w13, w2, hidden, logits = _setup(23, 5, 8, 96, 48)
+    weights, ids = route(logits, spec)
+    divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
+    expected = moe_reference(
+        hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec, activation_global_div=divisors
+    )
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
+    args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+    config = replace(CONFIG, block_k=32, num_warps=2)
+    plain = fused_moe(*args, config=config).cpu()
+    for split_k, shuffled in ((2, False), (3, True), (8, True)):
+        variant = replace(config, split_k=split_k, shuffled=shuffled, fast_scales=shuffled, fold_bias=shuffled)
+        got = fused_moe(*args, config=variant).cpu()
+        assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
+        assert _relative_error(got, plain) < 1e-5
+    owner = torch.arange(8, device=DEVICE) % 2
+    variant = replace(config, split_k=3)
+    per_rank = [fused_moe(*args, owner == rank, variant) for rank in range(2)]
+    torch.testing.assert_close(sum(per_rank).cpu(), plain, rtol=1e-5, atol=1e-6)

@@ -334,6 +334,46 @@ def align_kernel(
 
 
 @triton.jit
+def _k_slice(size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[start, end) of the K range this program sums: all of it, or slice program_id(2) of SPLIT_K (whole tiles)."""
+    if SPLIT_K > 1:
+        chunk = tl.cdiv(size, SPLIT_K * BLOCK_K) * BLOCK_K
+        start = tl.program_id(2) * chunk
+        return start, tl.minimum(start + chunk, size)
+    else:
+        return 0, size
+
+
+@triton.jit
+def splitk_swiglu_kernel(
+    partial_ptr,  # fp32 [SPLIT_K, P, 2I] from gemm1_swiglu_kernel
+    ids_ptr,  # int32 [P] expert of each pair
+    alpha_ptr,  # fp32 [E]
+    inter_ptr,  # bf16 [P, I] out
+    num_pairs,
+    inter_size,
+    SPLIT_K: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """GEMM1's epilogue after split-K (W4A16): sums the K slices in order, then alpha and SwiGLU as in the kernel.
+    Rows of pairs no program computed (experts of other ranks) hold garbage that nothing reads."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    valid = offs < inter_size
+    gate_ptrs = partial_ptr + pair * (2 * inter_size) + offs
+    acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for split in range(SPLIT_K):
+        acc_gate += tl.load(gate_ptrs + split * num_pairs * 2 * inter_size, mask=valid, other=0.0)
+        acc_up += tl.load(gate_ptrs + split * num_pairs * 2 * inter_size + inter_size, mask=valid, other=0.0)
+    alpha = tl.load(alpha_ptr + tl.load(ids_ptr + pair))
+    gate = acc_gate * alpha
+    inter = gate / (1.0 + tl.exp(-gate)) * (acc_up * alpha)
+    tl.store(inter_ptr + pair * inter_size + offs, _to_mma(inter, EMULATE_BF16), mask=valid)
+
+
+@triton.jit
 def gemm1_swiglu_kernel(
     x_ptr,  # bf16/fp32 [T, H]
     routing_weight_ptr,  # fp32 [P]
@@ -346,6 +386,7 @@ def gemm1_swiglu_kernel(
     act_gmul_ptr,  # fp32 [E] G_a13 (W4A4)
     out_gmul_ptr,  # fp32 [E] G_a2: the intermediate is stored fake-quantized (W4A4)
     inter_ptr,  # bf16 [P, I]
+    partial_ptr,  # fp32 [SPLIT_K, P, 2I]: raw gate and up sums of each K slice (written only when SPLIT_K > 1)
     num_pairs,
     top_k,
     hidden_size,
@@ -362,6 +403,7 @@ def gemm1_swiglu_kernel(
     ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
+    SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into partial_ptr; `splitk_swiglu_kernel` ends
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -371,6 +413,7 @@ def gemm1_swiglu_kernel(
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_valid = pairs < num_pairs
     tokens = (pairs // top_k).to(tl.int64)
+    k_start, k_end = _k_slice(hidden_size, BLOCK_K, SPLIT_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < inter_size
     offs_j = tl.arange(0, BLOCK_K // 2)
@@ -393,7 +436,7 @@ def gemm1_swiglu_kernel(
         act_gmul = tl.load(act_gmul_ptr + expert)
     acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, hidden_size, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
         x_mask = pair_valid[:, None] & ((k0 + offs_k) < hidden_size)[None, :]
@@ -434,6 +477,16 @@ def gemm1_swiglu_kernel(
         )
         acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
         acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
+    if SPLIT_K > 1:
+        rows = (tl.program_id(2) * num_pairs + pairs[None, :]).to(tl.int64) * (2 * inter_size)
+        part_ptrs = partial_ptr + rows + offs_n[:, None]
+        part_mask = n_valid[:, None] & pair_valid[None, :]
+        if SHUFFLED and FOLD_BIAS:
+            acc_gate = acc_gate * _FOLD_ALPHA  # exact: the sums the unfolded decode makes
+            acc_up = acc_up * _FOLD_ALPHA
+        tl.store(part_ptrs, acc_gate, mask=part_mask)
+        tl.store(part_ptrs + inter_size, acc_up, mask=part_mask)
+        return
     alpha = tl.load(alpha_ptr + expert)
     if SHUFFLED and FOLD_BIAS:
         alpha = alpha * _FOLD_ALPHA
@@ -473,6 +526,7 @@ def gemm2_combine_kernel(
     ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
+    SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into pair_out[program_id(2)] ([SPLIT_K, P, H])
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -481,6 +535,9 @@ def gemm2_combine_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_valid = pairs < num_pairs
+    k_start, k_end = _k_slice(inter_size, BLOCK_K, SPLIT_K)
+    if SPLIT_K > 1:
+        pair_out_ptr += tl.program_id(2).to(tl.int64) * num_pairs * hidden_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden_size
     offs_j = tl.arange(0, BLOCK_K // 2)
@@ -494,7 +551,7 @@ def gemm2_combine_kernel(
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, inter_size, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
         k_valid = (k0 + offs_k) < inter_size

@@ -49,6 +49,9 @@ class KernelConfig:
     # With shuffled: the decode's 2^126 multiply folded into the block scales (s · 2^119) and alpha (· 2^7): one
     # bf16x2 multiply per output register instead of two; outputs equal unless fp32 partial sums fall below 2^-119
     fold_bias: bool = False
+    # K slices per GEMM (more programs when few tokens leave most SMs idle): partial fp32 sums, added in a small
+    # SwiGLU kernel after GEMM1 (W4A16 only) and in the final sum after GEMM2; sums in a different order
+    split_k: int = 1
 
 
 DECODE_CONFIG = KernelConfig()
@@ -239,32 +242,46 @@ def fused_moe(
     shuffled = cfg.shuffled and cfg.num_warps < 4
     w13_packed, w2_packed = moe_weights.shuffled_packed() if shuffled else (moe_weights.w13_packed,
                                                                             moe_weights.w2_packed)  # fmt: skip
-    kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1))](
+    # Split-K: W4A16 only in GEMM1 (W4A4 quantizes the intermediate in the epilogue), at most one slice per K tile
+    split1 = 1 if moe_weights.w4a4 else max(1, min(cfg.split_k, _cdiv(hidden_size, block_k1)))
+    alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
+    partial = inter  # never written unless split
+    if split1 > 1:
+        partial = alloc(split1, num_pairs, 2 * inter_size, dtype=torch.float32, device=device)
+    kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1), split1)](
         hidden, flat_weights, sorted_pairs, block_expert, num_padded,
         w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act13_gmul if moe_weights.w4a4 else no_scale,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
-        inter, num_pairs, top_k, hidden_size, inter_size,
+        inter, partial, num_pairs, top_k, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
         EMULATE_BF16=emulate_bf16, FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
         EVEN_K=hidden_size % block_k1 == 0, BIT_SCALES=cfg.fast_scales,
         ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0, SHUFFLED=shuffled,
-        FOLD_BIAS=cfg.fold_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FOLD_BIAS=cfg.fold_bias, SPLIT_K=split1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
+    if split1 > 1:
+        kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
+            partial, flat_ids, moe_weights.alpha13, inter, num_pairs, inter_size,
+            SPLIT_K=split1, BLOCK_I=256, EMULATE_BF16=emulate_bf16, num_warps=2,
+        )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
     block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
-    alloc = torch.zeros if expert_mask is not None else torch.empty
-    pair_out = alloc(num_pairs, hidden_size, dtype=torch.float32, device=device)
-    kernels.gemm2_combine_kernel[(max_blocks, _cdiv(hidden_size, block_n2))](
+    split2 = max(1, min(cfg.split_k, _cdiv(inter_size, block_k2)))
+    pair_out = alloc(split2, num_pairs, hidden_size, dtype=torch.float32, device=device)
+    kernels.gemm2_combine_kernel[(max_blocks, _cdiv(hidden_size, block_n2), split2)](
         inter, flat_weights, sorted_pairs, block_expert, num_padded,
         w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
         num_pairs, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
         FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16, EVEN_K=inter_size % block_k2 == 0,
         BIT_SCALES=cfg.fast_scales, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
-        SHUFFLED=shuffled, FOLD_BIAS=cfg.fold_bias, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SHUFFLED=shuffled, FOLD_BIAS=cfg.fold_bias, SPLIT_K=split2, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
-    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    if split2 == 1:
+        return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return pair_out.view(split2, num_tokens, top_k, hidden_size).sum(dim=(0, 2))
 
 
 def _cdiv(a: int, b: int) -> int:
