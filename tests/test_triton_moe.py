@@ -300,7 +300,7 @@ def test_shuffled_weights_are_bit_identical(w4a4: bool) -> None:
         args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
         config = replace(CONFIG, block_k=64, num_warps=2)
         plain = fused_moe(*args, config=config)
-        variants = [(2, False, False), (2, True, False), (2, True, True), (1, True, True), (4, True, True)]
+        variants = [(2, False, False), (2, True, True), (1, True, False), (4, True, True)]
         for num_warps, fast_scales, fold_bias in variants:  # 4 warps: the plain layout (wgmma's operand on sm90)
             variant = replace(config, num_warps=num_warps, shuffled=True, fast_scales=fast_scales, fold_bias=fold_bias)
             shuffled = fused_moe(*args, config=variant)

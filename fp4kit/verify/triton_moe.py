@@ -114,7 +114,7 @@ class TritonMoeWeights:
     alpha2: Tensor  # fp32 [E]
     act13_gmul: Tensor | None = None
     act2_gmul: Tensor | None = None
-    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # not carried by replace()
 
     def shuffled_packed(self) -> tuple[Tensor, Tensor]:
         """(w13, w2) packed weights in `shuffle_packed`'s layout, built on first use and kept with these weights."""
