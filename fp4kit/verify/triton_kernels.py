@@ -419,6 +419,8 @@ def gemm1_swiglu_kernel(
     offs_j = tl.arange(0, BLOCK_K // 2)
     offs_s = tl.arange(0, BLOCK_K // 16)
     half_k = hidden_size // 2
+    if ALIGNED_SCALES:
+        half_k = tl.multiple_of(half_k, BLOCK_K // 2)
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + tokens[:, None] * hidden_size + offs_k[None, :]
     gate_rows = w_ptr + expert * (2 * inter_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
@@ -545,6 +547,7 @@ def gemm2_combine_kernel(
     half_k = inter_size // 2
     scale_k = inter_size // 16
     if ALIGNED_SCALES:
+        half_k = tl.multiple_of(half_k, BLOCK_K // 2)
         scale_k = tl.multiple_of(scale_k, BLOCK_K // 16)
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_k[None, :]
