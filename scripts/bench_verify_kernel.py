@@ -59,20 +59,26 @@ PREFILL_CANDIDATES = [
 ]
 
 
-# --variants: kernel alternatives timed against each other on the default config of each batch size
+# --variants: kernel alternatives timed against each other on the tiles of each batch size (default_config's M
+# tile and warps); "default" is what fused_moe runs
+_PLAIN = {"fast_scales": False, "shuffled": False, "fold_bias": False}
 VARIANTS = {
-    "current": lambda cfg: cfg,
-    "fast-scales": lambda cfg: replace(cfg, fast_scales=True),
-    "shuffled": lambda cfg: replace(cfg, fast_scales=True, shuffled=True),
-    "shuffled-folded": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True),
+    "plain": lambda cfg: replace(cfg, **_PLAIN, **_n32(cfg)),  # the kernel before the decode variants
+    "fast-scales": lambda cfg: replace(cfg, **{**_PLAIN, "fast_scales": True}, **_n32(cfg)),
+    "shuffled": lambda cfg: replace(cfg, fold_bias=False, **_n32(cfg)),
+    "shuffled-folded": lambda cfg: replace(cfg, **_n32(cfg)),
     # the same with 64-row N tiles at decode: twice the weight bytes per thread per K step over the same activation
     # fragments, scale loads and loop overhead (SASS per byte 8.1 / 7.4 for GEMM2 / GEMM1 against 9.9 / 8.2)
-    "shuffled-folded-n64": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True, **_n64(cfg)),
+    "shuffled-folded-n64": lambda cfg: replace(cfg, **_n64(cfg)),
     # 4 K slices per GEMM at decode: 4x the programs, for the one-token case where most SMs idle (partial sums in a
     # different order: `same bits` False)
-    "shuffled-folded-split4": lambda cfg: replace(cfg, fast_scales=True, shuffled=True, fold_bias=True,
-                                                  split_k=4 if cfg.block_m == DECODE_CONFIG.block_m else 1),
+    "shuffled-folded-split4": lambda cfg: replace(cfg, split_k=4 if cfg.block_m == DECODE_CONFIG.block_m else 1),
+    "default": lambda cfg: cfg,
 }
+
+
+def _n32(cfg: KernelConfig) -> dict:
+    return {"block_n1": 32, "block_n2": 32} if cfg.block_m == DECODE_CONFIG.block_m else {}
 
 
 def _n64(cfg: KernelConfig) -> dict:

@@ -39,28 +39,34 @@ class KernelConfig:
     num_stages: int = 3
     fast_dequant: bool = True  # PTX nibble decode on a GPU (integer math under the interpreter regardless)
     # FP8 block scales decoded by placing their bits in an fp32 (3 ops instead of ~15), and their rows loaded as
-    # vectors where K/16 is a multiple of BLOCK_K/16: same values, fewer instructions per weight byte (a variant
-    # until measured on the H200: docs/verify_kernel_notes.md)
-    fast_scales: bool = False
+    # vectors where K/16 is a multiple of BLOCK_K/16: same values, fewer instructions per weight byte
+    fast_scales: bool = True
     # Packed weights pre-shuffled once per layer (`shuffle_packed`, cached on the `TritonMoeWeights`) so that the
-    # nibble decode needs 11 bit operations per 4 bytes instead of 18: same values (a variant until measured). Only
-    # for num_warps < 4 (mma.sync); configs with more warps use the plain layout.
-    shuffled: bool = False
+    # nibble decode needs 11 bit operations per 4 bytes instead of 18: same values. Only for num_warps < 4
+    # (mma.sync); configs with more warps use the plain layout.
+    shuffled: bool = True
     # With shuffled: the decode's 2^126 multiply folded into the block scales (s · 2^119) and alpha (· 2^7): one
     # bf16x2 multiply per output register instead of two; outputs equal unless fp32 partial sums fall below 2^-119
-    fold_bias: bool = False
+    fold_bias: bool = True
     # K slices per GEMM (more programs when few tokens leave most SMs idle): partial fp32 sums, added in a small
-    # SwiGLU kernel after GEMM1 (W4A16 only) and in the final sum after GEMM2; sums in a different order
+    # SwiGLU kernel after GEMM1 (W4A16 only) and in the final sum after GEMM2; sums in a different order. Measured
+    # no faster on the H200 at one token (docs/verify_kernel_notes.md), so off.
     split_k: int = 1
 
 
 DECODE_CONFIG = KernelConfig()
+# two or more rows per expert on average: 64-row N tiles reuse each K step's activation fragments over twice the
+# weight bytes (H200: 50-55% of copy bandwidth at 64 tokens against 47-53% with 32 rows; at 16 tokens and below 32
+# rows are as fast or faster)
+DECODE_WIDE_CONFIG = KernelConfig(block_n1=64, block_n2=64)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=64, block_n2=128, block_k=128, num_warps=4, num_stages=3)
 
 
 def default_config(num_pairs: int, num_experts: int) -> KernelConfig:
     """Few rows per expert: small M tiles, long K tiles, many programs to keep HBM busy; else MMA-sized tiles."""
-    return DECODE_CONFIG if num_pairs <= 16 * num_experts else PREFILL_CONFIG
+    if num_pairs > 16 * num_experts:
+        return PREFILL_CONFIG
+    return DECODE_WIDE_CONFIG if num_pairs >= 2 * num_experts else DECODE_CONFIG
 
 
 # Where `shuffle_packed` puts the sign, e1, e0 and mantissa bits of element e (of the 8 in a 4-byte word): the bit
