@@ -4,13 +4,16 @@ The reader parses each shard's header and reads one tensor's byte range (or one 
 ``os.pread`` into a buffer of its own: nothing is memory-mapped, so resident memory follows the tensor being
 processed, not the shard (DESIGN.md §10). The writer is told every output tensor (name, dtype, shape) before any
 data arrives, lays out shards and headers from that plan, then places each tensor's bytes at its offset as it
-comes; nothing waits in memory for a shard to fill.
+comes; nothing waits in memory for a shard to fill. A producer that computes a large tensor can instead ask for its
+``destination``, a tensor mapped onto the shard's bytes, and compute into it: no buffer of its own to fault in, no
+second copy into the page cache.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import shutil
 import struct
@@ -217,11 +220,11 @@ class ShardWriter:
             header_bytes += b" " * (-len(header_bytes) % 8)
             data_start = 8 + len(header_bytes)
             if create:
-                fd = os.open(directory / fname, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(directory / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.pwrite(fd, struct.pack("<Q", len(header_bytes)) + header_bytes, 0)
                 os.ftruncate(fd, data_start + offset)
             else:
-                fd = os.open(directory / fname, os.O_WRONLY)
+                fd = os.open(directory / fname, os.O_RDWR)
             self._fds.append(fd)
             self.files.append(fname)
             for t in shard:
@@ -229,17 +232,44 @@ class ShardWriter:
                 self.slots[t.name] = (i, data_start + entry["data_offsets"][0], t)  # type: ignore[index]
             self.total_bytes += offset
         self.pending = set(self.slots) if written_here is None else set(written_here)
+        self._destinations: dict[str, int] = {}  # name -> data_ptr of the mapped tensor handed out
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def destination(self, name: str) -> torch.Tensor | None:
+        """The planned tensor as a writable CPU tensor mapped (MAP_SHARED) onto its bytes in the shard, or None where
+        that is not possible (its offset is not 8-byte aligned, or the platform cannot map it). Fill it, then hand it
+        to :meth:`write` like any tensor: ``write`` sees that the bytes are already in place and only records them.
+        The mapping lives as long as the tensor (and its views); the file's blocks are allocated first, so a full
+        disk is an OSError here rather than a SIGBUS while filling."""
+        file_idx, offset, planned = self._slot(name)
+        if offset % 8 or planned.nbytes == 0 or not hasattr(os, "posix_fallocate"):
+            return None
+        fd = self._fds[file_idx]
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        os.posix_fallocate(fd, offset, planned.nbytes)
+        mapping = mmap.mmap(fd, offset + planned.nbytes - start, flags=mmap.MAP_SHARED,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=planned.nbytes, offset=offset - start)
+        tensor = tensor.view(planned.dtype).reshape(planned.shape)
+        self._destinations[name] = tensor.data_ptr()
+        return tensor
+
+    def _slot(self, name: str) -> tuple[int, int, PlannedTensor]:
         try:
-            file_idx, offset, planned = self.slots[name]
+            return self.slots[name]
         except KeyError:
             raise Fp4kitError(f"internal: tensor {name} was not planned for output") from None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        file_idx, offset, planned = self._slot(name)
         if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
             raise Fp4kitError(
                 f"internal: tensor {name} is {tensor.dtype}{list(tensor.shape)}, "
                 f"planned {planned.dtype}{list(planned.shape)}"
             )
+        if self._destinations.get(name) == tensor.data_ptr() and tensor.is_contiguous():
+            del self._destinations[name]  # filled in place through destination()
+            self.pending.discard(name)
+            return
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         fd = self._fds[file_idx]
         view = memoryview(data)

@@ -5,8 +5,9 @@ fp4kit.formats.detect) are stacked into canonical w13 [E, 2I, H] ([w1; w3]) and 
 pure transform (fp4kit.layouts), and written as `<experts>.<kernel argument name>`; every other tensor is copied
 byte for byte, and `fp4kit_layout.json` records what a loader needs (docs/layouts.md, "Layout checkpoints").
 
-Streaming: a reader thread reads the next layer while the main thread transforms this one and a writer thread
-places finished tensors in shards planned up front, so about two layers are in memory whatever the model's size.
+Streaming: a reader thread reads the next layer while the main thread transforms this one, straight into the
+output shards' pages (mapped; shards are planned up front), and a writer thread copies the other tensors, so about
+two layers are in memory whatever the model's size.
 Every shape constraint is checked for all layers before anything is written; the output directory is atomic.
 """
 
@@ -268,9 +269,15 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                 for job, data in prefetched(jobs, produce, QUEUE_DEPTH):
                     if isinstance(job, MoELayer):
                         canonical, meta = data  # type: ignore[misc]
-                        tensors = backend.transform(*canonical, **transform_options)
+                        # computed straight into the output file's pages (no buffer per kernel tensor to fault in,
+                        # no second copy by pwrite); the writer only records what is already in place
+                        out = {arg: t for arg in planned[job.layer]
+                               if (t := writer.destination(job.tensor_name(arg))) is not None}
+                        tensors = backend.transform(*canonical, **transform_options, out=out)
+                        del out
                         entries[str(job.layer)] = layer_entry(job.experts, planned[job.layer], meta)
                         background.put({job.tensor_name(arg): t for arg, t in tensors.items()})
+                        del tensors
                         done += sum(reader.info(n).nbytes for n in job.sources())
                     else:
                         background.put({job: data})

@@ -4,8 +4,9 @@ each with an exact inverse (DESIGN.md §5).
 Every backend module (``cutlass``, ``trtllm``, ``marlin``) exposes the same four functions:
 
 - ``check_shapes(E, H, I, ep=1)`` raises :class:`~fp4kit.errors.Fp4kitError` when the kernel cannot run the shape;
-- ``transform(w13, w2, input_scale_div13, input_scale_div2, **opts) -> dict[str, Tensor]``, named by the
-  kernel's argument names;
+- ``transform(w13, w2, input_scale_div13, input_scale_div2, **opts, out=None) -> dict[str, Tensor]``, named by
+  the kernel's argument names; ``out`` (name -> contiguous tensor of the result's dtype and shape, for any subset of
+  the names) receives those results in place, e.g. tensors mapped onto the output file (``ShardWriter.destination``);
 - ``describe(...)`` (same arguments) -> :class:`LayoutMeta`, what ``undo`` needs that the kernel tensors do not
   carry: the true sizes and the float64 global scales (the kernel's fp32 products cannot give them back);
 - ``undo(tensors, meta) -> (w13, w2, input_scale_div13, input_scale_div2)``, the canonical form bit for bit.
@@ -115,6 +116,24 @@ def require_equal(name: str, stored: torch.Tensor, expected: torch.Tensor) -> No
 def require_zero(name: str, padding: torch.Tensor) -> None:
     if padding.numel() and bool((padding.contiguous().view(torch.uint8) != 0).any()):
         raise Fp4kitError(f"{name} has non-zero bytes in its padding; the kernel would read them as weights.")
+
+
+def placed(out: dict[str, torch.Tensor] | None, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied into ``out[name]`` when the caller gave one, else ``tensor`` itself."""
+    if out is None or name not in out:
+        return tensor
+    if tensor.data_ptr() == out[name].data_ptr():  # already computed in place
+        return out[name]
+    return out[name].copy_(tensor)
+
+
+def destination(out: dict[str, torch.Tensor] | None, name: str) -> torch.Tensor | None:
+    """The caller's buffer for ``name`` (checked contiguous), or None: the transform allocates its own."""
+    if out is None or name not in out:
+        return None
+    if not out[name].is_contiguous():
+        raise Fp4kitError(f"internal: the output buffer for {name} is not contiguous.")
+    return out[name]
 
 
 def canonical(packed: torch.Tensor, block_scale: torch.Tensor, global_scale_div: torch.Tensor) -> NVFP4Tensor:

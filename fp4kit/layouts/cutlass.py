@@ -27,8 +27,10 @@ from fp4kit.layouts import (
     check_divisible,
     check_expert_parallel,
     check_input_scales,
+    destination,
     fp32,
     moe_sizes,
+    placed,
     require_equal,
     require_shape,
 )
@@ -69,9 +71,11 @@ def _check_flavor(flavor: str) -> None:
         raise Fp4kitError(f"unknown CUTLASS flavor {flavor!r}: use 'flashinfer' or 'vllm'.")
 
 
-def _swap_halves(rows: torch.Tensor) -> torch.Tensor:
+def _swap_halves(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     first, second = rows.chunk(2, dim=1)
-    return torch.cat([second, first], dim=1)
+    if out is None:
+        return torch.cat([second, first], dim=1)
+    return torch.cat([second, first], dim=1, out=out.view(rows.dtype).view(rows.shape))
 
 
 def _scalars(meta: LayoutMeta) -> tuple[torch.Tensor, ...]:
@@ -88,20 +92,27 @@ def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor 
 
 
 def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
-              input_scale_div2: torch.Tensor | None, flavor: Flavor = "flashinfer") -> dict[str, torch.Tensor]:
+              input_scale_div2: torch.Tensor | None, flavor: Flavor = "flashinfer",
+              out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     num_experts, hidden, intermediate = moe_sizes(w13, w2)
     check_input_scales(num_experts, input_scale_div13, input_scale_div2)
     check_shapes(num_experts, hidden, intermediate, flavor=flavor)
     meta = describe(w13, w2, input_scale_div13, input_scale_div2, flavor)
     weight_dtype, scale_dtype = _DTYPES[flavor]
+    w13_name, s13_name, g1_name, a1_name, w2_name, s2_name, g2_name, a2_name = _NAMES[flavor]
     packed13, scales13 = w13.packed, w13.block_scale
     if flavor == "flashinfer":
-        packed13, scales13 = _swap_halves(packed13), _swap_halves(scales13)
+        packed13, scales13 = _swap_halves(packed13, destination(out, w13_name)), _swap_halves(scales13)
     g1_alpha, a1_gscale, g2_alpha, a2_gscale = _scalars(meta)
-    values = (packed13.contiguous().view(weight_dtype), swizzle_128x4(scales13).view(scale_dtype), g1_alpha, a1_gscale,
-              w2.packed.contiguous().view(weight_dtype), swizzle_128x4(w2.block_scale).view(scale_dtype), g2_alpha,
-              a2_gscale)
-    return dict(zip(_NAMES[flavor], values, strict=True))
+    values = {
+        w13_name: packed13.contiguous().view(weight_dtype),
+        s13_name: swizzle_128x4(scales13, out=destination(out, s13_name)).view(scale_dtype),
+        g1_name: g1_alpha, a1_name: a1_gscale,
+        w2_name: w2.packed.contiguous().view(weight_dtype),
+        s2_name: swizzle_128x4(w2.block_scale, out=destination(out, s2_name)).view(scale_dtype),
+        g2_name: g2_alpha, a2_name: a2_gscale,
+    }
+    return {name: placed(out, name, value) for name, value in values.items()}
 
 
 def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None,

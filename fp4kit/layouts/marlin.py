@@ -30,8 +30,10 @@ from fp4kit.layouts import (
     canonical,
     check_divisible,
     check_input_scales,
+    destination,
     fp32,
     moe_sizes,
+    placed,
     require_equal,
     require_shape,
 )
@@ -46,7 +48,7 @@ K_ALIGNMENT = 64
 # exponent bias of the activation dtype minus FP4's (2^(e-1) - 2^1), minus the 2^7 folded into the scales
 _GLOBAL_EXPONENT = {torch.bfloat16: 126 - 7, torch.float16: 14 - 7}
 _ENCODING_LIMIT = 65536.0  # first scale * f * 2^7 that fp16 cannot hold
-_CHUNK_BYTES = 1 << 21  # experts repacked per step: the working set stays in cache
+_CHUNK_BYTES = 1 << 21  # experts repacked / encoded per step: the working set stays in cache
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)  # every FP8 byte
 
 
@@ -75,8 +77,9 @@ def scale_permutation() -> torch.Tensor:
 _PAIR_SWAP = torch.tensor([0, 2, 1, 3])  # its own inverse
 
 
-def repack_weights(packed: torch.Tensor) -> torch.Tensor:
-    """Packed [E, N, K/2] uint8 -> Marlin [E, K/16, 2N] int32 (N % 64 == 0, K % 16 == 0).
+def repack_weights(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed [E, N, K/2] uint8 -> Marlin [E, K/16, 2N] int32 (N % 64 == 0, K % 16 == 0), into ``out`` if given
+    (contiguous int32 [E, K/16, 2N], 8-byte aligned).
 
     Equal to tiling the codes and applying :func:`weight_permutation` (what :func:`unpack_weights` inverts), done
     on 8-byte lanes instead of unpacked codes. Write n = 64c + 32u + 16v + 8h + a (u, v: the 16-column tile in a
@@ -92,7 +95,9 @@ def repack_weights(packed: torch.Tensor) -> torch.Tensor:
     strips, chunks = half_k // 8, size_n // 64
     packed = packed.contiguous() if packed.storage_offset() % 8 == 0 else packed.clone()  # int64 view alignment
     lanes_in = packed.view(torch.int64).view(experts, chunks, 2, 2, 2, 8, strips)  # e, c, u, v, h, a, s
-    out = torch.empty(experts, strips, chunks, 8, 2, 2, 2, dtype=torch.int64)  # e, s, c, a, v, h, u
+    if out is None:
+        out = torch.empty(experts, strips, 2 * size_n, dtype=torch.int32)
+    lanes_out = out.view(torch.int64).view(experts, strips, chunks, 8, 2, 2, 2)  # e, s, c, a, v, h, u
     step = max(1, min(experts, _CHUNK_BYTES // max(1, size_n * half_k)))
     # the swaps run in the source's row order, where the lanes they pair are long contiguous runs
     scratch, shifted = (torch.empty(step, chunks, 2, 2, 2, 8, strips, dtype=torch.int64) for _ in range(2))
@@ -107,8 +112,8 @@ def repack_weights(packed: torch.Tensor) -> torch.Tensor:
         _exchange(lanes[:, :, :, 0], lanes[:, :, :, 1], 32, 0x00000000FFFFFFFF, half)
         _exchange(lanes[:, :, :, 0], lanes[:, :, :, 1], 16, 0x0000FFFF0000FFFF, half)
         _exchange(lanes[:, :, :, :, 0], lanes[:, :, :, :, 1], 8, 0x00FF00FF00FF00FF, half)
-        out[start:start + count].copy_(lanes.permute(0, 6, 1, 5, 3, 4, 2))
-    return out.view(experts, strips, size_n).view(torch.int32)
+        lanes_out[start:start + count].copy_(lanes.permute(0, 6, 1, 5, 3, 4, 2))
+    return out
 
 
 def _exchange(low: torch.Tensor, high: torch.Tensor, shift: int, mask: int, tmp: torch.Tensor) -> None:
@@ -141,13 +146,15 @@ def scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) -> float:
     return 2.0 ** math.ceil(math.log2(2.0 / float(nonzero.min())))
 
 
-def encode_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
-    """FP8 [E, N, K/16] -> Marlin [E, K/16, N] S0E5M3 bytes (as float8_e4m3fn, the dtype the kernel checks).
+def encode_scales(block_scale: torch.Tensor, factor: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 [E, N, K/16] -> Marlin [E, K/16, N] S0E5M3 bytes (as float8_e4m3fn, the dtype the kernel checks), into
+    ``out`` if given (contiguous, 8-byte aligned).
 
     The encoding depends on the byte alone, so it is a 256-entry table. The byte permutation: scales [n, g] to
     [g, n], each 64 n read as an 8x8 transpose, every 4 swapped [0, 2, 1, 3]; with n = 64q + 32j + 16m0 + 8m1 + i
     the destination order is (g, q, i, j, m1, m0). It is gathered in the order (g, q, i, j, m0, m1), where the 8
-    bytes of one (g, q, i) are rows 8 apart, and m0 / m1 are then swapped inside each 8-byte lane.
+    bytes of one (g, q, i) are rows 8 apart, and m0 / m1 are then swapped inside each 8-byte lane. A few experts at
+    a time, so the int32 gather indices stay in cache.
     """
     present, codes = _present(block_scale), torch.arange(256)
     if bool(present[(codes >= 0x80) | ((codes & 0x7F) == 0x7F)].any()):
@@ -159,13 +166,23 @@ def encode_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
     table = (values.to(torch.float16).view(torch.int16).to(torch.int32) >> 7).to(torch.uint8)
     experts, size_n, groups = block_scale.shape
     source = block_scale.view(torch.uint8).reshape(experts, size_n // 64, 8, 8, groups)  # e, q, (j, m0, m1), i, g
-    gathered = torch.empty(experts, groups, size_n // 64, 8, 8, dtype=torch.int32)
-    gathered.copy_(source.permute(0, 4, 1, 3, 2))
-    lanes = table.index_select(0, gathered.view(-1)).view(torch.int64)
-    # bytes 1 <-> 2 and 5 <-> 6 of every lane: (j, m0, m1) -> (j, m1, m0)
-    tmp = torch.bitwise_right_shift(lanes, 8).bitwise_xor_(lanes).bitwise_and_(0x0000FF000000FF00)
-    lanes.bitwise_xor_(tmp).bitwise_xor_(tmp.bitwise_left_shift_(8))
-    return lanes.view(torch.uint8).view(experts, groups, size_n).view(torch.float8_e4m3fn)
+    if out is None:
+        out = torch.empty(experts, groups, size_n, dtype=torch.float8_e4m3fn)
+    out_bytes = out.view(torch.uint8).view(experts, -1)
+    step = max(1, min(experts, _CHUNK_BYTES // max(1, 4 * size_n * groups)))
+    gathered = torch.empty(step, groups, size_n // 64, 8, 8, dtype=torch.int32)
+    tmp = torch.empty(step * groups * size_n // 8, dtype=torch.int64)
+    for start in range(0, experts, step):
+        count = min(step, experts - start)
+        indices = gathered[:count]
+        indices.copy_(source[start:start + count].permute(0, 4, 1, 3, 2))
+        chunk = out_bytes[start:start + count].view(-1)
+        torch.index_select(table, 0, indices.view(-1), out=chunk)
+        lanes, shifted = chunk.view(torch.int64), tmp[:chunk.numel() // 8]
+        # bytes 1 <-> 2 and 5 <-> 6 of every lane: (j, m0, m1) -> (j, m1, m0)
+        torch.bitwise_right_shift(lanes, 8, out=shifted).bitwise_xor_(lanes).bitwise_and_(0x0000FF000000FF00)
+        lanes.bitwise_xor_(shifted).bitwise_xor_(shifted.bitwise_left_shift_(8))
+    return out
 
 
 def decode_scales(marlin_scales: torch.Tensor, factor: float) -> torch.Tensor:
@@ -201,8 +218,8 @@ def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor 
 
 
 def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
-              input_scale_div2: torch.Tensor | None,
-              act_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+              input_scale_div2: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16,
+              out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     num_experts, hidden, intermediate = moe_sizes(w13, w2)
     check_input_scales(num_experts, input_scale_div13, input_scale_div2)
     check_shapes(num_experts, hidden, intermediate)
@@ -210,12 +227,12 @@ def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor
     dtype, factor13, factor2 = _act_dtype(meta.options["act_dtype"]), meta.options["w13_scale_factor"], \
         meta.options["w2_scale_factor"]
     return {
-        "w1": repack_weights(w13.packed),
-        "w2": repack_weights(w2.packed),
-        "w1_scale": encode_scales(w13.block_scale, float(factor13)),
-        "w2_scale": encode_scales(w2.block_scale, float(factor2)),
-        "global_scale1": _global_scale(w13.global_scale_div, dtype, float(factor13)),
-        "global_scale2": _global_scale(w2.global_scale_div, dtype, float(factor2)),
+        "w1": repack_weights(w13.packed, destination(out, "w1")),
+        "w2": repack_weights(w2.packed, destination(out, "w2")),
+        "w1_scale": encode_scales(w13.block_scale, float(factor13), destination(out, "w1_scale")),
+        "w2_scale": encode_scales(w2.block_scale, float(factor2), destination(out, "w2_scale")),
+        "global_scale1": placed(out, "global_scale1", _global_scale(w13.global_scale_div, dtype, float(factor13))),
+        "global_scale2": placed(out, "global_scale2", _global_scale(w2.global_scale_div, dtype, float(factor2))),
     }
 
 

@@ -24,10 +24,12 @@ def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     return round_up(rows, ROW_TILE), round_up(cols, COL_TILE)
 
 
-def swizzle_128x4(scales: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def swizzle_128x4(scales: torch.Tensor, rows: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Linear scales [..., M, S] -> swizzled [..., pad128(M), pad4(S)], same dtype; padding is zero bytes.
 
     ``rows`` (int64 [M]), when given, first reorders the rows (out row r = in row rows[r]) in the same pass.
+    ``out`` (contiguous, any dtype and shape of the same bytes) receives the result and is returned.
     """
     *lead, num_rows, cols = scales.shape
     padded_rows, padded_cols = swizzled_shape(num_rows, cols)
@@ -41,6 +43,10 @@ def swizzle_128x4(scales: torch.Tensor, rows: torch.Tensor | None = None) -> tor
     # a 4-column tile of one row is 4 contiguous bytes: moving them as one int32 is 4x fewer elements to copy
     words = as_bytes.contiguous().view(torch.int32)
     tiles = words.reshape(-1, padded_rows // ROW_TILE, 4, 32, padded_cols // COL_TILE)
+    if out is not None:
+        out.view(torch.uint8).view(-1).view(torch.int32).view(tiles.permute(_PERMUTATION[:-1]).shape).copy_(
+            tiles.permute(_PERMUTATION[:-1]))
+        return out
     swizzled = tiles.permute(_PERMUTATION[:-1]).contiguous().view(torch.uint8)
     return swizzled.reshape(*lead, padded_rows, padded_cols).view(scales.dtype)
 

@@ -27,8 +27,10 @@ from fp4kit.layouts import (
     check_divisible,
     check_expert_parallel,
     check_input_scales,
+    destination,
     fp32,
     moe_sizes,
+    placed,
     require_equal,
     require_shape,
     require_zero,
@@ -132,7 +134,8 @@ def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor 
 
 
 def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
-              input_scale_div2: torch.Tensor | None) -> dict[str, torch.Tensor]:
+              input_scale_div2: torch.Tensor | None,
+              out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     num_experts, hidden, intermediate = moe_sizes(w13, w2)
     check_input_scales(num_experts, input_scale_div13, input_scale_div2)
     check_shapes(num_experts, hidden, intermediate)
@@ -142,13 +145,21 @@ def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor
     scales13, scale_rows13 = _gemm1_source(w13.block_scale, intermediate, padded_i, padded_h // BLOCK)
     meta = describe(w13, w2, input_scale_div13, input_scale_div2)
     return {
-        "gemm1_weights": weights13.index_select(1, rows13),
-        "gemm1_weights_scale": swizzle_128x4(scales13, scale_rows13).view(torch.float8_e4m3fn),
-        "gemm2_weights": _padded(w2.packed, padded_h, padded_i // 2).index_select(1, rows2),
-        "gemm2_weights_scale": swizzle_128x4(_padded(w2.block_scale, padded_h, padded_i // BLOCK), rows2)
+        "gemm1_weights": _gather_rows(weights13, rows13, destination(out, "gemm1_weights")),
+        "gemm1_weights_scale": swizzle_128x4(scales13, scale_rows13, destination(out, "gemm1_weights_scale"))
         .view(torch.float8_e4m3fn),
-        **_scalars(meta),
+        "gemm2_weights": _gather_rows(_padded(w2.packed, padded_h, padded_i // 2), rows2,
+                                      destination(out, "gemm2_weights")),
+        "gemm2_weights_scale": swizzle_128x4(_padded(w2.block_scale, padded_h, padded_i // BLOCK), rows2,
+                                             destination(out, "gemm2_weights_scale")).view(torch.float8_e4m3fn),
+        **{name: placed(out, name, value) for name, value in _scalars(meta).items()},
     }
+
+
+def _gather_rows(source: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return source.index_select(1, rows)
+    return torch.index_select(source, 1, rows, out=out.view(torch.uint8))
 
 
 def _crop(name: str, padded: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
