@@ -172,7 +172,7 @@ def _backends(num_experts: int | None, hidden: int | None, inter: int | None) ->
     return {
         "cutlass": need([("I", inter, cutlass.GATED_I_ALIGNMENT), ("H", hidden, cutlass.HIDDEN_ALIGNMENT)]),
         "marlin": need([("H", hidden, marlin.N_ALIGNMENT), ("I", inter, marlin.K_ALIGNMENT)]),
-        "trtllm": "ok",  # pads H to 256 and I to 64 itself
+        "trtllm": "ok",  # pads H (256 for GEMM1's K, 128 for GEMM2's rows) and I (64) itself
     }
 
 

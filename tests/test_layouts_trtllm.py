@@ -21,7 +21,8 @@ from fp4kit.layouts.swizzle import swizzle_128x4
 from fp4kit.nvfp4 import NVFP4Tensor, quantize_group
 
 # (E, H, I): neither padded, H only, I only, both (small and just past a multiple), neither again at 2x
-SHAPES = [(2, 256, 64), (2, 240, 64), (1, 256, 80), (3, 48, 32), (1, 272, 80), (1, 16, 16), (2, 512, 128)]
+SHAPES = [(2, 256, 64), (2, 240, 64), (1, 256, 80), (3, 48, 32), (1, 272, 80), (1, 16, 16), (2, 512, 128),
+          (1, 384, 64), (2, 128, 32)]  # the last two: H % 256 == 128, GEMM2 rows (pad 128) < GEMM1's K (pad 256)
 
 
 def random_nvfp4(experts: int, rows: int, cols: int, generator: torch.Generator) -> NVFP4Tensor:
@@ -63,6 +64,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def assert_round_trip(w13: NVFP4Tensor, w2: NVFP4Tensor, s13: torch.Tensor, s2: torch.Tensor) -> None:
     tensors = trtllm.transform(w13, w2, s13, s2)
+    hidden = w2.packed.shape[1]
+    assert tensors["gemm1_weights"].shape[2] == 128 * -(-hidden // 256)  # K / 2, K = roundUp(H, 256)
+    assert tensors["gemm2_weights"].shape[1] == tensors["gemm2_weights_scale"].shape[1] == 128 * -(-hidden // 128)
     back13, back2, back_s13, back_s2 = trtllm.undo(tensors, trtllm.describe(w13, w2, s13, s2))
     for ours, theirs in ((back13, w13), (back2, w2)):
         assert same_bytes(ours.packed, theirs.packed) and same_bytes(ours.block_scale, theirs.block_scale)
@@ -77,7 +81,7 @@ def test_round_trip_random_bytes(experts: int, hidden: int, intermediate: int) -
 
 
 @settings(max_examples=25, deadline=None, database=None)
-@given(experts=st.integers(1, 3), hidden_blocks=st.integers(1, 20), intermediate_blocks=st.integers(1, 9),
+@given(experts=st.integers(1, 3), hidden_blocks=st.integers(1, 40), intermediate_blocks=st.integers(1, 9),
        seed=st.integers(0, 2**16))
 def test_round_trip_property(experts: int, hidden_blocks: int, intermediate_blocks: int, seed: int) -> None:
     assert_round_trip(*random_layer(experts, 16 * hidden_blocks, 16 * intermediate_blocks, seed))
@@ -106,7 +110,7 @@ def test_row_permutations_match_written_formula() -> None:
     assert trtllm.shuffle_rows(96).tolist() == independent_rows(96, gated=False)
 
 
-@pytest.mark.parametrize("experts, hidden, intermediate", [(2, 48, 32), (1, 272, 80)])
+@pytest.mark.parametrize("experts, hidden, intermediate", [(2, 48, 32), (1, 272, 80), (1, 384, 48)])
 def test_layout_matches_written_formula(experts: int, hidden: int, intermediate: int) -> None:
     w13, w2, s13, s2 = random_layer(experts, hidden, intermediate, seed=4)
     ours = trtllm.transform(w13, w2, s13, s2)
@@ -116,9 +120,10 @@ def test_layout_matches_written_formula(experts: int, hidden: int, intermediate:
     assert torch.equal(ours["gemm1_weights"], expected13)
     scales13 = padded_up_gate(w13.block_scale, intermediate, padded_i, padded_h // 16)[:, rows13]
     assert torch.equal(ours["gemm1_weights_scale"].view(torch.uint8), swizzle_128x4(scales13))
-    weights2 = torch.zeros(experts, padded_h, padded_i // 2, dtype=torch.uint8)
+    rows_h = 128 * -(-hidden // 128)  # GEMM2's N: roundUp(valid_hidden_size, 128), not GEMM1's K
+    weights2 = torch.zeros(experts, rows_h, padded_i // 2, dtype=torch.uint8)
     weights2[:, :hidden, : intermediate // 2] = w2.packed
-    assert torch.equal(ours["gemm2_weights"], weights2[:, independent_rows(padded_h, gated=False)])
+    assert torch.equal(ours["gemm2_weights"], weights2[:, independent_rows(rows_h, gated=False)])
 
 
 def padded_up_gate(tensor: torch.Tensor, intermediate: int, padded_i: int, padded_cols: int) -> torch.Tensor:
@@ -129,25 +134,31 @@ def padded_up_gate(tensor: torch.Tensor, intermediate: int, padded_i: int, padde
     return out
 
 
-@pytest.mark.parametrize("experts, hidden, intermediate", [(2, 256, 64), (1, 272, 80), (2, 240, 96)])
+@pytest.mark.parametrize("experts, hidden, intermediate", [(2, 256, 64), (1, 272, 80), (2, 240, 96), (1, 384, 64)])
 def test_byte_identical_with_flashinfer_helpers(experts: int, hidden: int, intermediate: int,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("flashinfer")
     import flashinfer.quantization.fp4_quantization as fp4_quantization
     from flashinfer import reorder_rows_for_gated_act_gemm, shuffle_matrix_a, shuffle_matrix_sf_a
     from flashinfer.diffusion_ops.minimax_h3_fc1_swiglu import _swizzle_sf_128x4
-    from flashinfer.fused_moe.core import _maybe_get_cached_w3_w1_permute_indices, get_w2_permute_indices_with_cache
+    from flashinfer.fused_moe.core import (
+        _infer_trtllm_moe_output_hidden_size,
+        _maybe_get_cached_w3_w1_permute_indices,
+        get_w2_permute_indices_with_cache,
+    )
 
     # shuffle_matrix_sf_a ends in the CUDA-only block_scale_interleave; swap in FlashInfer's own torch copy.
     monkeypatch.setattr(fp4_quantization, "block_scale_interleave", _swizzle_sf_128x4)
     w13, w2, s13, s2 = random_layer(experts, hidden, intermediate, seed=11)
     ours = trtllm.transform(w13, w2, s13, s2)
     padded_h, padded_i = 256 * -(-hidden // 256), 64 * -(-intermediate // 64)
+    rows_h = -(-hidden // 128) * 128  # FC2 rows as the 0.7.2 launcher sizes them (core._infer_trtllm_moe_output_...)
+    assert rows_h == _infer_trtllm_moe_output_hidden_size(padded_h, hidden)
     weights13 = padded_up_gate(w13.packed, intermediate, padded_i, padded_h // 2)
     scales13 = padded_up_gate(w13.block_scale, intermediate, padded_i, padded_h // 16)
-    weights2 = torch.zeros(experts, padded_h, padded_i // 2, dtype=torch.uint8)
+    weights2 = torch.zeros(experts, rows_h, padded_i // 2, dtype=torch.uint8)
     weights2[:, :hidden, : intermediate // 2] = w2.packed
-    scales2 = torch.zeros(experts, padded_h, padded_i // 16, dtype=torch.uint8)
+    scales2 = torch.zeros(experts, rows_h, padded_i // 16, dtype=torch.uint8)
     scales2[:, :hidden, : intermediate // 16] = w2.block_scale.view(torch.uint8)
 
     cache: dict = {}
@@ -165,7 +176,7 @@ def test_byte_identical_with_flashinfer_helpers(experts: int, hidden: int, inter
         rows2 = get_w2_permute_indices_with_cache(cache, weights2[e], 128)
         assert torch.equal(ours["gemm2_weights"][e], weights2[e][rows2])
         assert torch.equal(ours["gemm2_weights"][e], shuffle_matrix_a(weights2[e], 128))
-        expected2 = shuffle_matrix_sf_a(scales2[e], 128).reshape(padded_h, padded_i // 16)
+        expected2 = shuffle_matrix_sf_a(scales2[e], 128).reshape(rows_h, padded_i // 16)
         assert torch.equal(ours["gemm2_weights_scale"][e].view(torch.uint8), expected2)
     assert ours["gemm1_weights"].dtype == torch.uint8 and ours["gemm1_weights_scale"].dtype == torch.float8_e4m3fn
 
@@ -184,7 +195,7 @@ def test_undo_rejects_tampered_padding_and_scalars() -> None:
     w13, w2, s13, s2 = random_layer(1, 48, 32, seed=2)
     meta = trtllm.describe(w13, w2, s13, s2)
     tensors = trtllm.transform(w13, w2, s13, s2)
-    tensors["gemm2_weights"][0, trtllm.shuffle_rows(256).argsort()[200], 0] = 1  # row 200 >= H is padding
+    tensors["gemm2_weights"][0, trtllm.shuffle_rows(128).argsort()[100], 0] = 1  # row 100 >= H is padding
     with pytest.raises(Fp4kitError, match="padding"):
         trtllm.undo(tensors, meta)
     tensors = trtllm.transform(w13, w2, s13, s2)

@@ -192,11 +192,17 @@ def test_marlin_arguments_match_vllm_fused_marlin_moe(layouts):
     assert kwargs["global_num_experts"] == experts
 
 
-@pytest.mark.xfail(strict=True, reason="fp4kit.layouts.trtllm pads GEMM2 rows to roundUp(H, 256), while the 0.7.2 "
-                   "launcher lays FC2 out at roundUp(valid_hidden_size, 128) (gemm2_output_hidden_size)")
 def test_trtllm_gemm2_rows_when_hidden_is_not_a_multiple_of_256(layouts):
-    kwargs = load_moe_layer(layouts("ct-padded", "trtllm"), 0, "trtllm", "cpu")
-    assert kwargs["gemm2_weights"].shape[1] == -(-kwargs["valid_hidden_size"] // 128) * 128
+    """H = 96: hidden states (GEMM1's K) padded to 256, FC2 rows to roundUp(valid_hidden_size, 128) = 128, the N
+    FlashInfer 0.7.2 sizes GEMM2 and its weights at (and requires to be <= the padded hidden size)."""
+    core = pytest.importorskip("flashinfer.fused_moe.core")
+    out = layouts("ct-padded", "trtllm")
+    kwargs = load_moe_layer(out, 0, "trtllm", "cpu")
+    padded_hidden = json.loads((out / MANIFEST).read_text())["layers"]["0"]["padded_hidden_size"]
+    gemm2_n = core._infer_trtllm_moe_output_hidden_size(padded_hidden, kwargs["valid_hidden_size"])
+    assert (kwargs["valid_hidden_size"], padded_hidden, gemm2_n) == (96, 256, 128)
+    assert kwargs["gemm1_weights"].shape[2] * 2 == padded_hidden
+    assert kwargs["gemm2_weights"].shape[1] == kwargs["gemm2_weights_scale"].shape[1] == gemm2_n
 
 
 def test_load_errors_are_one_clear_line(layouts, tmp_path):

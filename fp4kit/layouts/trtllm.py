@@ -4,9 +4,14 @@ Facts (DESIGN.md §5; checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepa
 ``fused_moe/core.py``, ``utils.py::get_shuffle_matrix_a_row_indices`` and vLLM's
 ``flashinfer_fp4_moe.py::prepare_static_weights_for_trtllm_fp4_moe``):
 
-- GEMM1 rows are [w3; w1] (up first). H is padded to 256 and I to 64, w1 and w3 separately, with zero bytes;
-  the kernel is then called with ``intermediate_size`` = padded I, ``valid_hidden_size`` = H and
-  ``valid_intermediate_size`` = I (see :func:`call_arguments`).
+- GEMM1 rows are [w3; w1] (up first). I is padded to 64, w1 and w3 separately, with zero bytes. GEMM1's K (the
+  hidden states' width) is H padded to 256; GEMM2's rows are H padded to 128 only: called with
+  ``valid_hidden_size`` = H, the 0.7.2 launcher sizes GEMM2's N and the FC2 weights and scales at
+  roundUp(valid_hidden_size, 128) (``core.py::_infer_trtllm_moe_output_hidden_size``,
+  ``trtllm_fused_moe_kernel_launcher.cu::moe_hidden_size_output``, TRT-LLM's ``output_hidden_size``; GPT-OSS:
+  hidden states 3072 wide, FC2 2944 rows, output 2880), and it requires that to be <= the padded hidden size.
+  With H % 256 == 0 both are H. The kernel is called with ``intermediate_size`` = padded I,
+  ``valid_hidden_size`` = H and ``valid_intermediate_size`` = I (see :func:`call_arguments`).
 - GEMM1 rows are interleaved for the fused gated activation (out[2i] = in[i], out[2i+1] = in[M/2 + i]), then every
   32-row block is shuffled for the transposed-output epilogue (epilogue_tile_m = 128):
   out[32b + d] = in[32b + (d % 8) * 4 + d // 8]. GEMM2 rows get only the 32-row shuffle.
@@ -39,11 +44,13 @@ from fp4kit.layouts import describe as _describe
 from fp4kit.layouts.swizzle import round_up, swizzle_128x4, unswizzle_128x4
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 
-KERNEL = "flashinfer.fused_moe.trtllm_fp4_block_scale_moe (flashinfer-python 0.7.2.post1, epilogue_tile_m=128)"
+KERNEL = ("flashinfer.fused_moe.trtllm_fp4_block_scale_moe (flashinfer-python 0.7.2.post1, epilogue_tile_m=128; "
+          "GEMM1 K = H padded to 256, GEMM2 rows = H padded to 128, I padded to 64)")
 BACKEND = "trtllm"
 EPILOGUE_TILE_M = 128
 SHUFFLE_BLOCK = 32
-HIDDEN_ALIGNMENT = 256
+HIDDEN_ALIGNMENT = 256  # GEMM1's K: the width the hidden states are padded to
+GEMM2_ROW_ALIGNMENT = 128  # GEMM2's N (FC2 rows) when valid_hidden_size is given: roundUp(H, 128)
 INTERMEDIATE_ALIGNMENT = 64
 
 
@@ -54,7 +61,13 @@ def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) 
 
 
 def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
+    """(GEMM1's K, padded I): the hidden states' width and the intermediate size the kernel is called with."""
     return round_up(hidden, HIDDEN_ALIGNMENT), round_up(intermediate, INTERMEDIATE_ALIGNMENT)
+
+
+def gemm2_rows(hidden: int) -> int:
+    """GEMM2's N, the FC2 rows per expert: roundUp(valid_hidden_size, 128), as the 0.7.2 launcher sizes them."""
+    return round_up(hidden, GEMM2_ROW_ALIGNMENT)
 
 
 def call_arguments(meta: LayoutMeta, ep_rank: int = 0) -> dict[str, int]:
@@ -140,7 +153,8 @@ def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor
     check_input_scales(num_experts, input_scale_div13, input_scale_div2)
     check_shapes(num_experts, hidden, intermediate)
     padded_h, padded_i = padded_sizes(hidden, intermediate)
-    rows2 = shuffle_rows(padded_h)
+    rows_h = gemm2_rows(hidden)
+    rows2 = shuffle_rows(rows_h)
     weights13, rows13 = _gemm1_source(w13.packed, intermediate, padded_i, padded_h // 2)
     scales13, scale_rows13 = _gemm1_source(w13.block_scale, intermediate, padded_i, padded_h // BLOCK)
     meta = describe(w13, w2, input_scale_div13, input_scale_div2)
@@ -148,9 +162,9 @@ def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor
         "gemm1_weights": _gather_rows(weights13, rows13, destination(out, "gemm1_weights")),
         "gemm1_weights_scale": swizzle_128x4(scales13, scale_rows13, destination(out, "gemm1_weights_scale"))
         .view(torch.float8_e4m3fn),
-        "gemm2_weights": _gather_rows(_padded(w2.packed, padded_h, padded_i // 2), rows2,
+        "gemm2_weights": _gather_rows(_padded(w2.packed, rows_h, padded_i // 2), rows2,
                                       destination(out, "gemm2_weights")),
-        "gemm2_weights_scale": swizzle_128x4(_padded(w2.block_scale, padded_h, padded_i // BLOCK), rows2,
+        "gemm2_weights_scale": swizzle_128x4(_padded(w2.block_scale, rows_h, padded_i // BLOCK), rows2,
                                              destination(out, "gemm2_weights_scale")).view(torch.float8_e4m3fn),
         **{name: placed(out, name, value) for name, value in _scalars(meta).items()},
     }
@@ -172,11 +186,12 @@ def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tenso
                                                                        torch.Tensor | None]:
     num_experts, hidden, intermediate = meta.num_experts, meta.hidden_size, meta.intermediate_size
     padded_h, padded_i = padded_sizes(hidden, intermediate)
+    rows_h = gemm2_rows(hidden)
     expected = {
         "gemm1_weights": (torch.uint8, (num_experts, 2 * padded_i, padded_h // 2)),
         "gemm1_weights_scale": (torch.float8_e4m3fn, (num_experts, 2 * padded_i, padded_h // BLOCK)),
-        "gemm2_weights": (torch.uint8, (num_experts, padded_h, padded_i // 2)),
-        "gemm2_weights_scale": (torch.float8_e4m3fn, (num_experts, padded_h, padded_i // BLOCK)),
+        "gemm2_weights": (torch.uint8, (num_experts, rows_h, padded_i // 2)),
+        "gemm2_weights_scale": (torch.float8_e4m3fn, (num_experts, rows_h, padded_i // BLOCK)),
     }
     for name, (dtype, shape) in expected.items():
         require_shape(name, tensors, dtype, shape)
@@ -184,7 +199,7 @@ def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tenso
         require_equal(name, tensors[name], value)
 
     back13 = torch.argsort(w13_rows(2 * padded_i))
-    back2 = torch.argsort(shuffle_rows(padded_h))
+    back2 = torch.argsort(shuffle_rows(rows_h))
 
     def gate_up(name: str, shuffled: torch.Tensor, cols: int) -> torch.Tensor:
         up_gate = shuffled.view(torch.uint8)[:, back13]
@@ -193,7 +208,7 @@ def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tenso
         return torch.cat([gate, up], dim=1)
 
     scales13 = unswizzle_128x4(tensors["gemm1_weights_scale"], 2 * padded_i, padded_h // BLOCK)
-    scales2 = unswizzle_128x4(tensors["gemm2_weights_scale"], padded_h, padded_i // BLOCK)
+    scales2 = unswizzle_128x4(tensors["gemm2_weights_scale"], rows_h, padded_i // BLOCK)
     w13 = canonical(gate_up("gemm1_weights", tensors["gemm1_weights"], hidden // 2),
                     gate_up("gemm1_weights_scale", scales13, hidden // BLOCK).view(torch.float8_e4m3fn),
                     meta.w13_global_scale_div)
