@@ -11,6 +11,7 @@ second copy into the page cache.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
@@ -245,9 +246,14 @@ class ShardWriter:
             return None
         fd = self._fds[file_idx]
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        os.posix_fallocate(fd, offset, planned.nbytes)
-        mapping = mmap.mmap(fd, offset + planned.nbytes - start, flags=mmap.MAP_SHARED,
-                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        try:
+            os.posix_fallocate(fd, offset, planned.nbytes)
+            mapping = mmap.mmap(fd, offset + planned.nbytes - start, flags=mmap.MAP_SHARED,
+                                prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise
+            return None  # a file system that cannot preallocate or map files: write() copies instead
         tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=planned.nbytes, offset=offset - start)
         tensor = tensor.view(planned.dtype).reshape(planned.shape)
         self._destinations[name] = tensor.data_ptr()
