@@ -134,9 +134,12 @@ def probe_fast_dequant(generator: torch.Generator) -> bool:
     hidden = torch.randn(33, 512, device=DEVICE, generator=generator).to(torch.bfloat16)
     weights, ids = route(torch.randn(33, 8, device=DEVICE, generator=generator), spec)
     moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
-    slow = fused_moe(hidden, weights, ids, moe_weights, spec, config=replace(DECODE_CONFIG, fast_dequant=False))
+    # the plain layout: the shuffled integer decode feeds the MMA its K elements in another order (same values, fp32
+    # sums that differ in the last bit); the shuffled PTX decode is checked against the plain one by --variants
+    plain = replace(DECODE_CONFIG, shuffled=False, fold_bias=False)
+    slow = fused_moe(hidden, weights, ids, moe_weights, spec, config=replace(plain, fast_dequant=False))
     try:
-        fast = fused_moe(hidden, weights, ids, moe_weights, spec, config=DECODE_CONFIG)
+        fast = fused_moe(hidden, weights, ids, moe_weights, spec, config=plain)
     except Exception as error:
         print(f"fast dequant does not compile here ({type(error).__name__}: {str(error)[:300]}); integer decode used")
         return False

@@ -152,8 +152,8 @@ def _reciprocal_flip_amaxes(global_mul: torch.Tensor) -> torch.Tensor:
     """bf16 block amaxes whose FP8 block scale differs between amax / 6 and amax · fp32(1/6), the multiplication
     CUDA torch substitutes for a division by a Python number."""
     magnitudes = torch.arange(0x3000, 0x4700, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    exact = (magnitudes.double() / 6).float() * global_mul
-    by_reciprocal = (magnitudes * torch.tensor(1 / 6, dtype=torch.float32)) * global_mul
+    exact = torch.clamp((magnitudes.double() / 6).float() * global_mul, max=448)
+    by_reciprocal = torch.clamp((magnitudes * torch.tensor(1 / 6, dtype=torch.float32)) * global_mul, max=448)
     differ = exact.to(torch.float8_e4m3fn).float() != by_reciprocal.to(torch.float8_e4m3fn).float()
     return magnitudes[differ]
 
@@ -165,12 +165,13 @@ def test_activation_block_scale_divides_exactly(device):
     on blocks whose amax makes a multiplication by fp32(1/6) round to the other FP8 value."""
     global_mul = torch.tensor(2688 / 12.25, dtype=torch.float32)
     amaxes = _reciprocal_flip_amaxes(global_mul)
-    assert len(amaxes) >= 10  # the search finds the adversarial blocks
+    assert 10 <= len(amaxes) < 200  # the search finds the adversarial blocks, and only those
     x = torch.zeros(len(amaxes), 16)
     x[:, 3] = amaxes
     got = fake_quantize_activation(x.to(device), (1.0 / global_mul.double())).cpu()
-    block_scale = ((amaxes.double() / 6).float() * global_mul).to(torch.float8_e4m3fn).float()
+    block_scale = torch.clamp((amaxes.double() / 6).float() * global_mul, max=448).to(torch.float8_e4m3fn).float()
     unit = block_scale / global_mul
     codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     expected = codes[(amaxes / unit).unsqueeze(-1).sub(codes).abs().argmin(dim=-1)] * block_scale / global_mul
-    assert torch.equal(got[:, 3], expected)
+    # one FP8 step moves a value by >= 1/16; the last bit of the dequantization's own division may differ by device
+    torch.testing.assert_close(got[:, 3], expected, rtol=1e-6, atol=0)
