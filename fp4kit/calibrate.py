@@ -205,6 +205,7 @@ class _AmaxRecorder:
         if self.modules is not None and not any(n in self.modules for triple in names for n in triple):
             return
         hidden_amax = hidden.abs().amax()
+        product = _Product(hidden, experts.gate_up_proj[0].t() if self.scales_input else experts.gate_up_proj[0])
         for e, (gate_name, up_name, down_name) in enumerate(names):
             weight = experts.gate_up_proj[e]
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
@@ -213,7 +214,7 @@ class _AmaxRecorder:
                 weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
             else:
                 x, x_amax = hidden, hidden_amax
-            gate, up = _matmul(x, weight).chunk(2, dim=-1)
+            gate, up = product(x, weight).chunk(2, dim=-1)
             self._update(gate_name, x_amax)
             self._update(up_name, x_amax)
             self._update(down_name, (experts.act_fn(gate) * up).abs().amax())
@@ -230,12 +231,29 @@ class _AmaxRecorder:
             result.routing_counts[index] = [0] * self.num_experts
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T in x's dtype. Half-precision matmuls on CPUs without bf16 units are several times slower than
-    fp32 ones: there, multiply in fp32 and round the product once, as a bf16 GEMM with fp32 accumulation does."""
-    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-        return nn.functional.linear(x.float(), weight.float()).to(x.dtype)
-    return nn.functional.linear(x, weight)
+class _Product:
+    """x @ weight.T in x's dtype, for one layer's experts in turn (one shape). Half-precision matmuls on CPUs without
+    bf16 units are several times slower than fp32 ones: there, multiply in fp32 and round the product once, as a bf16
+    GEMM with fp32 accumulation does, in fp32 buffers reused from expert to expert, so that the loop allocates and
+    frees nothing of a weight's size (freed buffers of a few MB stay resident in glibc's heaps)."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor):
+        self.fp32 = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+        if self.fp32:
+            self.x, self.x_source = torch.empty(x.shape, dtype=torch.float32), None
+            self.weight = torch.empty(weight.shape, dtype=torch.float32)
+            self.out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+            self.rounded = torch.empty(self.out.shape, dtype=x.dtype)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self.fp32:
+            return nn.functional.linear(x, weight)
+        if x is not self.x_source:  # the same hidden states for every expert but Llama-4's
+            self.x.copy_(x)
+            self.x_source = x
+        self.weight.copy_(weight)
+        torch.mm(self.x, self.weight.t(), out=self.out)
+        return self.rounded.copy_(self.out)
 
 
 def _release_freed_memory() -> None:
