@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fp4kit import memory
 from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
@@ -256,17 +257,6 @@ class _Product:
         return self.rounded.copy_(self.out)
 
 
-def _release_freed_memory() -> None:
-    """Hand the freed layer back to the OS (glibc keeps freed heap pages otherwise, and the next pass's threads
-    allocate from other arenas), so a layer's memory does not linger as resident memory after it is dropped."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def _checkpoint_dtype(src: Path) -> torch.dtype:
     config = read_config(src)
     text = config.get("text_config") or config
@@ -299,6 +289,7 @@ def calibrate(
         raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
+    memory.return_large_frees_to_os()  # else freed buffers of a few MB pile up in glibc's heaps, layer by layer
     result = CalibrationResult()
     with CheckpointReader(src) as reader:
         text = _text_model(reader, src, dtype, torch_device)
@@ -316,7 +307,7 @@ def calibrate(
             recorder.flush(result, index)
             text.layers[index] = None  # its weights go with it
             del layer, recorder
-            _release_freed_memory()
+            memory.trim_freed_memory()
             if on_layer is not None:
                 on_layer(index, hidden_batches)
     return result
