@@ -289,9 +289,9 @@ def calibrate(
         raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
-    memory.return_large_frees_to_os()  # else freed buffers of a few MB pile up in glibc's heaps, layer by layer
     result = CalibrationResult()
-    with CheckpointReader(src) as reader:
+    # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
+    with CheckpointReader(src) as reader, memory.large_frees_returned_to_os():
         text = _text_model(reader, src, dtype, torch_device)
         vocab_size = text.model.config.vocab_size
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:

@@ -7,17 +7,22 @@ large tensor is freed, buffers of a few MB (an expert's weights, a batch's activ
 long-lived allocations made between them (a statistic, a dict) split the freed space, so the heaps grow from one
 expert to the next: a layer's calibration pass kept 0.2-0.5 GB of freed memory on top of the layer itself, more
 in some runs than in others (the spread in docs/BENCHMARKS.md, "Calibration"). Fixing the threshold at 128 KiB
-(setting it turns the raising off) gives every buffer from 128 KiB up back to the OS when it is freed.
+(setting it turns the raising off) gives every buffer from 128 KiB up back to the OS when it is freed, at the price
+of a page fault per 4 KiB page of every new buffer: worth it while one decoder layer sets the peak, not in the
+weight pass (2-layer bench: +6 s system time of ~60 CPU s for 0.1 GB less than its 0.6 GB peak).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
+from collections.abc import Iterator
 
-M_MMAP_THRESHOLD = -3  # mallopt parameter number, glibc malloc.h
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers, glibc malloc.h
 MMAP_THRESHOLD = 128 * 1024  # glibc's own initial value, kept fixed
+HEAP_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, the ceiling of its raising
 
 
 @functools.cache
@@ -31,12 +36,21 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def return_large_frees_to_os() -> bool:
-    """Fix glibc's mmap threshold for the rest of the process, so that freed buffers of 128 KiB and more leave the
-    resident set at once. Process-wide and idempotent; True when applied, False where the C library is not glibc."""
-    libc = _glibc()
-    mallopt = getattr(libc, "mallopt", None)
-    return bool(mallopt and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+@contextlib.contextmanager
+def large_frees_returned_to_os() -> Iterator[bool]:
+    """Within the block, glibc's mmap threshold stays at 128 KiB, so freed buffers of 128 KiB and more leave the
+    resident set at once; yields whether that applies (False where the C library is not glibc). Process-wide. On
+    exit, buffers below 32 MiB come from the heaps again, which keep up to 64 MiB of free top: where glibc's own
+    raising ends (DEFAULT_MMAP_THRESHOLD_MAX; trim threshold twice the mmap threshold), so what follows runs as it
+    would after freeing a 32 MiB block. The raising itself stays off."""
+    mallopt = getattr(_glibc(), "mallopt", None)
+    applied = bool(mallopt and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    try:
+        yield applied
+    finally:
+        if applied:
+            mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+            mallopt(M_TRIM_THRESHOLD, 2 * HEAP_MMAP_THRESHOLD)
 
 
 def trim_freed_memory() -> None:

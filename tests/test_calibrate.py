@@ -304,11 +304,21 @@ def test_peak_memory_does_not_grow_with_layer_count(tmp_path, tiny):
 
 
 def test_calibration_returns_large_frees_to_the_os(monkeypatch, checkpoint):
-    """calibrate() fixes glibc's mmap threshold (fp4kit.memory) before the first layer: without it, buffers of a few
-    MB freed during a layer stay resident and the peak RSS of `quantize --scheme nvfp4` varied by 1 GB between runs."""
+    """calibrate() runs its layers within fp4kit.memory.large_frees_returned_to_os: without it, buffers of a few MB
+    freed during a layer stay resident and the peak RSS of `quantize --scheme nvfp4` varied by 1 GB between runs."""
+    import contextlib
+
     from fp4kit import memory
 
     calls = []
-    monkeypatch.setattr(memory, "return_large_frees_to_os", lambda: calls.append("tuned") or True)
-    calibrate(checkpoint("qwen3_moe"), token_ids(samples=2))
-    assert calls == ["tuned"]
+
+    @contextlib.contextmanager
+    def recorded():
+        calls.append("enter")
+        yield True
+        calls.append("exit")
+
+    monkeypatch.setattr(memory, "large_frees_returned_to_os", recorded)
+    calibrate(checkpoint("qwen3_moe"), token_ids(samples=2),
+              on_layer=lambda index, hidden: calls.append(f"layer {index}"))
+    assert calls == ["enter", "layer 0", "layer 1", "exit"]
