@@ -77,6 +77,22 @@ VARIANTS = {
 }
 
 
+_CONFIG_KEYS = {"i": "slice_i", "g": "group_pairs", "m": "block_m", "n1": "block_n1", "n": "block_n2",
+                "k": "block_k", "w": "num_warps", "s": "num_stages"}  # fmt: skip
+
+
+def variant_config(name: str, cfg: KernelConfig) -> KernelConfig:
+    """A named variant, or `cfg:key=value,...` on top of the default config (keys: i slice_i, g group_pairs,
+    m block_m, n1 block_n1, n block_n2, k block_k, w num_warps, s num_stages), e.g. `cfg:i=64,g=0,n=128`."""
+    if not name.startswith("cfg:"):
+        return VARIANTS[name](cfg)
+    fields = {}
+    for item in name.removeprefix("cfg:").split(","):
+        key, _, value = item.partition("=")
+        fields[_CONFIG_KEYS[key]] = bool(int(value)) if key == "g" else int(value)
+    return replace(cfg, **fields)
+
+
 def _n32(cfg: KernelConfig) -> dict:
     return {"block_n1": 32, "block_n2": 32} if cfg.block_m == DECODE_CONFIG.block_m else {}
 
@@ -255,7 +271,7 @@ def compare_variants(shapes, tokens_list, names, generator, copy_bw, mode_names=
             for mode, moe_weights in modes.items():
                 first = None
                 for variant in names:
-                    cfg = VARIANTS[variant](base_cfg)
+                    cfg = variant_config(variant, base_cfg)
 
                     def run(cfg=cfg, moe_weights=moe_weights, hidden=hidden, weights=weights, ids=ids, spec=spec):
                         return fused_moe(hidden, weights, ids, moe_weights, spec, config=cfg)
@@ -285,7 +301,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="no config sweep, first shape only")
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU under TRITON_INTERPRET=1")
-    parser.add_argument("--variants", default=None, help=f"compare kernel variants only: {','.join(VARIANTS)}")
+    parser.add_argument("--variants", default=None,
+                        help=f"compare kernel variants only: {','.join(VARIANTS)} or cfg:key=value,... "
+                        "(see variant_config), separated by ';'")  # fmt: skip
     parser.add_argument("--tokens", default=None, help="batch sizes, e.g. 1,16,64 (default 1,16,64,4096)")
     parser.add_argument("--modes", default="W4A16,W4A4", help="with --variants: W4A16, W4A4 or both")
     args = parser.parse_args()
@@ -305,8 +323,9 @@ def main() -> None:
         TOKENS = tuple(int(t) for t in args.tokens.split(","))
     fast = probe_fast_dequant(generator)
     if args.variants:
-        names = args.variants.split(",")
-        unknown = [n for n in names if n not in VARIANTS]
+        parts = args.variants.split(";")
+        names = [n for part in parts for n in ([part] if part.startswith("cfg:") else part.split(","))]
+        unknown = [n for n in names if n not in VARIANTS and not n.startswith("cfg:")]
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         results = {"device": device_name, "copy_bw": copy_bw, "fast_dequant": fast,

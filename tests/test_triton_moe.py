@@ -337,3 +337,70 @@ def test_split_k_matches_reference(w4a4: bool) -> None:
     variant = replace(config, split_k=3)
     per_rank = [fused_moe(*args, owner == rank, variant) for rank in range(2)]
     torch.testing.assert_close(sum(per_rank).cpu(), plain, rtol=1e-5, atol=1e-6)
+
+
+SLICED = KernelConfig(block_n2=32, block_k=64, num_warps=2, slice_i=32)
+
+
+@pytest.mark.parametrize("group_pairs", [True, False], ids=["grouped", "per-pair"])
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize(("spec", "num_tokens", "hidden_size", "inter_size"), CASES)
+def test_sliced_kernel_matches_reference_and_two_gemms(
+    spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool, group_pairs: bool
+) -> None:
+    """`KernelConfig.slice_i`: both GEMMs in one launch per intermediate slice (I = 48 leaves a zero-padded half
+    slice, H = 80 and 96 a partial last w2 row tile), pairs grouped by expert or one per program: the reference's
+    output, and the two-GEMM kernel's up to the order of GEMM2's fp32 sums."""
+    from dataclasses import replace
+
+    w13, w2, hidden, logits = _setup(len(spec.kind) + 3 * int(w4a4), num_tokens, spec.num_experts, hidden_size,
+                                     inter_size)  # fmt: skip
+    bias = torch.randn(spec.num_experts) * 0.1 if spec.kind == "sigmoid_grouped_topk" else None
+    weights, ids = route(logits, spec, bias)
+    divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
+    expected = moe_reference(
+        hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec, activation_global_div=divisors
+    )
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
+    args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+    two_gemms = fused_moe(*args, config=replace(SLICED, slice_i=0)).cpu()
+    got = fused_moe(*args, config=replace(SLICED, group_pairs=group_pairs)).cpu()
+    assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
+    assert _relative_error(got, two_gemms) < 1e-5
+
+
+@pytest.mark.parametrize("group_pairs", [True, False], ids=["grouped", "per-pair"])
+def test_sliced_kernel_expert_mask_and_nan_rows(group_pairs: bool) -> None:
+    """EP ranks of the sliced kernel sum to the full output; NaN router rows (distinct ids from `route`) leave the
+    valid rows as the reference computes them."""
+    from dataclasses import replace
+
+    spec = RoutingSpec("softmax_topk", 8, 3)
+    w13, w2, hidden, logits = _setup(24, 6, 8, 64, 64)
+    hidden[1] = float("nan")
+    logits[1] = float("nan")
+    logits[4, 2] = float("inf")
+    weights, ids = route(logits, spec)
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
+    config = replace(SLICED, group_pairs=group_pairs)
+    args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+    full = fused_moe(*args, config=config)
+    owner = torch.arange(8, device=DEVICE) % 2
+    per_rank = [fused_moe(*args, owner == rank, config) for rank in range(2)]
+    valid = [0, 2, 3, 4, 5]
+    torch.testing.assert_close(sum(per_rank)[valid], full[valid], rtol=1e-5, atol=1e-6)
+    expected = moe_reference(hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec)
+    assert bool(torch.isfinite(full[valid]).all())
+    assert _relative_error(full.cpu()[valid], expected[valid]) < 6e-3
+
+
+def test_slice_columns_stores_each_slice_contiguously() -> None:
+    from fp4kit.verify.triton_moe import slice_columns
+
+    t = torch.arange(2 * 3 * 10, dtype=torch.int64).view(2, 3, 10)
+    sliced = slice_columns(t, 4)
+    assert sliced.shape == (2, 3, 3, 4) and sliced.is_contiguous()
+    for slice_index in range(3):
+        width = min(4, 10 - 4 * slice_index)
+        assert torch.equal(sliced[:, slice_index, :, :width], t[:, :, 4 * slice_index : 4 * slice_index + width])
+        assert bool((sliced[:, slice_index, :, width:] == 0).all())

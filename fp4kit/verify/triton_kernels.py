@@ -219,16 +219,6 @@ def _fake_quant_blocks(x3, block_amax, global_mul):
 
 
 @triton.jit
-def _fake_quant_pair(x_even, x_odd, global_mul, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    even3 = tl.reshape(x_even, (ROWS, BLOCK_K // 16, 8))
-    odd3 = tl.reshape(x_odd, (ROWS, BLOCK_K // 16, 8))
-    block_amax = tl.maximum(tl.max(tl.abs(even3), axis=2), tl.max(tl.abs(odd3), axis=2))
-    even = tl.reshape(_fake_quant_blocks(even3, block_amax, global_mul), (ROWS, BLOCK_K // 2))
-    odd = tl.reshape(_fake_quant_blocks(odd3, block_amax, global_mul), (ROWS, BLOCK_K // 2))
-    return even, odd
-
-
-@triton.jit
 def _dequant_pair(
     packed,
     scale_bytes,
@@ -278,8 +268,156 @@ def _dequant_pair(
 
 
 @triton.jit
+def _gate_up_sums(
+    x_ptr,
+    x_row,  # int64 [BLOCK_M] input row of each M row
+    pairs,
+    pair_valid,
+    routing_weight_ptr,
+    w_ptr,
+    w_scale_ptr,
+    expert,
+    offs_n,  # int [BLOCK_N] intermediate columns (gate rows; up rows are I further)
+    k_start,
+    k_end,
+    hidden_size,
+    inter_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BIT_SCALES: tl.constexpr,
+    ALIGNED_SCALES: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    FOLD_BIAS: tl.constexpr,
+):
+    """GEMM1's K loop: raw fp32 gate and up sums [BLOCK_N, BLOCK_M] (transposed) of x rows against the block
+    scaled w1 and w3 rows of one expert, without the global scale (times 2^-7 with SHUFFLED and FOLD_BIAS)."""
+    n_valid = offs_n < inter_size
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    half_k = hidden_size // 2
+    scale_k = hidden_size // 16
+    if ALIGNED_SCALES:
+        half_k = tl.multiple_of(half_k, BLOCK_K // 2)
+        scale_k = tl.multiple_of(scale_k, BLOCK_K // 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + x_row[:, None] * hidden_size + offs_k[None, :]
+    gate_rows = w_ptr + expert * (2 * inter_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
+    up_rows = gate_rows + inter_size * half_k
+    gate_scales = (
+        w_scale_ptr + expert * (2 * inter_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
+    )
+    up_scales = gate_scales + inter_size * scale_k
+    if SCALE_INPUT:
+        routing_weight = tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        j_valid = (k0 // 2 + offs_j) < half_k
+        s_valid = (k0 // 16 + offs_s) < scale_k
+        x_mask = pair_valid[:, None] & ((k0 + offs_k) < hidden_size)[None, :]
+        x = tl.load(x_rows + k0, mask=x_mask, other=0.0).to(tl.float32)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        if SCALE_INPUT:
+            x_even = x_even * routing_weight[:, None]
+            x_odd = x_odd * routing_weight[:, None]
+        a_even = _to_mma(x_even, EMULATE_BF16)
+        a_odd = _to_mma(x_odd, EMULATE_BF16)
+        w_mask = n_valid[:, None] & j_valid[None, :]
+        ws_mask = n_valid[:, None] & s_valid[None, :]
+        gate_even, gate_odd = _dequant_pair(
+            _load(gate_rows + k0 // 2, w_mask, EVEN_K, 0),
+            _load(gate_scales + k0 // 16, ws_mask, EVEN_K, 0),
+            BLOCK_N,
+            BLOCK_K,
+            EMULATE_BF16,
+            FAST_DEQUANT,
+            BIT_SCALES,
+            SHUFFLED,
+            FOLD_BIAS,
+        )
+        acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
+        acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
+        up_even, up_odd = _dequant_pair(
+            _load(up_rows + k0 // 2, w_mask, EVEN_K, 0),
+            _load(up_scales + k0 // 16, ws_mask, EVEN_K, 0),
+            BLOCK_N,
+            BLOCK_K,
+            EMULATE_BF16,
+            FAST_DEQUANT,
+            BIT_SCALES,
+            SHUFFLED,
+            FOLD_BIAS,
+        )
+        acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
+        acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
+    return acc_gate, acc_up
+
+
+@triton.jit
+def _swiglu(
+    acc_gate,
+    acc_up,
+    alpha_ptr,
+    out_gmul_ptr,
+    expert,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W4A4: tl.constexpr,
+    FOLD_BIAS: tl.constexpr,
+):
+    """GEMM1's epilogue: global scale, SwiGLU, and in W4A4 the intermediate quantized per 16 columns with the
+    static activation global scale of GEMM2 (exact e2m1·s values): fp32 [BLOCK_M, BLOCK_N]."""
+    alpha = tl.load(alpha_ptr + expert)
+    if FOLD_BIAS:
+        alpha = alpha * _FOLD_ALPHA
+    gate = tl.trans(acc_gate) * alpha
+    inter = gate / (1.0 + tl.exp(-gate)) * (tl.trans(acc_up) * alpha)
+    if W4A4:
+        out_gmul = tl.load(out_gmul_ptr + expert)
+        inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
+        inter3 = _fake_quant_blocks(inter3, tl.max(tl.abs(inter3), axis=2), out_gmul)
+        inter = tl.reshape(inter3, (BLOCK_M, BLOCK_N))
+    return inter
+
+
+@triton.jit
+def pair_input_kernel(
+    x_ptr,  # bf16/fp32 [T, H]
+    routing_weight_ptr,  # fp32 [P]
+    ids_ptr,  # int [P] expert of each pair
+    act_gmul_ptr,  # fp32 [E] G_a13
+    out_ptr,  # bf16 [P, H] out (fp32 holding bf16 values under EMULATE_BF16)
+    top_k,
+    hidden_size,
+    num_experts,
+    BLOCK_K: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+):
+    """W4A4: each (token, slot) pair's GEMM1 input quantized per 16-block with its expert's static activation global
+    scale (Llama-4: times the routing weight first), once, instead of in every N tile of GEMM1: exact e2m1·s values.
+    Rows of pairs that no expert takes are quantized with expert 0's scale and never read."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    valid = offs < hidden_size
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    expert = tl.where((expert >= 0) & (expert < num_experts), expert, 0)
+    x = tl.load(x_ptr + (pair // top_k) * hidden_size + offs, mask=valid, other=0.0).to(tl.float32)
+    if SCALE_INPUT:
+        x = x * tl.load(routing_weight_ptr + pair)
+    x3 = tl.reshape(x, (1, BLOCK_K // 16, 16))
+    x3 = _fake_quant_blocks(x3, tl.max(tl.abs(x3), axis=2), tl.load(act_gmul_ptr + expert))
+    tl.store(out_ptr + pair * hidden_size + offs, _to_mma(tl.reshape(x3, (BLOCK_K,)), EMULATE_BF16), mask=valid)
+
+
+@triton.jit
 def align_kernel(
-    ids_ptr,  # int32 [P] expert id of each (token, slot) pair
+    ids_ptr,  # int32 or int64 [P] expert id of each (token, slot) pair
     local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL)
     sorted_pairs_ptr,  # int32 [max_padded] out: pair ids grouped by expert, padded with P
     block_expert_ptr,  # int32 [max_blocks] out: expert of each BLOCK_M block, -1 past the end
@@ -298,7 +436,7 @@ def align_kernel(
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
         expert = tl.where((expert >= 0) & (expert < num_experts), expert, num_experts)
         if HAS_LOCAL:
             is_local = tl.load(local_ptr + expert, mask=expert < num_experts, other=0)
@@ -322,7 +460,7 @@ def align_kernel(
     tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
         expert = tl.where((expert >= 0) & (expert < num_experts), expert, num_experts)
         if HAS_LOCAL:
             is_local = tl.load(local_ptr + expert, mask=expert < num_experts, other=0)
@@ -347,7 +485,7 @@ def _k_slice(size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 @triton.jit
 def splitk_swiglu_kernel(
     partial_ptr,  # fp32 [SPLIT_K, P, 2I] from gemm1_swiglu_kernel
-    ids_ptr,  # int32 [P] expert of each pair
+    ids_ptr,  # int32 or int64 [P] expert of each pair
     alpha_ptr,  # fp32 [E]
     inter_ptr,  # bf16 [P, I] out
     num_pairs,
@@ -375,7 +513,7 @@ def splitk_swiglu_kernel(
 
 @triton.jit
 def gemm1_swiglu_kernel(
-    x_ptr,  # bf16/fp32 [T, H]
+    x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] each pair's quantized input from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
     sorted_pairs_ptr,
     block_expert_ptr,
@@ -383,7 +521,6 @@ def gemm1_swiglu_kernel(
     w_ptr,  # u8 [E, 2I, H/2], rows [w1; w3]
     w_scale_ptr,  # u8 [E, 2I, H/16]
     alpha_ptr,  # fp32 [E]: 1/G_w (W4A16) or 1/(G_w·G_a) (W4A4)
-    act_gmul_ptr,  # fp32 [E] G_a13 (W4A4)
     out_gmul_ptr,  # fp32 [E] G_a2: the intermediate is stored fake-quantized (W4A4)
     inter_ptr,  # bf16 [P, I]
     partial_ptr,  # fp32 [SPLIT_K, P, 2I]: raw gate and up sums of each K slice (written only when SPLIT_K > 1)
@@ -412,73 +549,16 @@ def gemm1_swiglu_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_valid = pairs < num_pairs
-    tokens = (pairs // top_k).to(tl.int64)
+    # W4A4 reads each pair's own quantized input row (`pair_input_kernel`), W4A16 its token's
+    x_row = pairs.to(tl.int64) if W4A4 else (pairs // top_k).to(tl.int64)
     k_start, k_end = _k_slice(hidden_size, BLOCK_K, SPLIT_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < inter_size
-    offs_j = tl.arange(0, BLOCK_K // 2)
-    offs_s = tl.arange(0, BLOCK_K // 16)
-    half_k = hidden_size // 2
-    if ALIGNED_SCALES:
-        half_k = tl.multiple_of(half_k, BLOCK_K // 2)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + tokens[:, None] * hidden_size + offs_k[None, :]
-    gate_rows = w_ptr + expert * (2 * inter_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
-    up_rows = gate_rows + inter_size * half_k
-    scale_k = hidden_size // 16
-    if ALIGNED_SCALES:
-        scale_k = tl.multiple_of(scale_k, BLOCK_K // 16)
-    gate_scales = (
-        w_scale_ptr + expert * (2 * inter_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
-    )
-    up_scales = gate_scales + inter_size * scale_k
-    if SCALE_INPUT:
-        routing_weight = tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)
-    if W4A4:
-        act_gmul = tl.load(act_gmul_ptr + expert)
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        j_valid = (k0 // 2 + offs_j) < half_k
-        s_valid = (k0 // 16 + offs_s) < scale_k
-        x_mask = pair_valid[:, None] & ((k0 + offs_k) < hidden_size)[None, :]
-        x = tl.load(x_rows + k0, mask=x_mask, other=0.0).to(tl.float32)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
-        if SCALE_INPUT:
-            x_even = x_even * routing_weight[:, None]
-            x_odd = x_odd * routing_weight[:, None]
-        if W4A4:
-            x_even, x_odd = _fake_quant_pair(x_even, x_odd, act_gmul, BLOCK_M, BLOCK_K)
-        a_even = _to_mma(x_even, EMULATE_BF16)
-        a_odd = _to_mma(x_odd, EMULATE_BF16)
-        w_mask = n_valid[:, None] & j_valid[None, :]
-        ws_mask = n_valid[:, None] & s_valid[None, :]
-        gate_even, gate_odd = _dequant_pair(
-            _load(gate_rows + k0 // 2, w_mask, EVEN_K, 0),
-            _load(gate_scales + k0 // 16, ws_mask, EVEN_K, 0),
-            BLOCK_N,
-            BLOCK_K,
-            EMULATE_BF16,
-            FAST_DEQUANT,
-            BIT_SCALES,
-            SHUFFLED,
-            SHUFFLED and FOLD_BIAS,
-        )
-        acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
-        acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
-        up_even, up_odd = _dequant_pair(
-            _load(up_rows + k0 // 2, w_mask, EVEN_K, 0),
-            _load(up_scales + k0 // 16, ws_mask, EVEN_K, 0),
-            BLOCK_N,
-            BLOCK_K,
-            EMULATE_BF16,
-            FAST_DEQUANT,
-            BIT_SCALES,
-            SHUFFLED,
-            SHUFFLED and FOLD_BIAS,
-        )
-        acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
-        acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
+    acc_gate, acc_up = _gate_up_sums(
+        x_ptr, x_row, pairs, pair_valid, routing_weight_ptr, w_ptr, w_scale_ptr, expert, offs_n, k_start, k_end,
+        hidden_size, inter_size, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
+        EVEN_K, BIT_SCALES, ALIGNED_SCALES, SHUFFLED, SHUFFLED and FOLD_BIAS,
+    )  # fmt: skip
     if SPLIT_K > 1:
         rows = (tl.program_id(2) * num_pairs + pairs[None, :]).to(tl.int64) * (2 * inter_size)
         part_ptrs = partial_ptr + rows + offs_n[:, None]
@@ -489,16 +569,7 @@ def gemm1_swiglu_kernel(
         tl.store(part_ptrs, acc_gate, mask=part_mask)
         tl.store(part_ptrs + inter_size, acc_up, mask=part_mask)
         return
-    alpha = tl.load(alpha_ptr + expert)
-    if SHUFFLED and FOLD_BIAS:
-        alpha = alpha * _FOLD_ALPHA
-    gate = tl.trans(acc_gate) * alpha
-    inter = gate / (1.0 + tl.exp(-gate)) * (tl.trans(acc_up) * alpha)
-    if W4A4:
-        out_gmul = tl.load(out_gmul_ptr + expert)
-        inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
-        inter3 = _fake_quant_blocks(inter3, tl.max(tl.abs(inter3), axis=2), out_gmul)
-        inter = tl.reshape(inter3, (BLOCK_M, BLOCK_N))
+    inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS)
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_n[None, :]
     tl.store(out_ptrs, _to_mma(inter, EMULATE_BF16), mask=pair_valid[:, None] & n_valid[None, :])
 
@@ -583,3 +654,108 @@ def gemm2_combine_kernel(
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
     out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=pair_valid[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def fused_slice_kernel(
+    x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] from `pair_input_kernel`
+    routing_weight_ptr,  # fp32 [P]
+    ids_ptr,  # int [P] expert of each pair (read when not GROUPED)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL and not GROUPED)
+    sorted_pairs_ptr,  # from `align_kernel` (GROUPED)
+    block_expert_ptr,
+    num_padded_ptr,
+    w13_ptr,  # u8 [E, 2I, H/2], rows [w1; w3]
+    w13_scale_ptr,  # u8 [E, 2I, H/16]
+    alpha13_ptr,  # fp32 [E]
+    out_gmul_ptr,  # fp32 [E] G_a2 (W4A4)
+    w2_ptr,  # u8 [E, S, H, BLOCK_I/2]: the columns of each slice of w2, row after row (`slice_columns`)
+    w2_scale_ptr,  # u8 [E, S, H, BLOCK_I/16]
+    alpha2_ptr,  # fp32 [E]
+    out_ptr,  # fp32 [S, P, H]: each slice's share of each pair's output
+    num_pairs,
+    top_k,
+    hidden_size,
+    inter_size,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,  # intermediate columns per program: GEMM1's N tile and GEMM2's whole K
+    BLOCK_N: tl.constexpr,  # w2 rows per step of the GEMM2 loop
+    BLOCK_K: tl.constexpr,  # GEMM1's K step
+    GROUPED: tl.constexpr,  # program_id(0) is an `align_kernel` block of BLOCK_M pairs of one expert, else one pair
+    HAS_LOCAL: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    W4A4: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # H % BLOCK_K == 0
+    EVEN_N: tl.constexpr,  # H % BLOCK_N == 0
+    BIT_SCALES: tl.constexpr,
+    ALIGNED_SCALES: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    FOLD_BIAS: tl.constexpr,
+):
+    """Both GEMMs in one launch for few tokens: the program owning intermediate columns [i0, i0 + BLOCK_I) of its
+    pairs computes them whole (gate and up over all of H, SwiGLU), then their product with the same columns of w2,
+    written as this slice's share of each pair's output: no intermediate tensor, no second launch, and S times the
+    programs of a per-expert GEMM2. The shares are summed (over slices and top-k slots) by the caller."""
+    pid_m = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    rows_m = tl.arange(0, BLOCK_M)
+    if GROUPED:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_m)
+    else:
+        expert = tl.load(ids_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        if HAS_LOCAL:
+            if tl.load(local_ptr + expert) == 0:
+                return
+        pairs = tl.where(rows_m == 0, pid_m, num_pairs)  # one real row: the M tile is the MMA's minimum
+    pair_valid = pairs < num_pairs
+    x_row = pairs.to(tl.int64) if W4A4 else (pairs // top_k).to(tl.int64)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    acc_gate, acc_up = _gate_up_sums(
+        x_ptr, x_row, pairs, pair_valid, routing_weight_ptr, w13_ptr, w13_scale_ptr, expert, offs_i, 0, hidden_size,
+        hidden_size, inter_size, BLOCK_M, BLOCK_I, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
+        EVEN_K, BIT_SCALES, ALIGNED_SCALES, SHUFFLED, SHUFFLED and FOLD_BIAS,
+    )  # fmt: skip
+    inter = _swiglu(acc_gate, acc_up, alpha13_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS)
+    # columns past I: zero gate and up sums, SwiGLU(0) = 0, against zero-padded w2 columns
+    a_even, a_odd = tl.split(tl.reshape(_to_mma(inter, EMULATE_BF16), (BLOCK_M, BLOCK_I // 2, 2)))
+    num_slices = tl.cdiv(inter_size, BLOCK_I)
+    tile = (expert * num_slices + pid_i) * hidden_size
+    offs_r = tl.arange(0, BLOCK_N)
+    w2_rows = w2_ptr + tile * (BLOCK_I // 2) + offs_r[:, None] * (BLOCK_I // 2) + tl.arange(0, BLOCK_I // 2)[None, :]
+    w2_scales = (
+        w2_scale_ptr + tile * (BLOCK_I // 16) + offs_r[:, None] * (BLOCK_I // 16) + tl.arange(0, BLOCK_I // 16)[None, :]
+    )
+    alpha2 = tl.load(alpha2_ptr + expert)
+    if SHUFFLED and FOLD_BIAS:
+        alpha2 = alpha2 * _FOLD_ALPHA
+    if not SCALE_INPUT:
+        routing_weight = tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)
+    out_rows = out_ptr + (pid_i * num_pairs + pairs[:, None]).to(tl.int64) * hidden_size + offs_r[None, :]
+    for n0 in range(0, hidden_size, BLOCK_N):
+        r_valid = (n0 + offs_r) < hidden_size
+        w_even, w_odd = _dequant_pair(
+            _load(w2_rows + n0 * (BLOCK_I // 2), r_valid[:, None], EVEN_N, 0),
+            _load(w2_scales + n0 * (BLOCK_I // 16), r_valid[:, None], EVEN_N, 0),
+            BLOCK_N,
+            BLOCK_I,
+            EMULATE_BF16,
+            FAST_DEQUANT,
+            BIT_SCALES,
+            SHUFFLED,
+            SHUFFLED and FOLD_BIAS,
+        )
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc = _mma(a_even, w_even, acc, EMULATE_BF16)
+        acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)
+        share = tl.trans(acc) * alpha2
+        if not SCALE_INPUT:
+            share = share * routing_weight[:, None]
+        tl.store(out_rows + n0, share, mask=pair_valid[:, None] & r_valid[None, :])

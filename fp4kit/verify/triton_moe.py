@@ -52,6 +52,13 @@ class KernelConfig:
     # SwiGLU kernel after GEMM1 (W4A16 only) and in the final sum after GEMM2; sums in a different order. Measured
     # no faster on the H200 at one token (docs/verify_kernel_notes.md), so off.
     split_k: int = 1
+    # > 0: both GEMMs in one launch (`fused_slice_kernel`), each program owning this many intermediate columns of
+    # its pairs; the per-slice shares of the output are summed after. For few tokens: no intermediate tensor, one
+    # launch instead of two, and H / BLOCK_N2 times fewer GEMM2 programs that each stream a long run of w2.
+    slice_i: int = 0
+    # with slice_i: programs take the pairs of one expert grouped by `align_kernel` (True) or one pair each with no
+    # grouping launch (False: for batches whose pairs rarely share an expert, e.g. one token)
+    group_pairs: bool = True
 
 
 DECODE_CONFIG = KernelConfig()
@@ -81,6 +88,19 @@ SHUFFLE_BITS = (
     (28, 21, 20, 19),  # e6: register 1, high half
     (30, 27, 26, 29),  # e7: register 3, high half
 )
+
+
+def slice_columns(t: Tensor, width: int) -> Tensor:
+    """[E, R, C] -> [E, S, R, width], S = ceil(C / width): each expert's columns [s·width, (s+1)·width) of all R rows
+    stored contiguously (the last slice zero-padded), so that `fused_slice_kernel` streams a slice of w2 (packed
+    bytes or block scales) in one run. Words of the shuffled layout stay whole when width is a multiple of 4."""
+    num_experts, rows, cols = t.shape
+    num_slices = -(-cols // width)
+    if cols % width:
+        padded = t.new_zeros(num_experts, rows, num_slices * width)
+        padded[..., :cols] = t
+        t = padded
+    return t.view(num_experts, rows, num_slices, width).permute(0, 2, 1, 3).contiguous()
 
 
 def shuffle_packed(packed: Tensor) -> Tensor:
@@ -127,6 +147,15 @@ class TritonMoeWeights:
         if "shuffled" not in self._cache:
             self._cache["shuffled"] = (shuffle_packed(self.w13_packed), shuffle_packed(self.w2_packed))
         return self._cache["shuffled"]
+
+    def sliced_w2(self, block_i: int, shuffled: bool) -> tuple[Tensor, Tensor]:
+        """(packed, block scales) of w2 in `slice_columns`' layout for slices of block_i intermediate columns, built on
+        first use and kept with these weights."""
+        key = ("w2_slices", block_i, shuffled)
+        if key not in self._cache:
+            packed = self.shuffled_packed()[1] if shuffled else self.w2_packed
+            self._cache[key] = (slice_columns(packed, block_i // 2), slice_columns(self.w2_scale, block_i // 16))
+        return self._cache[key]
 
     @property
     def num_experts(self) -> int:
@@ -220,32 +249,105 @@ def fused_moe(
     num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
     if hidden_size != moe_weights.hidden_size or hidden_size % BLOCK or inter_size % BLOCK:
         raise Fp4kitError(f"hidden {list(hidden.shape)} does not fit experts H={moe_weights.hidden_size}")
-    device = hidden.device
     num_pairs = num_tokens * top_k
     cfg = config or default_config(num_pairs, num_experts)
-    block_m = cfg.block_m
+    flat_ids = ids.reshape(-1).contiguous()
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
+    x = hidden.contiguous()
+    if moe_weights.w4a4:
+        x = torch.empty(num_pairs, hidden_size, dtype=torch.float32 if emulate_bf16 else torch.bfloat16,
+                        device=hidden.device)  # fmt: skip
+        kernels.pair_input_kernel[(num_pairs, _cdiv(hidden_size, 256))](
+            hidden.contiguous(), flat_weights, flat_ids, moe_weights.act13_gmul, x, top_k, hidden_size, num_experts,
+            BLOCK_K=256, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16, num_warps=4,
+        )  # fmt: skip
+    run = _sliced if cfg.slice_i else _two_gemms
+    return run(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_tokens, top_k, emulate_bf16)
+
+
+def _align(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, block_m: int):
+    """`align_kernel`: the pairs grouped by expert in blocks of block_m rows -> (sorted_pairs, block_expert,
+    num_padded, max_blocks)."""
+    from fp4kit.verify import triton_kernels as kernels
+
+    device, num_pairs = flat_ids.device, flat_ids.numel()
     max_blocks = num_pairs // block_m + min(num_pairs, num_experts)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     e_pad = 1 << num_experts.bit_length()  # one spare bin for pairs that no local expert takes
     cursor = torch.empty(e_pad, dtype=torch.int32, device=device)
-    flat_ids = ids.reshape(-1).to(torch.int32)
-    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
     kernels.align_kernel[(1,)](
         flat_ids, local, sorted_pairs, block_expert, cursor, num_padded,
         num_pairs, num_experts, max_blocks * block_m, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, HAS_LOCAL=expert_mask is not None, num_warps=4,
     )  # fmt: skip
-    hidden = hidden.contiguous()
+    return sorted_pairs, block_expert, num_padded, max_blocks
+
+
+def _decode_flags(cfg: KernelConfig, emulate_bf16: bool) -> dict:
+    return {"EMULATE_BF16": emulate_bf16, "FAST_DEQUANT": cfg.fast_dequant and not emulate_bf16,
+            "BIT_SCALES": cfg.fast_scales, "SHUFFLED": _shuffled(cfg), "FOLD_BIAS": cfg.fold_bias}  # fmt: skip
+
+
+def _shuffled(cfg: KernelConfig) -> bool:
+    # The shuffled decode takes 4 consecutive bytes of a row as one aligned word: true of the 8-bit dot operand of
+    # mma.sync (kWidth 4), which is all Triton uses below 4 warps; wgmma's (sm90, 4+ warps) has kWidth 2.
+    return cfg.shuffled and cfg.num_warps < 4
+
+
+def _sliced(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_tokens, top_k, emulate_bf16):
+    """`fused_slice_kernel` and the sum of its per-slice shares."""
+    from fp4kit.verify import triton_kernels as kernels
+
+    num_pairs, hidden_size = flat_ids.numel(), moe_weights.hidden_size
+    num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
+    block_i = _clamp_block(cfg.slice_i, inter_size, 32)  # GEMM2's K: two dots of at least 16
+    block_n = _clamp_block(cfg.block_n2, hidden_size, 16)
+    block_k = _clamp_block(cfg.block_k, hidden_size, 32)
+    num_slices = _cdiv(inter_size, block_i)
+    w2_packed, w2_scale = moe_weights.sliced_w2(block_i, _shuffled(cfg))
+    w13_packed = moe_weights.shuffled_packed()[0] if _shuffled(cfg) else moe_weights.w13_packed
+    device = x.device
+    if cfg.group_pairs:
+        block_m = cfg.block_m
+        sorted_pairs, block_expert, num_padded, grid_m = _align(flat_ids, expert_mask, num_experts, block_m)
+    else:
+        block_m, grid_m = 16, num_pairs
+        sorted_pairs = block_expert = num_padded = flat_ids  # never read
+    local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
+    alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
+    shares = alloc(num_slices, num_pairs, hidden_size, dtype=torch.float32, device=device)
+    kernels.fused_slice_kernel[(grid_m, num_slices)](
+        x, flat_weights, flat_ids, local, sorted_pairs, block_expert, num_padded,
+        w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        moe_weights.act2_gmul if moe_weights.w4a4 else moe_weights.alpha13,
+        w2_packed, w2_scale, moe_weights.alpha2, shares,
+        num_pairs, top_k, hidden_size, inter_size, num_experts,
+        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_N=block_n, BLOCK_K=block_k, GROUPED=cfg.group_pairs,
+        HAS_LOCAL=expert_mask is not None, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
+        EVEN_K=hidden_size % block_k == 0, EVEN_N=hidden_size % block_n == 0,
+        ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k == 0, **_decode_flags(cfg, emulate_bf16),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return shares.view(num_slices, num_tokens, top_k, hidden_size).sum(dim=(0, 2))
+
+
+def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_tokens, top_k, emulate_bf16):
+    """align, GEMM1 + SwiGLU, GEMM2 + routing weight, then the sum over the k slots."""
+    from fp4kit.verify import triton_kernels as kernels
+
+    num_pairs, hidden_size = flat_ids.numel(), moe_weights.hidden_size
+    num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
+    device = x.device
+    block_m = cfg.block_m
+    sorted_pairs, block_expert, num_padded, max_blocks = _align(flat_ids, expert_mask, num_experts, block_m)
     block_n1 = _clamp_block(cfg.block_n1, inter_size, 16)
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
     no_scale = moe_weights.alpha13  # any fp32 tensor: never read in W4A16 mode
-    # The shuffled decode takes 4 consecutive bytes of a row as one aligned word: true of the 8-bit dot operand of
-    # mma.sync (kWidth 4), which is all Triton uses below 4 warps; wgmma's (sm90, 4+ warps) has kWidth 2.
-    shuffled = cfg.shuffled and cfg.num_warps < 4
+    shuffled = _shuffled(cfg)
     w13_packed, w2_packed = moe_weights.shuffled_packed() if shuffled else (moe_weights.w13_packed,
                                                                             moe_weights.w2_packed)  # fmt: skip
     # Split-K: W4A16 only in GEMM1 (W4A4 quantizes the intermediate in the epilogue), at most one slice per K tile
@@ -255,16 +357,13 @@ def fused_moe(
     if split1 > 1:
         partial = alloc(split1, num_pairs, 2 * inter_size, dtype=torch.float32, device=device)
     kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1), split1)](
-        hidden, flat_weights, sorted_pairs, block_expert, num_padded,
+        x, flat_weights, sorted_pairs, block_expert, num_padded,
         w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
-        moe_weights.act13_gmul if moe_weights.w4a4 else no_scale,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
         inter, partial, num_pairs, top_k, hidden_size, inter_size,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
-        EMULATE_BF16=emulate_bf16, FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16,
-        EVEN_K=hidden_size % block_k1 == 0, BIT_SCALES=cfg.fast_scales,
-        ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0, SHUFFLED=shuffled,
-        FOLD_BIAS=cfg.fold_bias, SPLIT_K=split1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
+        SPLIT_K=split1, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split1 > 1:
         kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
@@ -279,11 +378,9 @@ def fused_moe(
         inter, flat_weights, sorted_pairs, block_expert, num_padded,
         w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
         num_pairs, hidden_size, inter_size,
-        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input, EMULATE_BF16=emulate_bf16,
-        FAST_DEQUANT=cfg.fast_dequant and not emulate_bf16, EVEN_K=inter_size % block_k2 == 0,
-        BIT_SCALES=cfg.fast_scales, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
-        SHUFFLED=shuffled, FOLD_BIAS=cfg.fold_bias, SPLIT_K=split2, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
+        EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
+        SPLIT_K=split2, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split2 == 1:
         return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
