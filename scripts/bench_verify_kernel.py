@@ -78,12 +78,12 @@ VARIANTS = {
 
 
 _CONFIG_KEYS = {"i": "slice_i", "g": "group_pairs", "m": "block_m", "n1": "block_n1", "n": "block_n2",
-                "k": "block_k", "w": "num_warps", "s": "num_stages"}  # fmt: skip
+                "k": "block_k", "w": "num_warps", "s": "num_stages", "sk": "split_k"}  # fmt: skip
 
 
 def variant_config(name: str, cfg: KernelConfig) -> KernelConfig:
     """A named variant, or `cfg:key=value,...` on top of the default config (keys: i slice_i, g group_pairs,
-    m block_m, n1 block_n1, n block_n2, k block_k, w num_warps, s num_stages), e.g. `cfg:i=64,g=0,n=128`."""
+    m block_m, n1 block_n1, n block_n2, k block_k, w num_warps, s num_stages, sk split_k), e.g. `cfg:i=64,g=0,n=128`."""
     if not name.startswith("cfg:"):
         return VARIANTS[name](cfg)
     fields = {}
@@ -201,7 +201,7 @@ def check_correctness(name, w13, w2, hidden_size, top_k, generator, fast: bool) 
         for kind, kind_spec, kind_weights, kind_ids in specs:
             for mode, act_div in (("W4A16", None), ("W4A4", divisors)):
                 moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, act_div, device=DEVICE)
-                cfg = replace(default_config(kind_ids.numel(), num_experts), fast_dequant=fast)
+                cfg = replace(default_config(kind_ids.numel(), num_experts, kind_ids.shape[1]), fast_dequant=fast)
                 got = fused_moe(hidden, kind_weights, kind_ids, moe_weights, kind_spec, config=cfg)
                 expected = moe_reference(hidden.cpu(), kind_weights.cpu(), kind_ids.cpu(), dense13, dense2, kind_spec,
                                          activation_global_div=act_div)  # fmt: skip
@@ -267,7 +267,7 @@ def compare_variants(shapes, tokens_list, names, generator, copy_bw, mode_names=
             hidden = torch.randn(tokens, hidden_size, device=DEVICE, generator=generator).to(torch.bfloat16)
             weights, ids = route(torch.randn(tokens, num_experts, device=DEVICE, generator=generator), spec)
             read_bytes = int(torch.unique(ids).numel()) * per_expert
-            base_cfg = default_config(ids.numel(), num_experts)
+            base_cfg = default_config(ids.numel(), num_experts, top_k)
             for mode, moe_weights in modes.items():
                 first = None
                 for variant in names:
@@ -298,7 +298,8 @@ def compare_variants(shapes, tokens_list, names, generator, copy_bw, mode_names=
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="no config sweep, first shape only")
+    parser.add_argument("--quick", action="store_true", help="first shape only")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configs; report the fastest")
     parser.add_argument("--json", default=None, help="write all results here")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU under TRITON_INTERPRET=1")
     parser.add_argument("--variants", default=None,
@@ -350,9 +351,12 @@ def main() -> None:
             weights, ids = route(torch.randn(tokens, num_experts, device=DEVICE, generator=generator), spec)
             touched = int(torch.unique(ids).numel())
             read_bytes = touched * per_expert
-            candidates = DECODE_CANDIDATES if tokens * top_k <= 16 * num_experts else PREFILL_CANDIDATES
-            if args.quick or args.smoke:
-                candidates = candidates[:1]
+            # what fused_moe runs by default first; --sweep also times the candidates and reports the fastest
+            default = default_config(tokens * top_k, num_experts, top_k)
+            candidates = [default]
+            if args.sweep:
+                sweep = DECODE_CANDIDATES if tokens * top_k <= 16 * num_experts else PREFILL_CANDIDATES
+                candidates += [c for c in sweep if c != default]
             if not fast:
                 candidates = list(dict.fromkeys(replace(c, fast_dequant=False) for c in candidates))
 

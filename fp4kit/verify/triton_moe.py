@@ -1,7 +1,7 @@
 """fp4kit's own fused NVFP4 MoE kernel in Triton: runs on any CUDA GPU Triton supports (sm80+, including the sm90
 H200, which has no FP4 tensor cores) and on a CPU under TRITON_INTERPRET=1 (DESIGN.md §8).
 
-Three launches and one reduction:
+Two-GEMM path (the default but for 2-4 tokens): three launches and one reduction.
 1. `align_kernel` (one program): groups the T·k (token, slot) pairs by expert into BLOCK_M-row blocks, padding each
    expert's rows to a multiple of BLOCK_M; writes the expert of each block. No host synchronisation.
 2. `gemm1_swiglu_kernel`: per block, [x] · [w1; w3]ᵀ of its expert with in-kernel dequantization of the packed FP4
@@ -10,10 +10,15 @@ Three launches and one reduction:
 3. `gemm2_combine_kernel`: w2 the same way, then times the routing weight (not for Llama-4) into per-pair rows,
    summed over the k slots of each token in fp32.
 
+Sliced path (`KernelConfig.slice_i`): `fused_slice_kernel` computes, per (pair or block of pairs, slice of the
+intermediate columns), the slice of SwiGLU(x·[w1; w3]ᵀ) over all of H and its product with the same columns of w2
+(stored slice by slice, `slice_columns`); the slices' shares are summed in fp32 after. One launch (two with grouping).
+
 Modes. W4A16: bf16 activations, bf16 MMA of exact e2m1·s weight products, fp32 accumulation. W4A4 emulation: the
 input of each GEMM is quantized per 16-block with a static per-expert activation global scale as NVFP4 kernels do
-(s = fp8(amax/6 · G_a), rne_e2m1(x / (s / G_a))), the exact e2m1·s products go through the bf16 MMA, and 1/(G_w·G_a)
-is applied after accumulation: equal to the Blackwell kernels up to summation order. The reference is
+(s = fp8(amax/6 · G_a), rne_e2m1(x / (s / G_a))): GEMM1's once per (token, slot) pair by `pair_input_kernel`,
+GEMM2's in GEMM1's epilogue; the exact e2m1·s products go through the bf16 MMA, and 1/(G_w·G_a) is applied after
+accumulation: equal to the Blackwell kernels up to summation order. The reference is
 `fp4kit.verify.reference.moe_reference` on the dequantized weights (``activation_global_div`` for W4A4).
 """
 
@@ -66,13 +71,20 @@ DECODE_CONFIG = KernelConfig()
 # weight bytes (H200: 50-55% of copy bandwidth at 64 tokens against 47-53% with 32 rows; at 16 tokens and below 32
 # rows are as fast or faster)
 DECODE_WIDE_CONFIG = KernelConfig(block_n1=64, block_n2=64)
+# 2-4 tokens (pairs rarely share an expert): both GEMMs in one launch, one pair per program, no grouping launch
+# (H200, docs/verify_kernel_notes.md: 27-52% of copy bandwidth against 24-46% for the two-GEMM path)
+SLICED_CONFIG = KernelConfig(block_n2=256, block_k=256, slice_i=64, group_pairs=False)
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=64, block_n2=128, block_k=128, num_warps=4, num_stages=3)
 
 
-def default_config(num_pairs: int, num_experts: int) -> KernelConfig:
-    """Few rows per expert: small M tiles, long K tiles, many programs to keep HBM busy; else MMA-sized tiles."""
+def default_config(num_pairs: int, num_experts: int, top_k: int = 1) -> KernelConfig:
+    """Few rows per expert: small M tiles, long K tiles, many programs to keep HBM busy; else MMA-sized tiles. The
+    boundaries are the H200 measurements of docs/verify_kernel_notes.md (one token: the two-GEMM path, 10% faster
+    there for Qwen3-30B-A3B and 4% slower for Qwen3-235B-A22B)."""
     if num_pairs > 16 * num_experts:
         return PREFILL_CONFIG
+    if top_k < num_pairs <= num_experts // 4:
+        return SLICED_CONFIG
     return DECODE_WIDE_CONFIG if num_pairs >= 2 * num_experts else DECODE_CONFIG
 
 
@@ -250,7 +262,7 @@ def fused_moe(
     if hidden_size != moe_weights.hidden_size or hidden_size % BLOCK or inter_size % BLOCK:
         raise Fp4kitError(f"hidden {list(hidden.shape)} does not fit experts H={moe_weights.hidden_size}")
     num_pairs = num_tokens * top_k
-    cfg = config or default_config(num_pairs, num_experts)
+    cfg = config or default_config(num_pairs, num_experts, top_k)
     flat_ids = ids.reshape(-1).contiguous()
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     x = hidden.contiguous()
