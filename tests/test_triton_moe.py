@@ -404,3 +404,30 @@ def test_slice_columns_stores_each_slice_contiguously() -> None:
         width = min(4, 10 - 4 * slice_index)
         assert torch.equal(sliced[:, slice_index, :, :width], t[:, :, 4 * slice_index : 4 * slice_index + width])
         assert bool((sliced[:, slice_index, :, width:] == 0).all())
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_two_gemms_one_pair_per_program(w4a4: bool) -> None:
+    """`group_pairs=False` on the two-GEMM path (no `align_kernel`, one pair per program): the grouped kernel's
+    output, with NaN router rows, Llama-4's scaled input, and EP ranks that sum to the full output."""
+    from dataclasses import replace
+
+    for spec, hidden_size, inter_size in ((RoutingSpec("softmax_topk", 8, 3), 64, 48),
+                                          (RoutingSpec("llama4_sigmoid_top1", 4, 1), 80, 32)):  # fmt: skip
+        w13, w2, hidden, logits = _setup(25, 5, spec.num_experts, hidden_size, inter_size)
+        hidden[1] = float("nan")
+        logits[1] = float("nan")
+        weights, ids = route(logits, spec)
+        divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
+        moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
+        args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+        config = replace(CONFIG, num_warps=2, block_k=64)
+        grouped = fused_moe(*args, config=config).cpu()
+        per_pair = replace(config, group_pairs=False)
+        got = fused_moe(*args, config=per_pair).cpu()
+        valid = [0, 2, 3, 4]
+        assert bool(torch.isfinite(got[valid]).all())
+        torch.testing.assert_close(got[valid], grouped[valid], rtol=1e-6, atol=1e-7)
+        owner = torch.arange(spec.num_experts, device=DEVICE) % 2
+        per_rank = [fused_moe(*args, owner == rank, per_pair).cpu() for rank in range(2)]
+        torch.testing.assert_close(sum(per_rank)[valid], got[valid], rtol=1e-5, atol=1e-6)

@@ -472,6 +472,37 @@ def align_kernel(
 
 
 @triton.jit
+def _owned_pairs(
+    pid_m,
+    ids_ptr,
+    local_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    num_experts,
+    BLOCK_M: tl.constexpr,
+    GROUPED: tl.constexpr,
+    HAS_LOCAL: tl.constexpr,
+):
+    """(expert, pairs [BLOCK_M], active) of program row pid_m: an `align_kernel` block of pairs of one expert
+    (GROUPED), or pair pid_m alone in row 0 of its M tile, with no grouping launch; pairs past the end are
+    num_pairs. Inactive: a block past the padded end, or a pair of no (local) expert: the program has nothing to do."""
+    rows_m = tl.arange(0, BLOCK_M)
+    if GROUPED:
+        active = pid_m * BLOCK_M < tl.load(num_padded_ptr)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_m)
+    else:
+        expert = tl.load(ids_ptr + pid_m).to(tl.int64)
+        active = (expert >= 0) & (expert < num_experts)
+        if HAS_LOCAL:
+            active = active & (tl.load(local_ptr + expert, mask=active, other=0) != 0)
+        pairs = tl.where(rows_m == 0, pid_m, num_pairs)
+    return expert, pairs, active
+
+
+@triton.jit
 def _k_slice(size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """[start, end) of the K range this program sums: all of it, or slice program_id(2) of SPLIT_K (whole tiles)."""
     if SPLIT_K > 1:
@@ -515,6 +546,8 @@ def splitk_swiglu_kernel(
 def gemm1_swiglu_kernel(
     x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] each pair's quantized input from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
+    ids_ptr,  # int [P] expert of each pair (read when not GROUPED)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL and not GROUPED)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -528,6 +561,7 @@ def gemm1_swiglu_kernel(
     top_k,
     hidden_size,
     inter_size,
+    num_experts,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -541,13 +575,17 @@ def gemm1_swiglu_kernel(
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
     SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into partial_ptr; `splitk_swiglu_kernel` ends
+    GROUPED: tl.constexpr = True,  # program_id(0) is an `align_kernel` block of pairs of one expert, else one pair
+    HAS_LOCAL: tl.constexpr = False,  # with GROUPED False: skip pairs of experts local_ptr marks 0
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    expert, pairs, active = _owned_pairs(
+        pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+        BLOCK_M, GROUPED, HAS_LOCAL,
+    )  # fmt: skip
+    if active.to(tl.int32) == 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_valid = pairs < num_pairs
     # W4A4 reads each pair's own quantized input row (`pair_input_kernel`), W4A16 its token's
     x_row = pairs.to(tl.int64) if W4A4 else (pairs // top_k).to(tl.int64)
@@ -578,6 +616,8 @@ def gemm1_swiglu_kernel(
 def gemm2_combine_kernel(
     inter_ptr,  # bf16 [P, I]
     routing_weight_ptr,  # fp32 [P]
+    ids_ptr,  # int [P] expert of each pair (read when not GROUPED)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL and not GROUPED)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -588,6 +628,7 @@ def gemm2_combine_kernel(
     num_pairs,
     hidden_size,
     inter_size,
+    num_experts,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -600,13 +641,17 @@ def gemm2_combine_kernel(
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
     SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into pair_out[program_id(2)] ([SPLIT_K, P, H])
+    GROUPED: tl.constexpr = True,  # program_id(0) is an `align_kernel` block of pairs of one expert, else one pair
+    HAS_LOCAL: tl.constexpr = False,  # with GROUPED False: skip pairs of experts local_ptr marks 0
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+    expert, pairs, active = _owned_pairs(
+        pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+        BLOCK_M, GROUPED, HAS_LOCAL,
+    )  # fmt: skip
+    if active.to(tl.int32) == 0:
         return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     pair_valid = pairs < num_pairs
     k_start, k_end = _k_slice(inter_size, BLOCK_K, SPLIT_K)
     if SPLIT_K > 1:
@@ -701,20 +746,12 @@ def fused_slice_kernel(
     programs of a per-expert GEMM2. The shares are summed (over slices and top-k slots) by the caller."""
     pid_m = tl.program_id(0)
     pid_i = tl.program_id(1)
-    rows_m = tl.arange(0, BLOCK_M)
-    if GROUPED:
-        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_m)
-    else:
-        expert = tl.load(ids_ptr + pid_m).to(tl.int64)
-        if (expert < 0) | (expert >= num_experts):
-            return
-        if HAS_LOCAL:
-            if tl.load(local_ptr + expert) == 0:
-                return
-        pairs = tl.where(rows_m == 0, pid_m, num_pairs)  # one real row: the M tile is the MMA's minimum
+    expert, pairs, active = _owned_pairs(
+        pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
+        BLOCK_M, GROUPED, HAS_LOCAL,
+    )  # fmt: skip
+    if active.to(tl.int32) == 0:
+        return
     pair_valid = pairs < num_pairs
     x_row = pairs.to(tl.int64) if W4A4 else (pairs // top_k).to(tl.int64)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)

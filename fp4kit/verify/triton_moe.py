@@ -61,12 +61,14 @@ class KernelConfig:
     # its pairs; the per-slice shares of the output are summed after. For few tokens: no intermediate tensor, one
     # launch instead of two, and H / BLOCK_N2 times fewer GEMM2 programs that each stream a long run of w2.
     slice_i: int = 0
-    # with slice_i: programs take the pairs of one expert grouped by `align_kernel` (True) or one pair each with no
-    # grouping launch (False: for batches whose pairs rarely share an expert, e.g. one token)
+    # programs take the pairs of one expert grouped by `align_kernel` (True) or one pair each with no grouping launch
+    # (False: for batches whose pairs rarely share an expert, e.g. one token)
     group_pairs: bool = True
 
 
 DECODE_CONFIG = KernelConfig()
+# one token: its k pairs have k distinct experts, so no grouping launch (H200: its ~5 µs was a fifth of the total)
+ONE_TOKEN_CONFIG = KernelConfig(group_pairs=False)
 # two or more rows per expert on average: 64-row N tiles reuse each K step's activation fragments over twice the
 # weight bytes (H200: 50-55% of copy bandwidth at 64 tokens against 47-53% with 32 rows; at 16 tokens and below 32
 # rows are as fast or faster)
@@ -83,7 +85,9 @@ def default_config(num_pairs: int, num_experts: int, top_k: int = 1) -> KernelCo
     there for Qwen3-30B-A3B and 4% slower for Qwen3-235B-A22B)."""
     if num_pairs > 16 * num_experts:
         return PREFILL_CONFIG
-    if top_k < num_pairs <= num_experts // 4:
+    if num_pairs <= top_k:
+        return ONE_TOKEN_CONFIG
+    if num_pairs <= num_experts // 4:
         return SLICED_CONFIG
     return DECODE_WIDE_CONFIG if num_pairs >= 2 * num_experts else DECODE_CONFIG
 
@@ -298,6 +302,21 @@ def _align(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, block
     return sorted_pairs, block_expert, num_padded, max_blocks
 
 
+def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
+    """How the kernels find each program's pairs: (ids, local, sorted_pairs, block_expert, num_padded) pointers, their
+    constexprs and the grid's row count; `align_kernel`'s blocks (cfg.group_pairs) or one pair per program."""
+    device = flat_ids.device
+    local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
+    if cfg.group_pairs:
+        block_m = cfg.block_m
+        sorted_pairs, block_expert, num_padded, grid_m = _align(flat_ids, expert_mask, num_experts, block_m)
+    else:
+        block_m, grid_m = 16, flat_ids.numel()  # the MMA's minimum M tile, one real row
+        sorted_pairs = block_expert = num_padded = flat_ids  # never read
+    flags = {"BLOCK_M": block_m, "GROUPED": cfg.group_pairs, "HAS_LOCAL": expert_mask is not None}
+    return (flat_ids, local, sorted_pairs, block_expert, num_padded), flags, grid_m
+
+
 def _decode_flags(cfg: KernelConfig, emulate_bf16: bool) -> dict:
     return {"EMULATE_BF16": emulate_bf16, "FAST_DEQUANT": cfg.fast_dequant and not emulate_bf16,
             "BIT_SCALES": cfg.fast_scales, "SHUFFLED": _shuffled(cfg), "FOLD_BIAS": cfg.fold_bias}  # fmt: skip
@@ -322,23 +341,16 @@ def _sliced(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_
     w2_packed, w2_scale = moe_weights.sliced_w2(block_i, _shuffled(cfg))
     w13_packed = moe_weights.shuffled_packed()[0] if _shuffled(cfg) else moe_weights.w13_packed
     device = x.device
-    if cfg.group_pairs:
-        block_m = cfg.block_m
-        sorted_pairs, block_expert, num_padded, grid_m = _align(flat_ids, expert_mask, num_experts, block_m)
-    else:
-        block_m, grid_m = 16, num_pairs
-        sorted_pairs = block_expert = num_padded = flat_ids  # never read
-    local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
+    owners, grouping, grid_m = _grouping(flat_ids, expert_mask, num_experts, cfg)
     alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
     shares = alloc(num_slices, num_pairs, hidden_size, dtype=torch.float32, device=device)
     kernels.fused_slice_kernel[(grid_m, num_slices)](
-        x, flat_weights, flat_ids, local, sorted_pairs, block_expert, num_padded,
-        w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else moe_weights.alpha13,
         w2_packed, w2_scale, moe_weights.alpha2, shares,
         num_pairs, top_k, hidden_size, inter_size, num_experts,
-        BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_N=block_n, BLOCK_K=block_k, GROUPED=cfg.group_pairs,
-        HAS_LOCAL=expert_mask is not None, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
+        **grouping, BLOCK_I=block_i, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_INPUT=spec.scales_input,
+        W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k == 0, EVEN_N=hidden_size % block_n == 0,
         ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k == 0, **_decode_flags(cfg, emulate_bf16),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -353,8 +365,7 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     num_pairs, hidden_size = flat_ids.numel(), moe_weights.hidden_size
     num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
     device = x.device
-    block_m = cfg.block_m
-    sorted_pairs, block_expert, num_padded, max_blocks = _align(flat_ids, expert_mask, num_experts, block_m)
+    owners, grouping, max_blocks = _grouping(flat_ids, expert_mask, num_experts, cfg)
     block_n1 = _clamp_block(cfg.block_n1, inter_size, 16)
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
@@ -369,11 +380,10 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     if split1 > 1:
         partial = alloc(split1, num_pairs, 2 * inter_size, dtype=torch.float32, device=device)
     kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1), split1)](
-        x, flat_weights, sorted_pairs, block_expert, num_padded,
-        w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
-        inter, partial, num_pairs, top_k, hidden_size, inter_size,
-        BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
+        inter, partial, num_pairs, top_k, hidden_size, inter_size, num_experts,
+        **grouping, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
         SPLIT_K=split1, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -387,10 +397,9 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     split2 = max(1, min(cfg.split_k, _cdiv(inter_size, block_k2)))
     pair_out = alloc(split2, num_pairs, hidden_size, dtype=torch.float32, device=device)
     kernels.gemm2_combine_kernel[(max_blocks, _cdiv(hidden_size, block_n2), split2)](
-        inter, flat_weights, sorted_pairs, block_expert, num_padded,
-        w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
-        num_pairs, hidden_size, inter_size,
-        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
+        inter, flat_weights, *owners, w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
+        num_pairs, hidden_size, inter_size, num_experts,
+        **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
         EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
         SPLIT_K=split2, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
