@@ -56,12 +56,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
-@pytest.mark.parametrize(("spec", "num_tokens", "hidden_size", "inter_size"), CASES)
-def test_kernel_matches_reference(spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool):
-    w13, w2, hidden, logits = _setup(
-        len(spec.kind) * 10 + int(w4a4), num_tokens, spec.num_experts, hidden_size, inter_size
-    )
+def _routed_case(seed: int, spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool):
+    """(fused_moe's positional arguments on DEVICE, the fp32 reference output) for one routed random case."""
+    w13, w2, hidden, logits = _setup(seed, num_tokens, spec.num_experts, hidden_size, inter_size)
     bias = torch.randn(spec.num_experts) * 0.1 if spec.kind == "sigmoid_grouped_topk" else None
     weights, ids = route(logits, spec, bias)
     divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
@@ -69,7 +66,14 @@ def test_kernel_matches_reference(spec: RoutingSpec, num_tokens: int, hidden_siz
         hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec, activation_global_div=divisors
     )
     moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
-    got = fused_moe(hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec, config=CONFIG).cpu()
+    return (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec), expected
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize(("spec", "num_tokens", "hidden_size", "inter_size"), CASES)
+def test_kernel_matches_reference(spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool):
+    args, expected = _routed_case(len(spec.kind) * 10 + int(w4a4), spec, num_tokens, hidden_size, inter_size, w4a4)
+    got = fused_moe(*args, config=CONFIG).cpu()
     assert got.dtype == torch.float32 and got.shape == expected.shape
     # W4A16 rounds the intermediate (and Llama-4's scaled input) to bf16; W4A4's operands are exact in bf16.
     assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
@@ -353,16 +357,7 @@ def test_sliced_kernel_matches_reference_and_two_gemms(
     output, and the two-GEMM kernel's up to the order of GEMM2's fp32 sums."""
     from dataclasses import replace
 
-    w13, w2, hidden, logits = _setup(len(spec.kind) + 3 * int(w4a4), num_tokens, spec.num_experts, hidden_size,
-                                     inter_size)  # fmt: skip
-    bias = torch.randn(spec.num_experts) * 0.1 if spec.kind == "sigmoid_grouped_topk" else None
-    weights, ids = route(logits, spec, bias)
-    divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
-    expected = moe_reference(
-        hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec, activation_global_div=divisors
-    )
-    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
-    args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+    args, expected = _routed_case(len(spec.kind) + 3 * int(w4a4), spec, num_tokens, hidden_size, inter_size, w4a4)
     two_gemms = fused_moe(*args, config=replace(SLICED, slice_i=0)).cpu()
     got = fused_moe(*args, config=replace(SLICED, group_pairs=group_pairs)).cpu()
     assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
