@@ -397,7 +397,7 @@ def print_tables(results: dict) -> None:
         print(f"| {row['shape']} | {row['tokens']} | {row['routing']} | {row['mode']} | {row['rel_l2']:.2e} "
               f"| {row['max_abs_rel']:.2e} |")  # fmt: skip
     print("\n| shape | tokens | mode | experts | MB read | floor µs | µs | GB/s | % copy | graph µs | graph % copy "
-          "| torch µs | speedup | config (m,n1,n2,k,warps,stages,fast) |")  # fmt: skip
+          "| torch µs | speedup | config (KernelConfig fields in order) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in results["timings"]:
         cfg = row["config"]
