@@ -329,33 +329,50 @@ def _gate_up_sums(
         a_odd = _to_mma(x_odd, EMULATE_BF16)
         w_mask = n_valid[:, None] & j_valid[None, :]
         ws_mask = n_valid[:, None] & s_valid[None, :]
-        gate_even, gate_odd = _dequant_pair(
-            _load(gate_rows + k0 // 2, w_mask, EVEN_K, 0),
-            _load(gate_scales + k0 // 16, ws_mask, EVEN_K, 0),
-            BLOCK_N,
-            BLOCK_K,
-            EMULATE_BF16,
-            FAST_DEQUANT,
-            BIT_SCALES,
-            SHUFFLED,
-            FOLD_BIAS,
-        )
-        acc_gate = _mma(a_even, gate_even, acc_gate, EMULATE_BF16)
-        acc_gate = _mma(a_odd, gate_odd, acc_gate, EMULATE_BF16)
-        up_even, up_odd = _dequant_pair(
-            _load(up_rows + k0 // 2, w_mask, EVEN_K, 0),
-            _load(up_scales + k0 // 16, ws_mask, EVEN_K, 0),
-            BLOCK_N,
-            BLOCK_K,
-            EMULATE_BF16,
-            FAST_DEQUANT,
-            BIT_SCALES,
-            SHUFFLED,
-            FOLD_BIAS,
-        )
-        acc_up = _mma(a_even, up_even, acc_up, EMULATE_BF16)
-        acc_up = _mma(a_odd, up_odd, acc_up, EMULATE_BF16)
+        acc_gate = _dequant_mma(
+            gate_rows + k0 // 2, gate_scales + k0 // 16, w_mask, ws_mask, a_even, a_odd, acc_gate,
+            BLOCK_N, BLOCK_K, EMULATE_BF16, FAST_DEQUANT, EVEN_K, BIT_SCALES, SHUFFLED, FOLD_BIAS,
+        )  # fmt: skip
+        acc_up = _dequant_mma(
+            up_rows + k0 // 2, up_scales + k0 // 16, w_mask, ws_mask, a_even, a_odd, acc_up,
+            BLOCK_N, BLOCK_K, EMULATE_BF16, FAST_DEQUANT, EVEN_K, BIT_SCALES, SHUFFLED, FOLD_BIAS,
+        )  # fmt: skip
     return acc_gate, acc_up
+
+
+@triton.jit
+def _dequant_mma(
+    w_ptrs,
+    scale_ptrs,
+    w_mask,
+    scale_mask,
+    a_even,
+    a_odd,
+    acc,
+    ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    FAST_DEQUANT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BIT_SCALES: tl.constexpr,
+    SHUFFLED: tl.constexpr,
+    FOLD_BIAS: tl.constexpr,
+):
+    """One K step of one weight tile: load its packed codes and block scales, decode, accumulate against the even and
+    odd activation halves."""
+    w_even, w_odd = _dequant_pair(
+        _load(w_ptrs, w_mask, EVEN_K, 0),
+        _load(scale_ptrs, scale_mask, EVEN_K, 0),
+        ROWS,
+        BLOCK_K,
+        EMULATE_BF16,
+        FAST_DEQUANT,
+        BIT_SCALES,
+        SHUFFLED,
+        FOLD_BIAS,
+    )
+    acc = _mma(a_even, w_even, acc, EMULATE_BF16)
+    return _mma(a_odd, w_odd, acc, EMULATE_BF16)
 
 
 @triton.jit

@@ -281,40 +281,33 @@ def fused_moe(
     return run(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_tokens, top_k, emulate_bf16)
 
 
-def _align(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, block_m: int):
-    """`align_kernel`: the pairs grouped by expert in blocks of block_m rows -> (sorted_pairs, block_expert,
-    num_padded, max_blocks)."""
+def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
+    """How the kernels find each program's pairs: (ids, local, sorted_pairs, block_expert, num_padded) pointers, their
+    constexprs and the grid's row count. With cfg.group_pairs `align_kernel` groups the pairs by expert in blocks of
+    BLOCK_M rows; else each program takes one pair."""
     from fp4kit.verify import triton_kernels as kernels
 
     device, num_pairs = flat_ids.device, flat_ids.numel()
+    has_local = expert_mask is not None
+    local = expert_mask.to(device=device, dtype=torch.int8) if has_local else flat_ids
+    if not cfg.group_pairs:
+        # the MMA's minimum M tile, one real row; the grouping pointers are never read
+        flags = {"BLOCK_M": 16, "GROUPED": False, "HAS_LOCAL": has_local}
+        return (flat_ids, local, flat_ids, flat_ids, flat_ids), flags, num_pairs
+    block_m = cfg.block_m
     max_blocks = num_pairs // block_m + min(num_pairs, num_experts)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     e_pad = 1 << num_experts.bit_length()  # one spare bin for pairs that no local expert takes
     cursor = torch.empty(e_pad, dtype=torch.int32, device=device)
-    local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
     kernels.align_kernel[(1,)](
         flat_ids, local, sorted_pairs, block_expert, cursor, num_padded,
         num_pairs, num_experts, max_blocks * block_m, max_blocks,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, HAS_LOCAL=expert_mask is not None, num_warps=4,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, HAS_LOCAL=has_local, num_warps=4,
     )  # fmt: skip
-    return sorted_pairs, block_expert, num_padded, max_blocks
-
-
-def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
-    """How the kernels find each program's pairs: (ids, local, sorted_pairs, block_expert, num_padded) pointers, their
-    constexprs and the grid's row count; `align_kernel`'s blocks (cfg.group_pairs) or one pair per program."""
-    device = flat_ids.device
-    local = expert_mask.to(device=device, dtype=torch.int8) if expert_mask is not None else flat_ids
-    if cfg.group_pairs:
-        block_m = cfg.block_m
-        sorted_pairs, block_expert, num_padded, grid_m = _align(flat_ids, expert_mask, num_experts, block_m)
-    else:
-        block_m, grid_m = 16, flat_ids.numel()  # the MMA's minimum M tile, one real row
-        sorted_pairs = block_expert = num_padded = flat_ids  # never read
-    flags = {"BLOCK_M": block_m, "GROUPED": cfg.group_pairs, "HAS_LOCAL": expert_mask is not None}
-    return (flat_ids, local, sorted_pairs, block_expert, num_padded), flags, grid_m
+    flags = {"BLOCK_M": block_m, "GROUPED": True, "HAS_LOCAL": has_local}
+    return (flat_ids, local, sorted_pairs, block_expert, num_padded), flags, max_blocks
 
 
 def _decode_flags(cfg: KernelConfig, emulate_bf16: bool) -> dict:
