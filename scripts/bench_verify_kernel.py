@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 
 import torch
@@ -77,19 +78,20 @@ VARIANTS = {
 }
 
 
-_CONFIG_KEYS = {"i": "slice_i", "g": "group_pairs", "m": "block_m", "n1": "block_n1", "n": "block_n2",
-                "k": "block_k", "w": "num_warps", "s": "num_stages", "sk": "split_k"}  # fmt: skip
+_CONFIG_KEYS = {"i": "slice_i", "g": "grouping", "c": "fused_combine", "p": "pdl", "m": "block_m", "n1": "block_n1",
+                "n": "block_n2", "k": "block_k", "w": "num_warps", "s": "num_stages", "sk": "split_k"}  # fmt: skip
 
 
 def variant_config(name: str, cfg: KernelConfig) -> KernelConfig:
-    """A named variant, or `cfg:key=value,...` on top of the default config (keys: i slice_i, g group_pairs,
-    m block_m, n1 block_n1, n block_n2, k block_k, w num_warps, s num_stages, sk split_k), e.g. `cfg:i=64,g=0,n=128`."""
+    """A named variant, or `cfg:key=value,...` on top of the default config (keys: i slice_i, g grouping
+    (align, scan, pair), c fused_combine (0/1), p pdl (0/1), m block_m, n1 block_n1, n block_n2, k block_k, w num_warps,
+    s num_stages, sk split_k), e.g. `cfg:i=0,g=scan,c=1,n=64`."""
     if not name.startswith("cfg:"):
         return VARIANTS[name](cfg)
     fields = {}
     for item in name.removeprefix("cfg:").split(","):
         key, _, value = item.partition("=")
-        fields[_CONFIG_KEYS[key]] = bool(int(value)) if key == "g" else int(value)
+        fields[_CONFIG_KEYS[key]] = value if key == "g" else bool(int(value)) if key in "cp" else int(value)
     return replace(cfg, **fields)
 
 
@@ -111,8 +113,9 @@ def random_experts(num_experts: int, rows: int, cols: int, generator: torch.Gene
     return NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn), divisor)
 
 
-def expert_bytes(w13: NVFP4Tensor, w2: NVFP4Tensor) -> int:
-    tensors = (w13.packed[0], w13.block_scale[0], w2.packed[0], w2.block_scale[0])
+def expert_bytes(*stacks: NVFP4Tensor) -> int:
+    """Packed weight and block scale bytes of one expert of each stack."""
+    tensors = [t for stack in stacks for t in (stack.packed[0], stack.block_scale[0])]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -140,6 +143,30 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * (1 << 31) / (ms * 1e-3)
+
+
+def read_floor(bytes13: int, bytes2: int) -> Callable[[], None]:
+    """What reading the must-read bytes alone costs (the "read-floor" variant): two dependent read-only launches over
+    buffers of the w13 and the w2 share of them (GEMM2 cannot start before GEMM1's SwiGLU), no arithmetic. Any
+    two-launch kernel pays at least this; its ratio to the copy bandwidth bounds the % copy reachable."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_kernel(src_ptr, num_words, sums_ptr, WORDS: tl.constexpr):
+        offs = tl.program_id(0) * WORDS + tl.arange(0, WORDS)
+        tl.store(sums_ptr + tl.program_id(0), tl.sum(tl.load(src_ptr + offs, mask=offs < num_words, other=0), 0))
+
+    words = 4096  # 16 KB per program
+    buffers = [torch.randint(0, 1 << 30, (-(-size // 4),), dtype=torch.int32, device=DEVICE) for size in (bytes13,
+               bytes2)]  # fmt: skip
+    sums = torch.empty(max(b.numel() for b in buffers) // words + 1, dtype=torch.int32, device=DEVICE)
+
+    def run() -> None:
+        for buffer in buffers:
+            read_kernel[(triton.cdiv(buffer.numel(), words),)](buffer, buffer.numel(), sums, WORDS=words, num_warps=4)
+
+    return run
 
 
 def probe_fast_dequant(generator: torch.Generator) -> bool:
@@ -266,25 +293,31 @@ def compare_variants(shapes, tokens_list, names, generator, copy_bw, mode_names=
         for tokens in tokens_list:
             hidden = torch.randn(tokens, hidden_size, device=DEVICE, generator=generator).to(torch.bfloat16)
             weights, ids = route(torch.randn(tokens, num_experts, device=DEVICE, generator=generator), spec)
-            read_bytes = int(torch.unique(ids).numel()) * per_expert
+            touched = int(torch.unique(ids).numel())
+            read_bytes = touched * per_expert
             base_cfg = default_config(ids.numel(), num_experts, top_k)
             for mode, moe_weights in modes.items():
                 first = None
                 for variant in names:
-                    cfg = variant_config(variant, base_cfg)
+                    if variant == "read-floor":
+                        run = read_floor(touched * expert_bytes(w13), touched * expert_bytes(w2))
+                        out = first
+                    else:
+                        cfg = variant_config(variant, base_cfg)
 
-                    def run(cfg=cfg, moe_weights=moe_weights, hidden=hidden, weights=weights, ids=ids, spec=spec):
-                        return fused_moe(hidden, weights, ids, moe_weights, spec, config=cfg)
+                        def run(cfg=cfg, moe_weights=moe_weights, hidden=hidden, weights=weights, ids=ids, spec=spec):
+                            return fused_moe(hidden, weights, ids, moe_weights, spec, config=cfg)
 
-                    out = run()
-                    first = out if first is None else first
+                        out = run()
+                        first = out if first is None else first
                     ms, graph_ms = time_ms(run), time_ms(run, graph=True)
                     row = {
                         "shape": name, "tokens": tokens, "mode": mode, "variant": variant, "read_mb": read_bytes / 1e6,
                         "us": ms * 1e3, "graph_us": graph_ms * 1e3,
                         "graph_pct_copy": 100 * read_bytes / (graph_ms * 1e-3) / copy_bw,
-                        "identical_to_first": bool(torch.equal(out.nan_to_num(), first.nan_to_num())),
-                        "config": asdict(cfg),
+                        "identical_to_first": out is not None
+                        and bool(torch.equal(out.nan_to_num(), first.nan_to_num())),
+                        "config": asdict(cfg) if variant != "read-floor" else {},
                     }  # fmt: skip
                     rows.append(row)
                     print("variant", json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
@@ -326,7 +359,7 @@ def main() -> None:
     if args.variants:
         parts = args.variants.split(";")
         names = [n for part in parts for n in ([part] if part.startswith("cfg:") else part.split(","))]
-        unknown = [n for n in names if n not in VARIANTS and not n.startswith("cfg:")]
+        unknown = [n for n in names if n not in VARIANTS and n != "read-floor" and not n.startswith("cfg:")]
         if unknown:
             raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
         results = {"device": device_name, "copy_bw": copy_bw, "fast_dequant": fast,

@@ -346,11 +346,11 @@ def test_split_k_matches_reference(w4a4: bool) -> None:
 SLICED = KernelConfig(block_n2=32, block_k=64, num_warps=2, slice_i=32)
 
 
-@pytest.mark.parametrize("group_pairs", [True, False], ids=["grouped", "per-pair"])
+@pytest.mark.parametrize("grouping", ["align", "pair"])
 @pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
 @pytest.mark.parametrize(("spec", "num_tokens", "hidden_size", "inter_size"), CASES)
 def test_sliced_kernel_matches_reference_and_two_gemms(
-    spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool, group_pairs: bool
+    spec: RoutingSpec, num_tokens: int, hidden_size: int, inter_size: int, w4a4: bool, grouping: str
 ) -> None:
     """`KernelConfig.slice_i`: both GEMMs in one launch per intermediate slice (I = 48 leaves a zero-padded half
     slice, H = 80 and 96 a partial last w2 row tile), pairs grouped by expert or one per program: the reference's
@@ -359,13 +359,13 @@ def test_sliced_kernel_matches_reference_and_two_gemms(
 
     args, expected = _routed_case(len(spec.kind) + 3 * int(w4a4), spec, num_tokens, hidden_size, inter_size, w4a4)
     two_gemms = fused_moe(*args, config=replace(SLICED, slice_i=0)).cpu()
-    got = fused_moe(*args, config=replace(SLICED, group_pairs=group_pairs)).cpu()
+    got = fused_moe(*args, config=replace(SLICED, grouping=grouping)).cpu()
     assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
     assert _relative_error(got, two_gemms) < 1e-5
 
 
-@pytest.mark.parametrize("group_pairs", [True, False], ids=["grouped", "per-pair"])
-def test_sliced_kernel_expert_mask_and_nan_rows(group_pairs: bool) -> None:
+@pytest.mark.parametrize("grouping", ["align", "pair", "scan"])
+def test_sliced_kernel_expert_mask_and_nan_rows(grouping: str) -> None:
     """EP ranks of the sliced kernel sum to the full output; NaN router rows (distinct ids from `route`) leave the
     valid rows as the reference computes them."""
     from dataclasses import replace
@@ -377,7 +377,7 @@ def test_sliced_kernel_expert_mask_and_nan_rows(group_pairs: bool) -> None:
     logits[4, 2] = float("inf")
     weights, ids = route(logits, spec)
     moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
-    config = replace(SLICED, group_pairs=group_pairs)
+    config = replace(SLICED, grouping=grouping)
     args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
     full = fused_moe(*args, config=config)
     owner = torch.arange(8, device=DEVICE) % 2
@@ -402,9 +402,10 @@ def test_slice_columns_stores_each_slice_contiguously() -> None:
 
 
 @pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
-def test_two_gemms_one_pair_per_program(w4a4: bool) -> None:
-    """`group_pairs=False` on the two-GEMM path (no `align_kernel`, one pair per program): the grouped kernel's
-    output, with NaN router rows, Llama-4's scaled input, and EP ranks that sum to the full output."""
+def test_two_gemms_groupings_and_fused_combine(w4a4: bool) -> None:
+    """The two-GEMM path with one pair per program or ids scanned in each program (no `align_kernel`), with the
+    k-slot sum in GEMM2's launch or after it: the aligned kernel's output, with NaN router rows, Llama-4's scaled
+    input, and EP ranks that sum to the full output."""
     from dataclasses import replace
 
     for spec, hidden_size, inter_size in ((RoutingSpec("softmax_topk", 8, 3), 64, 48),
@@ -416,13 +417,37 @@ def test_two_gemms_one_pair_per_program(w4a4: bool) -> None:
         divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
         moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
         args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
-        config = replace(CONFIG, num_warps=2, block_k=64)
-        grouped = fused_moe(*args, config=config).cpu()
-        per_pair = replace(config, group_pairs=False)
-        got = fused_moe(*args, config=per_pair).cpu()
+        config = replace(CONFIG, num_warps=2, block_k=64, block_n2=32)
+        aligned = fused_moe(*args, config=config).cpu()
         valid = [0, 2, 3, 4]
-        assert bool(torch.isfinite(got[valid]).all())
-        torch.testing.assert_close(got[valid], grouped[valid], rtol=1e-6, atol=1e-7)
-        owner = torch.arange(spec.num_experts, device=DEVICE) % 2
-        per_rank = [fused_moe(*args, owner == rank, per_pair).cpu() for rank in range(2)]
-        torch.testing.assert_close(sum(per_rank)[valid], got[valid], rtol=1e-5, atol=1e-6)
+        for grouping, fused_combine in (("pair", False), ("pair", True), ("scan", False), ("scan", True)):
+            # pdl: GEMM2 as a programmatic dependent launch (compiled runs only)
+            variant = replace(config, grouping=grouping, fused_combine=fused_combine, pdl=fused_combine)
+            got = fused_moe(*args, config=variant).cpu()
+            assert bool(torch.isfinite(got[valid]).all())
+            torch.testing.assert_close(got[valid], aligned[valid], rtol=1e-6, atol=1e-7)
+            owner = torch.arange(spec.num_experts, device=DEVICE) % 2
+            per_rank = [fused_moe(*args, owner == rank, variant).cpu() for rank in range(2)]
+            torch.testing.assert_close(sum(per_rank)[valid], got[valid], rtol=1e-5, atol=1e-6)
+
+
+def test_scan_grouping_with_many_blocks_per_expert_and_fused_combine_reuse() -> None:
+    """Grouping "scan" with more pairs than one M block and one scan chunk hold (40 tokens, 8 slots, 8 experts: 3
+    blocks per expert, 320 ids in two chunks); the fused combine's counters are left at zero, so a second call (here
+    on other tokens) is right too."""
+    from dataclasses import replace
+
+    spec = RoutingSpec("softmax_topk", 8, 8)
+    w13, w2, hidden, logits = _setup(26, 40, 8, 32, 32)
+    weights, ids = route(logits, spec)
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
+    dense13, dense2 = dequantize_experts(w13), dequantize_experts(w2)
+    config = replace(CONFIG, num_warps=2, block_k=32, block_n1=32, block_n2=16, grouping="scan", fused_combine=True,
+                     pdl=True)  # fmt: skip
+    for flip in (False, True):
+        tokens = hidden.flip(0) if flip else hidden
+        got = fused_moe(tokens.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec, config=config)
+        expected = moe_reference(tokens, weights, ids, dense13, dense2, spec)
+        assert _relative_error(got.cpu(), expected) < 6e-3
+    counters = [v for k, v in moe_weights._cache.items() if k[0] == "slot_counters"]
+    assert len(counters) == 1 and not bool(counters[0].any())

@@ -488,6 +488,12 @@ def align_kernel(
         tl.store(sorted_pairs_ptr + row, offs, mask=take)
 
 
+# How a program finds its pairs (the GROUPING constexpr of the GEMM kernels)
+PER_PAIR = tl.constexpr(0)  # program row p owns pair p alone (row 0 of its M tile), no grouping launch
+ALIGNED = tl.constexpr(1)  # an `align_kernel` block of BLOCK_M pairs of one expert
+SCANNED = tl.constexpr(2)  # block b of expert e's pairs, found by scanning the ids in the program: no grouping launch
+
+
 @triton.jit
 def _owned_pairs(
     pid_m,
@@ -498,18 +504,37 @@ def _owned_pairs(
     num_padded_ptr,
     num_pairs,
     num_experts,
+    blocks_per_expert,
     BLOCK_M: tl.constexpr,
-    GROUPED: tl.constexpr,
+    GROUPING: tl.constexpr,
     HAS_LOCAL: tl.constexpr,
+    SCAN_CHUNK: tl.constexpr,
 ):
-    """(expert, pairs [BLOCK_M], active) of program row pid_m: an `align_kernel` block of pairs of one expert
-    (GROUPED), or pair pid_m alone in row 0 of its M tile, with no grouping launch; pairs past the end are
-    num_pairs. Inactive: a block past the padded end, or a pair of no (local) expert: the program has nothing to do."""
+    """(expert, pairs [BLOCK_M], active) of program row pid_m (see PER_PAIR, ALIGNED, SCANNED); pairs past the end
+    are num_pairs. Inactive: a block past the padded end or with no pair, or a pair of no (local) expert: the program
+    has nothing to do. SCANNED takes the pairs of expert pid_m // blocks_per_expert ranked [b·BLOCK_M, (b+1)·BLOCK_M)
+    in pair order, b = pid_m % blocks_per_expert: with k distinct experts per token an expert has at most T pairs,
+    so cdiv(T, BLOCK_M) blocks per expert hold them all."""
     rows_m = tl.arange(0, BLOCK_M)
-    if GROUPED:
+    if GROUPING == ALIGNED:
         active = pid_m * BLOCK_M < tl.load(num_padded_ptr)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_m)
+    elif GROUPING == SCANNED:
+        expert = (pid_m // blocks_per_expert).to(tl.int64)
+        first = (pid_m % blocks_per_expert) * BLOCK_M
+        pairs = tl.zeros([BLOCK_M], dtype=tl.int32) + num_pairs
+        seen = 0
+        for start in range(0, num_pairs, SCAN_CHUNK):
+            offs = start + tl.arange(0, SCAN_CHUNK)
+            match = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) == expert
+            slot = seen + tl.cumsum(match.to(tl.int32), 0) - 1 - first  # rank among the expert's pairs, minus first
+            hit = match[None, :] & (slot[None, :] == rows_m[:, None])  # [BLOCK_M, SCAN_CHUNK]: at most one per row
+            pairs = tl.minimum(pairs, tl.min(tl.where(hit, offs[None, :], num_pairs), axis=1))
+            seen += tl.sum(match.to(tl.int32), 0)
+        active = tl.min(pairs, 0) < num_pairs
+        if HAS_LOCAL:
+            active = active & (tl.load(local_ptr + expert) != 0)
     else:
         expert = tl.load(ids_ptr + pid_m).to(tl.int64)
         active = (expert >= 0) & (expert < num_experts)
@@ -563,8 +588,8 @@ def splitk_swiglu_kernel(
 def gemm1_swiglu_kernel(
     x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] each pair's quantized input from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
-    ids_ptr,  # int [P] expert of each pair (read when not GROUPED)
-    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL and not GROUPED)
+    ids_ptr,  # int [P] expert of each pair (PER_PAIR, SCANNED)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL; PER_PAIR, SCANNED)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -579,6 +604,7 @@ def gemm1_swiglu_kernel(
     hidden_size,
     inter_size,
     num_experts,
+    blocks_per_expert,  # SCANNED: M blocks per expert
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -592,14 +618,18 @@ def gemm1_swiglu_kernel(
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
     SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into partial_ptr; `splitk_swiglu_kernel` ends
-    GROUPED: tl.constexpr = True,  # program_id(0) is an `align_kernel` block of pairs of one expert, else one pair
-    HAS_LOCAL: tl.constexpr = False,  # with GROUPED False: skip pairs of experts local_ptr marks 0
+    GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
+    HAS_LOCAL: tl.constexpr = False,  # skip pairs of experts local_ptr marks 0 (PER_PAIR and SCANNED)
+    SCAN_CHUNK: tl.constexpr = 64,  # ids scanned per step (SCANNED)
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a programmatic dependent launch (GEMM2) start now
 ):
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
         pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-        BLOCK_M, GROUPED, HAS_LOCAL,
+        blocks_per_expert, BLOCK_M, GROUPING, HAS_LOCAL, SCAN_CHUNK,
     )  # fmt: skip
     if active.to(tl.int32) == 0:
         return
@@ -633,8 +663,8 @@ def gemm1_swiglu_kernel(
 def gemm2_combine_kernel(
     inter_ptr,  # bf16 [P, I]
     routing_weight_ptr,  # fp32 [P]
-    ids_ptr,  # int [P] expert of each pair (read when not GROUPED)
-    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL and not GROUPED)
+    ids_ptr,  # int [P] expert of each pair (PER_PAIR, SCANNED)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL; PER_PAIR, SCANNED)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -642,10 +672,14 @@ def gemm2_combine_kernel(
     w_scale_ptr,  # u8 [E, H, I/16]
     alpha_ptr,  # fp32 [E]: 1/G_w2 (W4A16) or 1/(G_w2·G_a2) (W4A4)
     pair_out_ptr,  # fp32 [P, H]
+    out_ptr,  # fp32 [T, H]: each token's sum over its k slots (COMBINE)
+    count_ptr,  # int32 [T, cdiv(H, BLOCK_N)]: zero on entry and on exit (COMBINE)
     num_pairs,
+    top_k,
     hidden_size,
     inter_size,
     num_experts,
+    blocks_per_expert,  # SCANNED: M blocks per expert
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -658,14 +692,17 @@ def gemm2_combine_kernel(
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
     SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into pair_out[program_id(2)] ([SPLIT_K, P, H])
-    GROUPED: tl.constexpr = True,  # program_id(0) is an `align_kernel` block of pairs of one expert, else one pair
-    HAS_LOCAL: tl.constexpr = False,  # with GROUPED False: skip pairs of experts local_ptr marks 0
+    COMBINE: tl.constexpr = False,  # sum each token's k slots into out_ptr in this launch (`_sum_slots_when_last`)
+    GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
+    HAS_LOCAL: tl.constexpr = False,  # skip pairs of experts local_ptr marks 0 (PER_PAIR and SCANNED)
+    SCAN_CHUNK: tl.constexpr = 64,  # ids scanned per step (SCANNED)
+    WAIT_PRIMARY: tl.constexpr = False,  # launched as a programmatic dependent of GEMM1: wait for it before the K loop
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
         pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-        BLOCK_M, GROUPED, HAS_LOCAL,
+        blocks_per_expert, BLOCK_M, GROUPING, HAS_LOCAL, SCAN_CHUNK,
     )  # fmt: skip
     if active.to(tl.int32) == 0:
         return
@@ -687,6 +724,8 @@ def gemm2_combine_kernel(
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if WAIT_PRIMARY:  # all above overlaps GEMM1's tail; the intermediate is complete and visible after this
+        tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, k_end, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
@@ -716,15 +755,66 @@ def gemm2_combine_kernel(
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
     out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=pair_valid[:, None] & n_valid[None, :])
+    if COMBINE:
+        _sum_slots_when_last(
+            pair_out_ptr, out_ptr, count_ptr, pairs, pair_valid, offs_n, n_valid, pid_n, tl.num_programs(1), top_k,
+            hidden_size, BLOCK_M, BLOCK_N, not EMULATE_BF16,
+        )  # fmt: skip
+
+
+@triton.jit
+def _fence_gpu():
+    """This thread's earlier global writes become visible GPU-wide before its later ones (CUDA's __threadfence)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\nmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sum_slots_when_last(
+    pair_out_ptr,
+    out_ptr,
+    count_ptr,
+    pairs,
+    pair_valid,
+    offs_n,
+    n_valid,
+    pid_n,
+    num_tiles,
+    top_k,
+    hidden_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FENCE: tl.constexpr,  # compiled: fence the tile's stores (the interpreter runs programs one after another)
+):
+    """The k-slot sum in GEMM2's launch, deterministically: after storing its pair rows of N tile pid_n, a program
+    counts them in (one counter per token and tile); the program that brings a token's count to k sums that token's
+    k rows in slot order, writes its output row and resets the counter. No further launch, and the same sum whichever
+    program comes last. Every pair must be computed by some program (all ids in [0, E), no expert mask)."""
+    if FENCE:
+        _fence_gpu()
+    tl.debug_barrier()  # every thread's stores of the tile precede the counting
+    token = pairs // top_k
+    counters = count_ptr + token.to(tl.int64) * num_tiles + pid_n
+    arrived = tl.atomic_add(counters, 1, mask=pair_valid, sem="acq_rel", scope="gpu")
+    last = pair_valid & (arrived == top_k - 1)
+    if tl.max(last.to(tl.int32), 0) != 0:
+        mask = last[:, None] & n_valid[None, :]
+        rows = token.to(tl.int64) * top_k
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for slot in range(top_k):
+            # .cg: read at L2, where the other programs' rows are, never a stale L1 line
+            total += tl.load(pair_out_ptr + (rows + slot)[:, None] * hidden_size + offs_n[None, :], mask=mask,
+                             other=0.0, cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptr + token[:, None].to(tl.int64) * hidden_size + offs_n[None, :], total, mask=mask)
+        tl.store(counters, tl.zeros([BLOCK_M], dtype=tl.int32), mask=last)
 
 
 @triton.jit
 def fused_slice_kernel(
     x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
-    ids_ptr,  # int [P] expert of each pair (read when not GROUPED)
-    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL and not GROUPED)
-    sorted_pairs_ptr,  # from `align_kernel` (GROUPED)
+    ids_ptr,  # int [P] expert of each pair (PER_PAIR, SCANNED)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL; PER_PAIR, SCANNED)
+    sorted_pairs_ptr,  # from `align_kernel` (ALIGNED)
     block_expert_ptr,
     num_padded_ptr,
     w13_ptr,  # u8 [E, 2I, H/2], rows [w1; w3]
@@ -740,12 +830,14 @@ def fused_slice_kernel(
     hidden_size,
     inter_size,
     num_experts,
+    blocks_per_expert,  # SCANNED: M blocks per expert
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,  # intermediate columns per program: GEMM1's N tile and GEMM2's whole K
     BLOCK_N: tl.constexpr,  # w2 rows per step of the GEMM2 loop
     BLOCK_K: tl.constexpr,  # GEMM1's K step
-    GROUPED: tl.constexpr,  # program_id(0) is an `align_kernel` block of BLOCK_M pairs of one expert, else one pair
+    GROUPING: tl.constexpr,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr,
+    SCAN_CHUNK: tl.constexpr,
     SCALE_INPUT: tl.constexpr,
     W4A4: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
@@ -765,7 +857,7 @@ def fused_slice_kernel(
     pid_i = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
         pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-        BLOCK_M, GROUPED, HAS_LOCAL,
+        blocks_per_expert, BLOCK_M, GROUPING, HAS_LOCAL, SCAN_CHUNK,
     )  # fmt: skip
     if active.to(tl.int32) == 0:
         return

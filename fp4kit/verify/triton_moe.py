@@ -61,21 +61,29 @@ class KernelConfig:
     # its pairs; the per-slice shares of the output are summed after. For few tokens: no intermediate tensor, one
     # launch instead of two, and H / BLOCK_N2 times fewer GEMM2 programs that each stream a long run of w2.
     slice_i: int = 0
-    # programs take the pairs of one expert grouped by `align_kernel` (True) or one pair each with no grouping launch
-    # (False: for batches whose pairs rarely share an expert, e.g. one token)
-    group_pairs: bool = True
+    # How programs find their pairs: "align" (blocks of one expert's pairs grouped by `align_kernel`, one launch),
+    # "scan" (each program scans the ids for its expert's pairs: no grouping launch, E·cdiv(T, BLOCK_M) program rows
+    # of which the untouched experts' return at once) or "pair" (one pair per program: for one token, whose k pairs
+    # have k distinct experts)
+    grouping: str = "align"
+    # Two-GEMM path without an expert mask: the sum over each token's k slots in GEMM2's launch (the last program to
+    # finish a token's N tile adds its k rows, `_sum_slots_when_last`) instead of a torch reduction after it
+    fused_combine: bool = False
+    # Two-GEMM path on a GPU: GEMM2 launched as a programmatic dependent of GEMM1 (sm90+), so that its launch and the
+    # work before its K loop (finding its pairs) overlap GEMM1's tail
+    pdl: bool = False
 
 
 DECODE_CONFIG = KernelConfig()
 # one token: its k pairs have k distinct experts, so no grouping launch (H200: its ~5 µs was a fifth of the total)
-ONE_TOKEN_CONFIG = KernelConfig(group_pairs=False)
+ONE_TOKEN_CONFIG = KernelConfig(grouping="pair")
 # two or more rows per expert on average: 64-row N tiles reuse each K step's activation fragments over twice the
 # weight bytes (H200: 50-55% of copy bandwidth at 64 tokens against 47-53% with 32 rows; at 16 tokens and below 32
 # rows are as fast or faster)
 DECODE_WIDE_CONFIG = KernelConfig(block_n1=64, block_n2=64)
 # 2-4 tokens (pairs rarely share an expert): both GEMMs in one launch, one pair per program, no grouping launch
 # (H200, docs/verify_kernel_notes.md: 27-52% of copy bandwidth against 24-46% for the two-GEMM path)
-SLICED_CONFIG = KernelConfig(block_n2=256, block_k=256, slice_i=64, group_pairs=False)
+SLICED_CONFIG = KernelConfig(block_n2=256, block_k=256, slice_i=64, grouping="pair")
 PREFILL_CONFIG = KernelConfig(block_m=128, block_n1=64, block_n2=128, block_k=128, num_warps=4, num_stages=3)
 
 
@@ -171,6 +179,14 @@ class TritonMoeWeights:
         if key not in self._cache:
             packed = self.shuffled_packed()[1] if shuffled else self.w2_packed
             self._cache[key] = (slice_columns(packed, block_i // 2), slice_columns(self.w2_scale, block_i // 16))
+        return self._cache[key]
+
+    def slot_counters(self, num_tokens: int, num_tiles: int, device: torch.device) -> Tensor:
+        """int32 [T, tiles] zeros for `fused_combine`, kept with these weights: the kernel leaves them zero again, so
+        calls (and CUDA-graph replays) reuse them; calls on one weights object must not run concurrently."""
+        key = ("slot_counters", num_tokens, num_tiles, str(device))
+        if key not in self._cache:
+            self._cache[key] = torch.zeros(num_tokens, num_tiles, dtype=torch.int32, device=device)
         return self._cache[key]
 
     @property
@@ -281,20 +297,30 @@ def fused_moe(
     return run(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_tokens, top_k, emulate_bf16)
 
 
-def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
-    """How the kernels find each program's pairs: (ids, local, sorted_pairs, block_expert, num_padded) pointers, their
-    constexprs and the grid's row count. With cfg.group_pairs `align_kernel` groups the pairs by expert in blocks of
-    BLOCK_M rows; else each program takes one pair."""
+GROUPINGS = {"pair": 0, "align": 1, "scan": 2}  # triton_kernels.PER_PAIR, ALIGNED, SCANNED
+
+
+def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, num_tokens: int, cfg: KernelConfig):
+    """How the kernels find each program's pairs (`KernelConfig.grouping`): the (ids, local, sorted_pairs,
+    block_expert, num_padded) pointers, blocks per expert, their constexprs and the grid's row count. "align" runs
+    `align_kernel` first."""
     from fp4kit.verify import triton_kernels as kernels
 
+    if cfg.grouping not in GROUPINGS:
+        raise Fp4kitError(f"unknown kernel grouping {cfg.grouping!r}: expected one of {sorted(GROUPINGS)}")
     device, num_pairs = flat_ids.device, flat_ids.numel()
     has_local = expert_mask is not None
     local = expert_mask.to(device=device, dtype=torch.int8) if has_local else flat_ids
-    if not cfg.group_pairs:
+    flags = {"GROUPING": GROUPINGS[cfg.grouping], "HAS_LOCAL": has_local, "SCAN_CHUNK": 64}
+    if cfg.grouping == "pair":
         # the MMA's minimum M tile, one real row; the grouping pointers are never read
-        flags = {"BLOCK_M": 16, "GROUPED": False, "HAS_LOCAL": has_local}
-        return (flat_ids, local, flat_ids, flat_ids, flat_ids), flags, num_pairs
+        return (flat_ids, local, flat_ids, flat_ids, flat_ids, 1), {**flags, "BLOCK_M": 16}, num_pairs
     block_m = cfg.block_m
+    if cfg.grouping == "scan":
+        blocks_per_expert = _cdiv(num_tokens, block_m)
+        flags["SCAN_CHUNK"] = min(256, max(16, 1 << (num_pairs - 1).bit_length()))
+        owners = (flat_ids, local, flat_ids, flat_ids, flat_ids, blocks_per_expert)
+        return owners, {**flags, "BLOCK_M": block_m}, num_experts * blocks_per_expert
     max_blocks = num_pairs // block_m + min(num_pairs, num_experts)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
@@ -306,13 +332,20 @@ def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cf
         num_pairs, num_experts, max_blocks * block_m, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, HAS_LOCAL=has_local, num_warps=4,
     )  # fmt: skip
-    flags = {"BLOCK_M": block_m, "GROUPED": True, "HAS_LOCAL": has_local}
-    return (flat_ids, local, sorted_pairs, block_expert, num_padded), flags, max_blocks
+    owners = (flat_ids, local, sorted_pairs, block_expert, num_padded, 1)
+    return owners, {**flags, "BLOCK_M": block_m}, max_blocks
 
 
 def _decode_flags(cfg: KernelConfig, emulate_bf16: bool) -> dict:
     return {"EMULATE_BF16": emulate_bf16, "FAST_DEQUANT": cfg.fast_dequant and not emulate_bf16,
             "BIT_SCALES": cfg.fast_scales, "SHUFFLED": _shuffled(cfg), "FOLD_BIAS": cfg.fold_bias}  # fmt: skip
+
+
+def _pdl_flags(cfg: KernelConfig, emulate_bf16: bool) -> tuple[dict, dict]:
+    """Launch arguments of GEMM1 and GEMM2 for `KernelConfig.pdl` (compiled only: the interpreter has no grids)."""
+    if not cfg.pdl or emulate_bf16:
+        return {}, {}
+    return {"LAUNCH_DEPENDENTS": True}, {"WAIT_PRIMARY": True, "launch_pdl": True}
 
 
 def _shuffled(cfg: KernelConfig) -> bool:
@@ -334,14 +367,14 @@ def _sliced(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_
     w2_packed, w2_scale = moe_weights.sliced_w2(block_i, _shuffled(cfg))
     w13_packed = moe_weights.shuffled_packed()[0] if _shuffled(cfg) else moe_weights.w13_packed
     device = x.device
-    owners, grouping, grid_m = _grouping(flat_ids, expert_mask, num_experts, cfg)
+    owners, grouping, grid_m = _grouping(flat_ids, expert_mask, num_experts, num_tokens, cfg)
     alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
     shares = alloc(num_slices, num_pairs, hidden_size, dtype=torch.float32, device=device)
     kernels.fused_slice_kernel[(grid_m, num_slices)](
-        x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        x, flat_weights, *owners[:5], w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else moe_weights.alpha13,
         w2_packed, w2_scale, moe_weights.alpha2, shares,
-        num_pairs, top_k, hidden_size, inter_size, num_experts,
+        num_pairs, top_k, hidden_size, inter_size, num_experts, owners[5],
         **grouping, BLOCK_I=block_i, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_INPUT=spec.scales_input,
         W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k == 0, EVEN_N=hidden_size % block_n == 0,
@@ -358,7 +391,7 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     num_pairs, hidden_size = flat_ids.numel(), moe_weights.hidden_size
     num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
     device = x.device
-    owners, grouping, max_blocks = _grouping(flat_ids, expert_mask, num_experts, cfg)
+    owners, grouping, max_blocks = _grouping(flat_ids, expert_mask, num_experts, num_tokens, cfg)
     block_n1 = _clamp_block(cfg.block_n1, inter_size, 16)
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
@@ -372,13 +405,15 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     partial = inter  # never written unless split
     if split1 > 1:
         partial = alloc(split1, num_pairs, 2 * inter_size, dtype=torch.float32, device=device)
+    pdl = _pdl_flags(cfg, emulate_bf16) if split1 == 1 else ({}, {})
     kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1), split1)](
-        x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        x, flat_weights, *owners[:5], w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
-        inter, partial, num_pairs, top_k, hidden_size, inter_size, num_experts,
+        inter, partial, num_pairs, top_k, hidden_size, inter_size, num_experts, owners[5],
         **grouping, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
         SPLIT_K=split1, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl[0],
     )  # fmt: skip
     if split1 > 1:
         kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
@@ -389,13 +424,22 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
     split2 = max(1, min(cfg.split_k, _cdiv(inter_size, block_k2)))
     pair_out = alloc(split2, num_pairs, hidden_size, dtype=torch.float32, device=device)
-    kernels.gemm2_combine_kernel[(max_blocks, _cdiv(hidden_size, block_n2), split2)](
-        inter, flat_weights, *owners, w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out,
-        num_pairs, hidden_size, inter_size, num_experts,
+    num_tiles2 = _cdiv(hidden_size, block_n2)
+    combine = cfg.fused_combine and split2 == 1 and expert_mask is None
+    out, counts = pair_out, flat_ids  # never touched unless combine
+    if combine:
+        out = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
+        counts = moe_weights.slot_counters(num_tokens, num_tiles2, device)
+    kernels.gemm2_combine_kernel[(max_blocks, num_tiles2, split2)](
+        inter, flat_weights, *owners[:5], w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out, out, counts,
+        num_pairs, top_k, hidden_size, inter_size, num_experts, owners[5],
         **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
         EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
-        SPLIT_K=split2, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT_K=split2, COMBINE=combine, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl[1],
     )  # fmt: skip
+    if combine:
+        return out
     if split2 == 1:
         return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
     return pair_out.view(split2, num_tokens, top_k, hidden_size).sum(dim=(0, 2))
