@@ -491,7 +491,6 @@ def align_kernel(
 # How a program finds its pairs (the GROUPING constexpr of the GEMM kernels)
 PER_PAIR = tl.constexpr(0)  # program row p owns pair p alone (row 0 of its M tile), no grouping launch
 ALIGNED = tl.constexpr(1)  # an `align_kernel` block of BLOCK_M pairs of one expert
-SCANNED = tl.constexpr(2)  # block b of expert e's pairs, found by scanning the ids in the program: no grouping launch
 
 
 @triton.jit
@@ -504,37 +503,17 @@ def _owned_pairs(
     num_padded_ptr,
     num_pairs,
     num_experts,
-    blocks_per_expert,
     BLOCK_M: tl.constexpr,
     GROUPING: tl.constexpr,
     HAS_LOCAL: tl.constexpr,
-    SCAN_CHUNK: tl.constexpr,
 ):
-    """(expert, pairs [BLOCK_M], active) of program row pid_m (see PER_PAIR, ALIGNED, SCANNED); pairs past the end
-    are num_pairs. Inactive: a block past the padded end or with no pair, or a pair of no (local) expert: the program
-    has nothing to do. SCANNED takes the pairs of expert pid_m // blocks_per_expert ranked [b·BLOCK_M, (b+1)·BLOCK_M)
-    in pair order, b = pid_m % blocks_per_expert: with k distinct experts per token an expert has at most T pairs,
-    so cdiv(T, BLOCK_M) blocks per expert hold them all."""
+    """(expert, pairs [BLOCK_M], active) of program row pid_m (see PER_PAIR, ALIGNED); pairs past the end are
+    num_pairs. Inactive: a block past the padded end, or a pair of no (local) expert: the program has nothing to do."""
     rows_m = tl.arange(0, BLOCK_M)
     if GROUPING == ALIGNED:
         active = pid_m * BLOCK_M < tl.load(num_padded_ptr)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + rows_m)
-    elif GROUPING == SCANNED:
-        expert = (pid_m // blocks_per_expert).to(tl.int64)
-        first = (pid_m % blocks_per_expert) * BLOCK_M
-        pairs = tl.zeros([BLOCK_M], dtype=tl.int32) + num_pairs
-        seen = 0
-        for start in range(0, num_pairs, SCAN_CHUNK):
-            offs = start + tl.arange(0, SCAN_CHUNK)
-            match = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1) == expert
-            slot = seen + tl.cumsum(match.to(tl.int32), 0) - 1 - first  # rank among the expert's pairs, minus first
-            hit = match[None, :] & (slot[None, :] == rows_m[:, None])  # [BLOCK_M, SCAN_CHUNK]: at most one per row
-            pairs = tl.minimum(pairs, tl.min(tl.where(hit, offs[None, :], num_pairs), axis=1))
-            seen += tl.sum(match.to(tl.int32), 0)
-        active = tl.min(pairs, 0) < num_pairs
-        if HAS_LOCAL:
-            active = active & (tl.load(local_ptr + expert) != 0)
     else:
         expert = tl.load(ids_ptr + pid_m).to(tl.int64)
         active = (expert >= 0) & (expert < num_experts)
@@ -588,8 +567,8 @@ def splitk_swiglu_kernel(
 def gemm1_swiglu_kernel(
     x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] each pair's quantized input from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
-    ids_ptr,  # int [P] expert of each pair (PER_PAIR, SCANNED)
-    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL; PER_PAIR, SCANNED)
+    ids_ptr,  # int [P] expert of each pair (PER_PAIR)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (PER_PAIR with HAS_LOCAL)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -599,12 +578,12 @@ def gemm1_swiglu_kernel(
     out_gmul_ptr,  # fp32 [E] G_a2: the intermediate is stored fake-quantized (W4A4)
     inter_ptr,  # bf16 [P, I]
     partial_ptr,  # fp32 [SPLIT_K, P, 2I]: raw gate and up sums of each K slice (written only when SPLIT_K > 1)
+    count_ptr,  # int32 [grid rows, N tiles]: zero on entry and on exit (SWIGLU_WHEN_LAST)
     num_pairs,
     top_k,
     hidden_size,
     inter_size,
     num_experts,
-    blocks_per_expert,  # SCANNED: M blocks per expert
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -618,9 +597,9 @@ def gemm1_swiglu_kernel(
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
     SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into partial_ptr; `splitk_swiglu_kernel` ends
+    SWIGLU_WHEN_LAST: tl.constexpr = False,  # with SPLIT_K > 1: the tile's last K slice sums them and ends (`_arrive`)
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
-    HAS_LOCAL: tl.constexpr = False,  # skip pairs of experts local_ptr marks 0 (PER_PAIR and SCANNED)
-    SCAN_CHUNK: tl.constexpr = 64,  # ids scanned per step (SCANNED)
+    HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a programmatic dependent launch (GEMM2) start now
 ):
     if LAUNCH_DEPENDENTS:
@@ -629,7 +608,7 @@ def gemm1_swiglu_kernel(
     pid_n = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
         pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-        blocks_per_expert, BLOCK_M, GROUPING, HAS_LOCAL, SCAN_CHUNK,
+        BLOCK_M, GROUPING, HAS_LOCAL,
     )  # fmt: skip
     if active.to(tl.int32) == 0:
         return
@@ -653,8 +632,24 @@ def gemm1_swiglu_kernel(
             acc_up = acc_up * _FOLD_ALPHA
         tl.store(part_ptrs, acc_gate, mask=part_mask)
         tl.store(part_ptrs + inter_size, acc_up, mask=part_mask)
-        return
-    inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS)
+        if not SWIGLU_WHEN_LAST:
+            return
+        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
+        if _arrive(counter, None, not EMULATE_BF16) != SPLIT_K - 1:
+            return
+        # the last K slice of this tile: the slices' sums in order, then the epilogue as without split-K
+        slice_ptrs = partial_ptr + pairs[None, :].to(tl.int64) * (2 * inter_size) + offs_n[:, None]
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for split in range(SPLIT_K):
+            split_ptrs = slice_ptrs + split * num_pairs * (2 * inter_size)
+            acc_gate += tl.load(split_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")
+            acc_up += tl.load(split_ptrs + inter_size, mask=part_mask, other=0.0, cache_modifier=".cg")
+        tl.store(counter, 0)
+        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_N, W4A4, False)
+    else:
+        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_N, W4A4,
+                        SHUFFLED and FOLD_BIAS)  # fmt: skip
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_n[None, :]
     tl.store(out_ptrs, _to_mma(inter, EMULATE_BF16), mask=pair_valid[:, None] & n_valid[None, :])
 
@@ -663,8 +658,8 @@ def gemm1_swiglu_kernel(
 def gemm2_combine_kernel(
     inter_ptr,  # bf16 [P, I]
     routing_weight_ptr,  # fp32 [P]
-    ids_ptr,  # int [P] expert of each pair (PER_PAIR, SCANNED)
-    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL; PER_PAIR, SCANNED)
+    ids_ptr,  # int [P] expert of each pair (PER_PAIR)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (PER_PAIR with HAS_LOCAL)
     sorted_pairs_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -679,7 +674,6 @@ def gemm2_combine_kernel(
     hidden_size,
     inter_size,
     num_experts,
-    blocks_per_expert,  # SCANNED: M blocks per expert
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -694,22 +688,22 @@ def gemm2_combine_kernel(
     SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into pair_out[program_id(2)] ([SPLIT_K, P, H])
     COMBINE: tl.constexpr = False,  # sum each token's k slots into out_ptr in this launch (`_sum_slots_when_last`)
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
-    HAS_LOCAL: tl.constexpr = False,  # skip pairs of experts local_ptr marks 0 (PER_PAIR and SCANNED)
-    SCAN_CHUNK: tl.constexpr = 64,  # ids scanned per step (SCANNED)
+    HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
     WAIT_PRIMARY: tl.constexpr = False,  # launched as a programmatic dependent of GEMM1: wait for it before the K loop
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
         pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-        blocks_per_expert, BLOCK_M, GROUPING, HAS_LOCAL, SCAN_CHUNK,
+        BLOCK_M, GROUPING, HAS_LOCAL,
     )  # fmt: skip
     if active.to(tl.int32) == 0:
         return
     pair_valid = pairs < num_pairs
     k_start, k_end = _k_slice(inter_size, BLOCK_K, SPLIT_K)
+    split_out_ptr = pair_out_ptr
     if SPLIT_K > 1:
-        pair_out_ptr += tl.program_id(2).to(tl.int64) * num_pairs * hidden_size
+        split_out_ptr += tl.program_id(2).to(tl.int64) * num_pairs * hidden_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden_size
     offs_j = tl.arange(0, BLOCK_K // 2)
@@ -753,12 +747,12 @@ def gemm2_combine_kernel(
     acc = tl.trans(acc) * alpha
     if not SCALE_INPUT:
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
-    out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
+    out_ptrs = split_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=pair_valid[:, None] & n_valid[None, :])
     if COMBINE:
         _sum_slots_when_last(
-            pair_out_ptr, out_ptr, count_ptr, pairs, pair_valid, offs_n, n_valid, pid_n, tl.num_programs(1), top_k,
-            hidden_size, BLOCK_M, BLOCK_N, not EMULATE_BF16,
+            pair_out_ptr, out_ptr, count_ptr, pairs, pair_valid, offs_n, n_valid, pid_n, tl.num_programs(1),
+            num_pairs, top_k, hidden_size, BLOCK_M, BLOCK_N, SPLIT_K, not EMULATE_BF16,
         )  # fmt: skip
 
 
@@ -769,8 +763,21 @@ def _fence_gpu():
 
 
 @triton.jit
+def _arrive(counters, mask, FENCE: tl.constexpr):
+    """Count this program's finished tile in at each counter (where mask): returns the counts before, so the program
+    that brings a counter to its total knows it is the last and reduces what all of them stored. This program's
+    stores are visible GPU-wide first (FENCE on a GPU: each thread's fence, then the barrier; the interpreter runs
+    programs one after another). The last program reads the others' stores with .cg loads (at L2, never a stale L1
+    line)."""
+    if FENCE:
+        _fence_gpu()
+    tl.debug_barrier()
+    return tl.atomic_add(counters, 1, mask=mask, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
 def _sum_slots_when_last(
-    pair_out_ptr,
+    pair_out_ptr,  # fp32 [SPLITS, P, H]
     out_ptr,
     count_ptr,
     pairs,
@@ -779,31 +786,29 @@ def _sum_slots_when_last(
     n_valid,
     pid_n,
     num_tiles,
+    num_pairs,
     top_k,
     hidden_size,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    FENCE: tl.constexpr,  # compiled: fence the tile's stores (the interpreter runs programs one after another)
+    SPLITS: tl.constexpr,
+    FENCE: tl.constexpr,
 ):
-    """The k-slot sum in GEMM2's launch, deterministically: after storing its pair rows of N tile pid_n, a program
-    counts them in (one counter per token and tile); the program that brings a token's count to k sums that token's
-    k rows in slot order, writes its output row and resets the counter. No further launch, and the same sum whichever
-    program comes last. Every pair must be computed by some program (all ids in [0, E), no expert mask)."""
-    if FENCE:
-        _fence_gpu()
-    tl.debug_barrier()  # every thread's stores of the tile precede the counting
+    """The sum over each token's k slots (and K slices) in GEMM2's launch, deterministically: one counter per token
+    and N tile; the program that completes a token's count sums its rows in (slice, slot) order, writes the output
+    row and resets the counter for the next call. No further launch, and the same sum whichever program comes last.
+    Every pair must be computed by some program (ids in [0, E), no expert mask)."""
     token = pairs // top_k
     counters = count_ptr + token.to(tl.int64) * num_tiles + pid_n
-    arrived = tl.atomic_add(counters, 1, mask=pair_valid, sem="acq_rel", scope="gpu")
-    last = pair_valid & (arrived == top_k - 1)
+    last = pair_valid & (_arrive(counters, pair_valid, FENCE) == top_k * SPLITS - 1)
     if tl.max(last.to(tl.int32), 0) != 0:
         mask = last[:, None] & n_valid[None, :]
-        rows = token.to(tl.int64) * top_k
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for slot in range(top_k):
-            # .cg: read at L2, where the other programs' rows are, never a stale L1 line
-            total += tl.load(pair_out_ptr + (rows + slot)[:, None] * hidden_size + offs_n[None, :], mask=mask,
-                             other=0.0, cache_modifier=".cg")  # fmt: skip
+        for split in range(SPLITS):
+            rows = split * num_pairs + token.to(tl.int64) * top_k
+            for slot in range(top_k):
+                total += tl.load(pair_out_ptr + (rows + slot)[:, None] * hidden_size + offs_n[None, :], mask=mask,
+                                 other=0.0, cache_modifier=".cg")  # fmt: skip
         tl.store(out_ptr + token[:, None].to(tl.int64) * hidden_size + offs_n[None, :], total, mask=mask)
         tl.store(counters, tl.zeros([BLOCK_M], dtype=tl.int32), mask=last)
 
@@ -812,8 +817,8 @@ def _sum_slots_when_last(
 def fused_slice_kernel(
     x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
-    ids_ptr,  # int [P] expert of each pair (PER_PAIR, SCANNED)
-    local_ptr,  # int8 [E] 1 for experts this rank computes (read when HAS_LOCAL; PER_PAIR, SCANNED)
+    ids_ptr,  # int [P] expert of each pair (PER_PAIR)
+    local_ptr,  # int8 [E] 1 for experts this rank computes (PER_PAIR with HAS_LOCAL)
     sorted_pairs_ptr,  # from `align_kernel` (ALIGNED)
     block_expert_ptr,
     num_padded_ptr,
@@ -830,14 +835,12 @@ def fused_slice_kernel(
     hidden_size,
     inter_size,
     num_experts,
-    blocks_per_expert,  # SCANNED: M blocks per expert
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,  # intermediate columns per program: GEMM1's N tile and GEMM2's whole K
     BLOCK_N: tl.constexpr,  # w2 rows per step of the GEMM2 loop
     BLOCK_K: tl.constexpr,  # GEMM1's K step
     GROUPING: tl.constexpr,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr,
-    SCAN_CHUNK: tl.constexpr,
     SCALE_INPUT: tl.constexpr,
     W4A4: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
@@ -857,7 +860,7 @@ def fused_slice_kernel(
     pid_i = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
         pid_m, ids_ptr, local_ptr, sorted_pairs_ptr, block_expert_ptr, num_padded_ptr, num_pairs, num_experts,
-        blocks_per_expert, BLOCK_M, GROUPING, HAS_LOCAL, SCAN_CHUNK,
+        BLOCK_M, GROUPING, HAS_LOCAL,
     )  # fmt: skip
     if active.to(tl.int32) == 0:
         return

@@ -61,13 +61,12 @@ class KernelConfig:
     # its pairs; the per-slice shares of the output are summed after. For few tokens: no intermediate tensor, one
     # launch instead of two, and H / BLOCK_N2 times fewer GEMM2 programs that each stream a long run of w2.
     slice_i: int = 0
-    # How programs find their pairs: "align" (blocks of one expert's pairs grouped by `align_kernel`, one launch),
-    # "scan" (each program scans the ids for its expert's pairs: no grouping launch, E·cdiv(T, BLOCK_M) program rows
-    # of which the untouched experts' return at once) or "pair" (one pair per program: for one token, whose k pairs
-    # have k distinct experts)
+    # How programs find their pairs: "align" (blocks of one expert's pairs grouped by `align_kernel`, one launch) or
+    # "pair" (one pair per program, no grouping launch: for batches whose pairs rarely share an expert, e.g. one token)
     grouping: str = "align"
-    # Two-GEMM path without an expert mask: the sum over each token's k slots in GEMM2's launch (the last program to
-    # finish a token's N tile adds its k rows, `_sum_slots_when_last`) instead of a torch reduction after it
+    # Two-GEMM path: the reductions in the GEMM launches, by the last program to finish a tile (`_arrive`): the sum over
+    # each token's k slots (and K slices) in GEMM2's (not with an expert mask), and with split_k the K slices' sum and
+    # SwiGLU in GEMM1's; no torch reduction, no `splitk_swiglu_kernel` (and split-K works in W4A4 too)
     fused_combine: bool = False
     # Two-GEMM path on a GPU: GEMM2 launched as a programmatic dependent of GEMM1 (sm90+), so that its launch and the
     # work before its K loop (finding its pairs) overlap GEMM1's tail
@@ -181,12 +180,12 @@ class TritonMoeWeights:
             self._cache[key] = (slice_columns(packed, block_i // 2), slice_columns(self.w2_scale, block_i // 16))
         return self._cache[key]
 
-    def slot_counters(self, num_tokens: int, num_tiles: int, device: torch.device) -> Tensor:
-        """int32 [T, tiles] zeros for `fused_combine`, kept with these weights: the kernel leaves them zero again, so
-        calls (and CUDA-graph replays) reuse them; calls on one weights object must not run concurrently."""
-        key = ("slot_counters", num_tokens, num_tiles, str(device))
+    def counters(self, name: str, rows: int, tiles: int, device: torch.device) -> Tensor:
+        """int32 [rows, tiles] zeros for `KernelConfig.fused_combine`, kept with these weights: the kernels leave them
+        zero again, so calls (and CUDA-graph replays) reuse them; calls on one weights object must not overlap."""
+        key = ("counters", name, rows, tiles, str(device))
         if key not in self._cache:
-            self._cache[key] = torch.zeros(num_tokens, num_tiles, dtype=torch.int32, device=device)
+            self._cache[key] = torch.zeros(rows, tiles, dtype=torch.int32, device=device)
         return self._cache[key]
 
     @property
@@ -297,13 +296,12 @@ def fused_moe(
     return run(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_tokens, top_k, emulate_bf16)
 
 
-GROUPINGS = {"pair": 0, "align": 1, "scan": 2}  # triton_kernels.PER_PAIR, ALIGNED, SCANNED
+GROUPINGS = {"pair": 0, "align": 1}  # triton_kernels.PER_PAIR, ALIGNED
 
 
-def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, num_tokens: int, cfg: KernelConfig):
+def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
     """How the kernels find each program's pairs (`KernelConfig.grouping`): the (ids, local, sorted_pairs,
-    block_expert, num_padded) pointers, blocks per expert, their constexprs and the grid's row count. "align" runs
-    `align_kernel` first."""
+    block_expert, num_padded) pointers, their constexprs and the grid's row count. "align" runs `align_kernel`."""
     from fp4kit.verify import triton_kernels as kernels
 
     if cfg.grouping not in GROUPINGS:
@@ -311,16 +309,11 @@ def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, nu
     device, num_pairs = flat_ids.device, flat_ids.numel()
     has_local = expert_mask is not None
     local = expert_mask.to(device=device, dtype=torch.int8) if has_local else flat_ids
-    flags = {"GROUPING": GROUPINGS[cfg.grouping], "HAS_LOCAL": has_local, "SCAN_CHUNK": 64}
     if cfg.grouping == "pair":
         # the MMA's minimum M tile, one real row; the grouping pointers are never read
-        return (flat_ids, local, flat_ids, flat_ids, flat_ids, 1), {**flags, "BLOCK_M": 16}, num_pairs
+        flags = {"BLOCK_M": 16, "GROUPING": GROUPINGS["pair"], "HAS_LOCAL": has_local}
+        return (flat_ids, local, flat_ids, flat_ids, flat_ids), flags, num_pairs
     block_m = cfg.block_m
-    if cfg.grouping == "scan":
-        blocks_per_expert = _cdiv(num_tokens, block_m)
-        flags["SCAN_CHUNK"] = min(256, max(16, 1 << (num_pairs - 1).bit_length()))
-        owners = (flat_ids, local, flat_ids, flat_ids, flat_ids, blocks_per_expert)
-        return owners, {**flags, "BLOCK_M": block_m}, num_experts * blocks_per_expert
     max_blocks = num_pairs // block_m + min(num_pairs, num_experts)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
@@ -332,8 +325,8 @@ def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, nu
         num_pairs, num_experts, max_blocks * block_m, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, HAS_LOCAL=has_local, num_warps=4,
     )  # fmt: skip
-    owners = (flat_ids, local, sorted_pairs, block_expert, num_padded, 1)
-    return owners, {**flags, "BLOCK_M": block_m}, max_blocks
+    flags = {"BLOCK_M": block_m, "GROUPING": GROUPINGS["align"], "HAS_LOCAL": has_local}
+    return (flat_ids, local, sorted_pairs, block_expert, num_padded), flags, max_blocks
 
 
 def _decode_flags(cfg: KernelConfig, emulate_bf16: bool) -> dict:
@@ -367,14 +360,14 @@ def _sliced(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_
     w2_packed, w2_scale = moe_weights.sliced_w2(block_i, _shuffled(cfg))
     w13_packed = moe_weights.shuffled_packed()[0] if _shuffled(cfg) else moe_weights.w13_packed
     device = x.device
-    owners, grouping, grid_m = _grouping(flat_ids, expert_mask, num_experts, num_tokens, cfg)
+    owners, grouping, grid_m = _grouping(flat_ids, expert_mask, num_experts, cfg)
     alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
     shares = alloc(num_slices, num_pairs, hidden_size, dtype=torch.float32, device=device)
     kernels.fused_slice_kernel[(grid_m, num_slices)](
-        x, flat_weights, *owners[:5], w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else moe_weights.alpha13,
         w2_packed, w2_scale, moe_weights.alpha2, shares,
-        num_pairs, top_k, hidden_size, inter_size, num_experts, owners[5],
+        num_pairs, top_k, hidden_size, inter_size, num_experts,
         **grouping, BLOCK_I=block_i, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_INPUT=spec.scales_input,
         W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k == 0, EVEN_N=hidden_size % block_n == 0,
@@ -391,7 +384,7 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     num_pairs, hidden_size = flat_ids.numel(), moe_weights.hidden_size
     num_experts, inter_size = moe_weights.num_experts, moe_weights.inter_size
     device = x.device
-    owners, grouping, max_blocks = _grouping(flat_ids, expert_mask, num_experts, num_tokens, cfg)
+    owners, grouping, max_blocks = _grouping(flat_ids, expert_mask, num_experts, cfg)
     block_n1 = _clamp_block(cfg.block_n1, inter_size, 16)
     block_k1 = _clamp_block(cfg.block_k, hidden_size, 32)
     inter = torch.empty(num_pairs, inter_size, dtype=torch.bfloat16, device=device)
@@ -399,23 +392,31 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     shuffled = _shuffled(cfg)
     w13_packed, w2_packed = moe_weights.shuffled_packed() if shuffled else (moe_weights.w13_packed,
                                                                             moe_weights.w2_packed)  # fmt: skip
-    # Split-K: W4A16 only in GEMM1 (W4A4 quantizes the intermediate in the epilogue), at most one slice per K tile
-    split1 = 1 if moe_weights.w4a4 else max(1, min(cfg.split_k, _cdiv(hidden_size, block_k1)))
+    # Split-K, at most one slice per K tile; in GEMM1 W4A4 needs the fused SwiGLU (the epilogue quantizes the
+    # intermediate, so `splitk_swiglu_kernel` cannot end it)
+    split1 = max(1, min(cfg.split_k, _cdiv(hidden_size, block_k1)))
+    if moe_weights.w4a4 and not cfg.fused_combine:
+        split1 = 1
     alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
-    partial = inter  # never written unless split
+    partial, counts1 = inter, flat_ids  # never touched unless split
+    num_tiles1 = _cdiv(inter_size, block_n1)
     if split1 > 1:
         partial = alloc(split1, num_pairs, 2 * inter_size, dtype=torch.float32, device=device)
-    pdl = _pdl_flags(cfg, emulate_bf16) if split1 == 1 else ({}, {})
-    kernels.gemm1_swiglu_kernel[(max_blocks, _cdiv(inter_size, block_n1), split1)](
-        x, flat_weights, *owners[:5], w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
+        if cfg.fused_combine:
+            counts1 = moe_weights.counters("gemm1", max_blocks, num_tiles1, device)
+    fused_swiglu = split1 > 1 and cfg.fused_combine
+    pdl = _pdl_flags(cfg, emulate_bf16) if split1 == 1 or fused_swiglu else ({}, {})
+    kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1, split1)](
+        x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
-        inter, partial, num_pairs, top_k, hidden_size, inter_size, num_experts, owners[5],
-        **grouping, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input, W4A4=moe_weights.w4a4,
+        inter, partial, counts1, num_pairs, top_k, hidden_size, inter_size, num_experts,
+        **grouping, SWIGLU_WHEN_LAST=fused_swiglu, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input,
+        W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
         SPLIT_K=split1, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl[0],
     )  # fmt: skip
-    if split1 > 1:
+    if split1 > 1 and not fused_swiglu:
         kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
             partial, flat_ids, moe_weights.alpha13, inter, num_pairs, inter_size,
             SPLIT_K=split1, BLOCK_I=256, EMULATE_BF16=emulate_bf16, num_warps=2,
@@ -425,14 +426,14 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     split2 = max(1, min(cfg.split_k, _cdiv(inter_size, block_k2)))
     pair_out = alloc(split2, num_pairs, hidden_size, dtype=torch.float32, device=device)
     num_tiles2 = _cdiv(hidden_size, block_n2)
-    combine = cfg.fused_combine and split2 == 1 and expert_mask is None
+    combine = cfg.fused_combine and expert_mask is None
     out, counts = pair_out, flat_ids  # never touched unless combine
     if combine:
         out = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
-        counts = moe_weights.slot_counters(num_tokens, num_tiles2, device)
+        counts = moe_weights.counters("gemm2", num_tokens, num_tiles2, device)
     kernels.gemm2_combine_kernel[(max_blocks, num_tiles2, split2)](
-        inter, flat_weights, *owners[:5], w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out, out, counts,
-        num_pairs, top_k, hidden_size, inter_size, num_experts, owners[5],
+        inter, flat_weights, *owners, w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out, out, counts,
+        num_pairs, top_k, hidden_size, inter_size, num_experts,
         **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
         EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
         SPLIT_K=split2, COMBINE=combine, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps,
