@@ -1,14 +1,15 @@
 """fp4kit's own fused NVFP4 MoE kernel in Triton: runs on any CUDA GPU Triton supports (sm80+, including the sm90
 H200, which has no FP4 tensor cores) and on a CPU under TRITON_INTERPRET=1 (DESIGN.md §8).
 
-Two-GEMM path (the default but for 2-4 tokens): three launches and one reduction.
+Two-GEMM path (the default but for 2-4 tokens): up to three launches and one reduction (one token: two launches).
 1. `align_kernel` (one program): groups the T·k (token, slot) pairs by expert into BLOCK_M-row blocks, padding each
    expert's rows to a multiple of BLOCK_M; writes the expert of each block. No host synchronisation.
 2. `gemm1_swiglu_kernel`: per block, [x] · [w1; w3]ᵀ of its expert with in-kernel dequantization of the packed FP4
    codes and FP8 block scales, the global scale applied once after fp32 accumulation, SwiGLU in the epilogue;
    Llama-4 multiplies each input row by its routing weight first.
 3. `gemm2_combine_kernel`: w2 the same way, then times the routing weight (not for Llama-4) into per-pair rows,
-   summed over the k slots of each token in fp32.
+   summed over the k slots of each token in fp32: after the launch, or in it by the last program to finish each
+   token's tile (`KernelConfig.fused_combine`, the default at one token).
 
 Sliced path (`KernelConfig.slice_i`): `fused_slice_kernel` computes, per (pair or block of pairs, slice of the
 intermediate columns), the slice of SwiGLU(x·[w1; w3]ᵀ) over all of H and its product with the same columns of w2
