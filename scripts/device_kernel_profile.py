@@ -1,7 +1,9 @@
 """Per-kernel GPU time of one `fused_moe` call (torch.profiler), for the launch-by-launch picture behind
 scripts/bench_verify_kernel.py's totals at few tokens.
 
-    python scripts/device_kernel_profile.py --tokens 1,16 --variants "default;cfg:i=32,g=0,n=128"
+    python scripts/device_kernel_profile.py --tokens 1,16 --variants "default;cfg:i=32,g=pair,n=128"
+    ncu --clock-control none -k regex:gemm --section WarpStateStats ... \
+        python scripts/device_kernel_profile.py --tokens 1 --shapes Qwen3-30B-A3B --calls 1   # plain calls for ncu
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,16")
     parser.add_argument("--variants", default="default")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of SHAPES")
+    parser.add_argument("--calls", type=int, default=0,
+                        help="just call fused_moe this many times, no torch.profiler (to run under ncu)")  # fmt: skip
     args = parser.parse_args()
     generator = torch.Generator(device="cuda").manual_seed(0)
-    for name, (num_experts, hidden_size, inter_size, top_k) in SHAPES.items():
+    for name in args.shapes.split(","):
+        num_experts, hidden_size, inter_size, top_k = SHAPES[name]
         w13 = random_experts(num_experts, 2 * inter_size, hidden_size, generator)
         w2 = random_experts(num_experts, hidden_size, inter_size, generator)
         moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device="cuda")
@@ -50,7 +56,13 @@ def main() -> None:
             weights, ids = route(torch.randn(tokens, num_experts, device="cuda", generator=generator), spec)
             for variant in args.variants.split(";"):
                 cfg = variant_config(variant, default_config(ids.numel(), num_experts, top_k))
-                times = kernel_times(partial(fused_moe, hidden, weights, ids, moe_weights, spec, config=cfg))
+                call = partial(fused_moe, hidden, weights, ids, moe_weights, spec, config=cfg)
+                if args.calls:
+                    for _ in range(args.calls):
+                        call()
+                    torch.cuda.synchronize()
+                    continue
+                times = kernel_times(call)
                 parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(times.items(), key=lambda kv: -kv[1]))
                 print(f"{name} T={tokens} {variant}: sum {sum(times.values()):.1f} µs = {parts}", flush=True)
 
