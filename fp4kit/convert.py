@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from fp4kit import dense
 from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of
@@ -224,9 +225,14 @@ def convert_checkpoint(
     repair: bool = False,
 ) -> ConvertReport:
     """Rewrite NVFP4 checkpoint ``src`` in dialect ``to`` into ``dst`` (created atomically); ``repair`` unifies
-    fused-group weight scales and per-projection expert input scales (fp4kit/repair.py)."""
+    fused-group weight scales and per-projection expert input scales (fp4kit/repair.py). ``to`` "bf16": a dense
+    dequantized checkpoint instead (fp4kit/dense.py)."""
+    if to == dense.TARGET:
+        if repair:
+            raise Fp4kitError("--repair rewrites scales for a dialect target; --to bf16 has none")
+        return dense.dequantize_checkpoint(src, dst, overwrite, max_shard_bytes, progress)
     if to not in DIALECTS:
-        raise Fp4kitError(f"unknown dialect {to!r}; choose one of {', '.join(DIALECTS)}")
+        raise Fp4kitError(f"unknown dialect {to!r}; choose one of {', '.join(DIALECTS)} (or bf16)")
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     with open_checkpoint(src) as ckpt:

@@ -13,7 +13,8 @@ from fp4kit.commands._common import human_bytes, with_progress
 def convert(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    to: Annotated[str, typer.Option("--to", help="target dialect: compressed-tensors or modelopt")],
+    to: Annotated[str, typer.Option("--to", help="target dialect: compressed-tensors or modelopt; bf16: a dense "
+                                                 "dequantized checkpoint (weight-only emulation)")],
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     repair: Annotated[bool, typer.Option(
         help="one weight global scale per fused group (q/k/v, gate/up) and one input scale per expert projection; "
@@ -21,7 +22,8 @@ def convert(
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
 ) -> None:
-    """Rewrite an NVFP4 checkpoint in another dialect: packed weights and block scales byte for byte."""
+    """Rewrite an NVFP4 checkpoint in another dialect (packed weights and block scales byte for byte) or as a dense
+    BF16 checkpoint (--to bf16)."""
     from fp4kit.checkpoint import parse_size
     from fp4kit.convert import convert_checkpoint
 

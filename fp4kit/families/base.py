@@ -37,6 +37,9 @@ class Family:
     moe_intermediate: Callable[[dict], int] = field(default=lambda tc: int(tc["moe_intermediate_size"]))
     # ModelOpt's HF export keeps this family's fused experts fused, with one scale per layer and projection.
     modelopt_fused_experts: bool = False
+    # The family's HF checkpoints store routed experts fused and K-major: `experts.gate_up_proj` [E, H, 2I] (gate in
+    # the first I columns) and `experts.down_proj` [E, I, H]; the others store one module per expert.
+    hf_fused_experts: bool = False
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]

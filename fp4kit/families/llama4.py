@@ -19,4 +19,5 @@ FAMILY = Family(
     ignore=lambda config: [r"feed_forward\.router$", r"(^|\.)vision_model\.", r"(^|\.)multi_modal_projector\."],
     moe_intermediate=lambda tc: int(tc["intermediate_size"]),
     modelopt_fused_experts=True,
+    hf_fused_experts=True,
 )

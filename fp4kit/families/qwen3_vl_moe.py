@@ -10,4 +10,5 @@ FAMILY = Family(
     num_experts=qwen3_moe.num_experts,
     routing=qwen3_moe.routing,
     ignore=lambda config: [r"mlp\.gate$", r"(^|\.)visual\."],
+    hf_fused_experts=True,
 )

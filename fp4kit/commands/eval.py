@@ -1,0 +1,57 @@
+"""`fp4kit eval`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DTYPES = ("float32", "bfloat16")
+
+
+def eval_command(
+    src: Annotated[Path, typer.Argument(help="the BF16 source checkpoint directory")],
+    ckpt: Annotated[Path, typer.Argument(help="its NVFP4 checkpoint (compressed-tensors or ModelOpt) or a dense one")],
+    text: Annotated[Path | None, typer.Option(
+        help=".jsonl (text or input_ids), .txt or .parquet; default: the packaged calibration set")] = None,
+    samples: Annotated[int, typer.Option(help="windows of --seq-len tokens")] = 48,
+    seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
+    batch_size: Annotated[int, typer.Option(help="windows per forward")] = 8,
+    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="compute dtype: float32 or bfloat16")] = "float32",
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print nothing (with --json)")] = False,
+) -> None:
+    """Next-token KL, cross-entropy and top-1 agreement of a quantized checkpoint against its source, streaming one
+    decoder layer at a time (W4A4 checkpoints with their activations quantized as the kernels do)."""
+    import torch
+
+    from fp4kit.calib_data import load_calibration
+    from fp4kit.checkpoint import read_config
+    from fp4kit.errors import Fp4kitError
+    from fp4kit.evaluate import evaluate
+    from fp4kit.families import detect
+
+    if dtype not in DTYPES:
+        raise Fp4kitError(f"unknown --dtype {dtype!r}; choose {' or '.join(DTYPES)}")
+    config = read_config(src)
+    text_config = detect(config).text_config(config)
+    vocab_size = int(text_config.get("vocab_size") or config["vocab_size"])
+    token_ids = load_calibration(text, src, vocab_size, samples, seq_len)
+    result = evaluate(src, ckpt, token_ids, device, batch_size, getattr(torch, dtype))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    if quiet:
+        return
+    typer.echo(f"{result.checkpoint} ({result.scheme}) against {result.source}: {result.samples} x {result.seq_len} "
+               f"tokens, {result.dtype} on {result.device}, {result.seconds:.1f} s")
+    typer.echo(f"  KL(source || quantized) per token  {result.kl:.5f}")
+    typer.echo(f"  cross-entropy source / quantized   {result.ce_source:.4f} / {result.ce_quantized:.4f}")
+    typer.echo(f"  top-1 agreement                    {100 * result.top1:.2f}%")
+    typer.echo("  hidden-state relative error by layer  " + " ".join(f"{e:.4f}" for e in result.layers))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(eval_command)

@@ -1,0 +1,295 @@
+"""`fp4kit eval`: a quantized checkpoint's next-token distribution against its source, one decoder layer at a time.
+
+Both models run the calibration pass's streaming forward (fp4kit/calibrate.py): embeddings and every layer's
+arguments from a forward of the meta-device text model, then each decoder layer built with transformers' own class,
+loaded alone, run over every sample's hidden states and dropped. A quantized checkpoint is read through
+``fp4kit.dense.DenseView``: its NVFP4 weights dequantized from the canonical form, in the family's HF layout, so the
+quantized layer loads exactly as the source's does. Hidden states of both models for all samples stay in memory;
+weights of one layer at a time.
+
+W4A4 checkpoints (input scales present) run with their activations quantized as the Blackwell kernels do: the
+input of every quantized Linear and, per routed expert, the gate/up input and the down input are quantized per
+16-block with the stored static global scale and dequantized again (``fake_quantize_activation`` of
+fp4kit/verify/reference.py). Routed experts then run expert by expert (the eager loop of transformers' experts
+class, with those two quantization points); weight-only checkpoints run transformers' experts unchanged.
+
+Measured on the positions that have a next token (samples x (seq_len - 1)): mean KL(source || quantized) of the
+final distributions, the cross-entropy of each model on the next token, top-1 agreement, and per layer the relative
+error ||h_q - h_s|| / ||h_s|| of the layer's output hidden states over all tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fp4kit import memory
+from fp4kit.checkpoint import CheckpointReader, read_config
+from fp4kit.errors import Fp4kitError
+from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, open_checkpoint
+from fp4kit.verify.reference import fake_quantize_activation
+
+LOGIT_ELEMENTS = 1 << 25  # fp32 logits per chunk of tokens (x2 models): bounded whatever the vocabulary
+_COMPATIBLE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+
+
+@dataclass
+class EvalResult:
+    source: str
+    checkpoint: str
+    scheme: str  # nvfp4 (W4A4, activations emulated), nvfp4a16, or bf16 for a dense checkpoint
+    samples: int
+    seq_len: int
+    tokens: int  # positions scored: samples x (seq_len - 1)
+    kl: float  # mean per token KL(source || quantized), nats
+    ce_source: float
+    ce_quantized: float
+    top1: float  # share of positions where both models' argmax agree
+    layers: list[float] = field(default_factory=list)  # per decoder layer: ||h_q - h_s|| / ||h_s||
+    dtype: str = "float32"
+    device: str = "cpu"
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def input_divisors(ckpt: QuantizedCheckpoint) -> dict[str, torch.Tensor]:
+    """Module name -> float64 divisor of its static input global scale (empty for weight-only checkpoints)."""
+    return {m.name: ckpt.divisor(m.input_scale) for m in ckpt.modules if m.input_scale is not None}
+
+
+def _fake_quantized(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    return fake_quantize_activation(x, divisor).to(x.dtype)
+
+
+def _linear_input_hook(divisor: torch.Tensor):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (_fake_quantized(args[0], divisor), *args[1:])
+
+    return hook
+
+
+def _routed_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
+    """Qwen3 / GLM experts (forward(hidden [T, H], top_k_index, top_k_weights)), [E, 2I, H] / [E, H, I]."""
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, slot = torch.where(top_k_index == e)
+            x = _fake_quantized(hidden_states[token_idx], div13[e])
+            gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(_fake_quantized(experts.act_fn(gate) * up, div2[e]), experts.down_proj[e])
+            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
+        return out
+
+    return forward
+
+
+def _bmm_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
+    """Llama-4 experts (forward(routed_in [E * T, H]), every expert over all tokens), [E, H, 2I] / [E, I, H]."""
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        per_expert = hidden_states.view(experts.gate_up_proj.shape[0], -1, hidden_states.shape[-1])
+        outs = []
+        for e in range(per_expert.shape[0]):
+            gate_up = _fake_quantized(per_expert[e], div13[e]) @ experts.gate_up_proj[e]
+            gate, up = gate_up.chunk(2, dim=-1)
+            outs.append(_fake_quantized(up * experts.act_fn(gate), div2[e]) @ experts.down_proj[e])
+        return torch.stack(outs).view(-1, hidden_states.shape[-1])
+
+    return forward
+
+
+def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], bmm_experts: bool) -> set[str]:
+    """Quantize the activations of every quantized Linear and routed expert under ``module`` (whose checkpoint name
+    is ``prefix``, e.g. "model.layers.3."), in place; returns the module names covered. ``bmm_experts``: Llama-4's
+    experts class (every expert over all tokens, the router score already applied to its input)."""
+    covered: set[str] = set()
+    for name, sub in module.named_modules():
+        full = prefix + name
+        if isinstance(sub, nn.Linear) and full in divisors:
+            sub.register_forward_pre_hook(_linear_input_hook(divisors[full]))
+            covered.add(full)
+        gate_up = getattr(sub, "gate_up_proj", None)
+        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and f"{full}.0.gate_proj" in divisors:
+            div13, div2 = [], []
+            for e in range(gate_up.shape[0]):
+                names = [f"{full}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+                missing = [n for n in names if n not in divisors]
+                if missing:
+                    raise Fp4kitError(f"{missing[0]}: no input scale, other experts of the layer have one")
+                if not torch.equal(divisors[names[0]], divisors[names[1]]):
+                    raise Fp4kitError(f"{full}.{e}: gate and up have different input scales; the fused w13 kernels "
+                                      f"quantize their one input with one")
+                div13.append(divisors[names[0]])
+                div2.append(divisors[names[2]])
+                covered.update(names)
+            sub.forward = (_bmm_experts_w4a4 if bmm_experts else _routed_experts_w4a4)(sub, div13, div2)
+    return covered
+
+
+def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], bmm_experts: bool) -> None:
+    covered = emulate_w4a4(layer, prefix, divisors, bmm_experts)
+    missed = sorted(n for n in divisors if n.startswith(prefix) and n not in covered)
+    if missed:
+        raise Fp4kitError(f"{missed[0]}: has an input scale but is neither a Linear nor a routed expert of "
+                          f"transformers' {type(layer).__name__}, so its activations cannot be emulated")
+
+
+class _Model:
+    """One side of the comparison: a dense or NVFP4 checkpoint read as dense tensors."""
+
+    def __init__(self, root: Path, stack: contextlib.ExitStack):
+        from fp4kit.dense import DenseView
+
+        self.root = root
+        self.config = read_config(root)
+        self.divisors: dict[str, torch.Tensor] = {}
+        if _is_quantized(root, self.config):
+            ckpt = stack.enter_context(open_checkpoint(root))
+            self.scheme = ckpt.scheme
+            self.divisors = input_divisors(ckpt)
+            self.reader: CheckpointReader | DenseView = DenseView(ckpt, torch.float32)
+        else:
+            self.scheme = "bf16"
+            self.reader = stack.enter_context(CheckpointReader(root))
+
+
+def _is_quantized(root: Path, config: dict) -> bool:
+    if config.get("quantization_config") or (root / HF_QUANT_CONFIG).exists():
+        return True
+    with CheckpointReader(root) as reader:
+        return any(n.endswith((".weight_packed", ".weight_scale_2")) for n in reader.names())
+
+
+def _check_compatible(source: _Model, quantized: _Model) -> None:
+    from fp4kit.families import detect
+
+    texts = [detect(m.config).text_config(m.config) for m in (source, quantized)]
+    for key in _COMPATIBLE_KEYS:
+        a, b = (text.get(key, m.config.get(key)) for text, m in zip(texts, (source, quantized), strict=True))
+        if a != b:
+            raise Fp4kitError(f"{quantized.root}/config.json: {key} {b!r}, the source's is {a!r}: not a quantization "
+                              f"of {source.root}")
+
+
+def _final(reader, text, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    """The final norm (loaded) and the lm_head weight; a tied lm_head is the embedding."""
+    norm_name = f"{text.prefix}norm.weight"
+    if norm_name not in reader:
+        raise Fp4kitError(f"checkpoint lacks {norm_name}, the text model's final norm")
+    norm = text.model.norm
+    norm.load_state_dict({"weight": reader.read(norm_name).to(device, dtype)}, assign=True)
+    heads = [n for n in reader.names() if n.endswith("lm_head.weight")]
+    if len(heads) > 1:
+        raise Fp4kitError(f"checkpoint holds several lm_head weights: {', '.join(heads)}")
+    if heads:
+        return norm.eval(), reader.read(heads[0]).to(device, dtype)
+    if not getattr(text.model.config, "tie_word_embeddings", False):
+        raise Fp4kitError("checkpoint lacks lm_head.weight and config.json does not tie it to the embeddings")
+    return norm.eval(), text.model.embed_tokens.weight
+
+
+def _lm_head_divisor(reader, divisors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    heads = [n[: -len(".weight")] for n in reader.names() if n.endswith("lm_head.weight")]
+    return divisors.get(heads[0]) if heads else None
+
+
+def _token_chunks(count: int, vocab: int) -> Iterator[slice]:
+    step = max(1, LOGIT_ELEMENTS // max(vocab, 1))
+    for start in range(0, count, step):
+        yield slice(start, min(start + step, count))
+
+
+@torch.inference_mode()
+def evaluate(
+    src: str | Path,
+    ckpt: str | Path,
+    token_ids: torch.Tensor,
+    device: str = "cpu",
+    batch_size: int = 8,
+    dtype: torch.dtype = torch.float32,
+) -> EvalResult:
+    """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L]."""
+    from fp4kit.calibrate import _layer_inputs, _load_layer, _text_model
+
+    start = time.perf_counter()
+    src, ckpt = Path(src), Path(ckpt)
+    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.shape[1] < 2 or token_ids.shape[0] < 1:
+        raise Fp4kitError(f"eval token ids must be an int64 [samples, seq_len >= 2] tensor, got "
+                          f"{token_ids.dtype}{list(token_ids.shape)}")
+    if batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise Fp4kitError(f"--device {device}: no CUDA device is available")
+    torch_device = torch.device(device)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(memory.large_frees_returned_to_os())
+        models = [_Model(src, stack), _Model(ckpt, stack)]
+        _check_compatible(*models)
+        texts = [_text_model(m.reader, src, dtype, torch_device) for m in models]  # one config: SRC's
+        vocab_size = texts[0].model.config.vocab_size
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+            raise Fp4kitError(f"eval token ids must lie in [0, vocab_size {vocab_size}), got "
+                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        ids = token_ids.to(torch_device)
+        inputs = [_layer_inputs(text, ids, batch_size, (0, 1)) for text in texts]
+        hidden = [hidden_batches for hidden_batches, _ in inputs]
+        layer_errors = []
+        for index in range(len(texts[0].layers)):
+            for side, (model, text) in enumerate(zip(models, texts, strict=True)):
+                layer = _load_layer(text, model.reader, index, dtype, torch_device)
+                if model.divisors:
+                    _emulate_layer(layer, f"{text.prefix}layers.{index}.", model.divisors, text.scales_input)
+                layer_args = inputs[side][1]
+                for b, states in enumerate(hidden[side]):
+                    args, kwargs = layer_args[tuple(states.shape)][index]
+                    hidden[side][b] = layer(states, *args, **kwargs)
+                text.layers[index] = None
+                del layer
+                memory.trim_freed_memory()
+            layer_errors.append(_relative_error(hidden[0], hidden[1]))
+        finals = [_final(m.reader, text, dtype, torch_device) for m, text in zip(models, texts, strict=True)]
+        head_divisor = _lm_head_divisor(models[1].reader, models[1].divisors)
+        totals = torch.zeros(4, dtype=torch.float64)  # kl, ce source, ce quantized, top-1 agreements
+        for b in range(len(hidden[0])):
+            targets = ids[b * batch_size : (b + 1) * batch_size, 1:].reshape(-1)
+            states = [h[b][:, :-1].reshape(-1, h[b].shape[-1]) for h in hidden]
+            for chunk in _token_chunks(targets.numel(), vocab_size):
+                logits = []
+                for side, (norm, head) in enumerate(finals):
+                    x = norm(states[side][chunk])
+                    if side == 1 and head_divisor is not None:
+                        x = _fake_quantized(x, head_divisor)
+                    logits.append(F.linear(x, head).float())
+                totals += _scores(logits[0], logits[1], targets[chunk])
+    tokens = token_ids.shape[0] * (token_ids.shape[1] - 1)
+    kl, ce_source, ce_quantized, agree = (totals / tokens).tolist()
+    return EvalResult(str(src), str(ckpt), models[1].scheme, token_ids.shape[0], token_ids.shape[1], tokens, kl,
+                      ce_source, ce_quantized, agree, layer_errors, str(dtype).removeprefix("torch."), device,
+                      time.perf_counter() - start)
+
+
+def _relative_error(source: list[torch.Tensor], quantized: list[torch.Tensor]) -> float:
+    diff = sum(float((q.double() - s.double()).pow(2).sum()) for s, q in zip(source, quantized, strict=True))
+    norm = sum(float(s.double().pow(2).sum()) for s in source)
+    return (diff / norm) ** 0.5 if norm > 0 else 0.0
+
+
+def _scores(source_logits: torch.Tensor, quantized_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sums over the tokens of [KL(source || quantized), CE source, CE quantized, argmax agreements]."""
+    log_p = F.log_softmax(source_logits, dim=-1)
+    log_q = F.log_softmax(quantized_logits, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).sum()
+    ce_source = F.nll_loss(log_p, targets, reduction="sum")
+    ce_quantized = F.nll_loss(log_q, targets, reduction="sum")
+    agree = (source_logits.argmax(-1) == quantized_logits.argmax(-1)).sum()
+    return torch.stack([kl, ce_source, ce_quantized, agree]).double().cpu()
