@@ -89,15 +89,17 @@ def dequantize_checkpoint(
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 10**9,
     progress: Callable[[int, int], None] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ):
-    """Write NVFP4 checkpoint ``src`` as a dense BF16 checkpoint into ``dst`` (created atomically)."""
+    """Write NVFP4 checkpoint ``src`` as a dense checkpoint into ``dst`` (created atomically): dequantized weights in
+    ``dtype`` (BF16 for `convert --to bf16`; float32 keeps the dequantized values exact), other tensors as stored."""
     from fp4kit.convert import ConvertReport
 
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     with open_checkpoint(src) as ckpt:
         check_destination(src, dst, overwrite)
-        view = DenseView(ckpt, torch.bfloat16)
+        view = DenseView(ckpt, dtype)
         names = sorted(view.names(), key=lambda n: (-1 if layer_of(n) is None else layer_of(n), n))
         planned = [PlannedTensor(n, view.info(n).dtype, tuple(view.info(n).shape)) for n in names]
         notes = []

@@ -1,0 +1,125 @@
+"""`fp4kit convert --to bf16` (fp4kit/dense.py): transformers' own loader reads the dense checkpoint into exactly the
+weights compressed-tensors' decompression gives, on every family; ModelOpt input dequantizes to the same bytes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from fp4kit.checkpoint import CheckpointReader
+from fp4kit.fixtures import FIXTURES, fixture_spec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    from fp4kit import cli
+
+    monkeypatch.setattr(sys, "argv", ["fp4kit", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _load(path, family: str):
+    import transformers
+
+    cls = getattr(transformers, fixture_spec(family)["model_class"])
+    model, info = cls.from_pretrained(path, dtype=torch.bfloat16, output_loading_info=True)
+    return model.eval(), info
+
+
+def _decompressed(ckpt) -> dict[str, torch.Tensor]:
+    """Every quantized module's weight as compressed-tensors' NVFP4 compressor decompresses it."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qconfig = QuantizationConfig.model_validate(json.loads((ckpt / "config.json").read_text())["quantization_config"])
+    scheme = qconfig.config_groups["group_0"]
+    reader = CheckpointReader(ckpt)
+    out = {}
+    for name in reader.names():
+        if name.endswith(".weight_packed"):
+            module = name.removesuffix(".weight_packed")
+            local = {k: reader.read(f"{module}.{k}") for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+            out[module] = NVFP4PackedCompressor.decompress(local, scheme)["weight"]
+    return out
+
+
+def _substitute(model: torch.nn.Module, weights: dict[str, torch.Tensor], bmm_experts: bool) -> None:
+    """Put each module's weight where transformers keeps it in memory: nn.Linear weights, or one expert's rows of
+    the fused [E, 2I, H] / [E, H, I] parameters (Llama-4: columns of [E, H, 2I] / [E, I, H])."""
+    with torch.no_grad():
+        for module, weight in weights.items():
+            parent, proj = module.rsplit(".", 1)
+            experts, _, expert = parent.rpartition(".")
+            if experts.endswith(".experts") and expert.isdigit():
+                holder, e = model.get_submodule(experts), int(expert)
+                fused = holder.down_proj if proj == "down_proj" else holder.gate_up_proj
+                inter = weight.shape[0] if proj != "down_proj" else weight.shape[1]
+                rows = slice(inter, 2 * inter) if proj == "up_proj" else slice(0, weight.shape[0])
+                if bmm_experts:
+                    fused[e][:, rows] = weight.t().to(fused.dtype)
+                else:
+                    fused[e][rows] = weight.to(fused.dtype)
+            else:
+                model.get_submodule(module).weight.copy_(weight)
+
+
+@pytest.mark.parametrize("family", FIXTURES)
+def test_transformers_loads_the_dequantized_weights(family, monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_path):
+    ckpt, dense = tiny_nvfp4a16(family), tmp_path / "dense"
+    code, out, err = run_cli(monkeypatch, capsys, "convert", ckpt, dense, "--to", "bf16")
+    assert code == 0, err
+    assert "-> bf16" in out
+    config = json.loads((dense / "config.json").read_text())
+    assert "quantization_config" not in config and not (dense / "hf_quant_config.json").exists()
+    assert not [n for n in CheckpointReader(dense).names() if "weight_packed" in n or "scale" in n]
+    model, info = _load(dense, family)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    reference, _ = _load(tiny(family), family)
+    _substitute(reference, _decompressed(ckpt), bmm_experts=family.startswith("llama4"))
+    loaded, expected = model.state_dict(), reference.state_dict()
+    assert loaded.keys() == expected.keys()
+    differ = [k for k in expected if not torch.equal(loaded[k], expected[k])]
+    assert not differ, differ[:5]
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", ["llama4", "qwen3_moe"])
+def test_modelopt_input_gives_the_dense_checkpoint_of_its_conversion(family, tiny, tmp_path):
+    """A ModelOpt checkpoint (Llama-4: fused expert tensors) dequantizes to the same tensors as its lossless
+    conversion to compressed-tensors, which the test above checks against compressed-tensors' decompression."""
+    from fp4kit.convert import convert_checkpoint
+    from fp4kit.dense import dequantize_checkpoint
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    quantize_checkpoint(tiny(family), tmp_path / "mo", QuantizeOptions(scheme="nvfp4", format="modelopt", samples=2,
+                                                                       seq_len=32))
+    convert_checkpoint(tmp_path / "mo", tmp_path / "ct", "compressed-tensors")
+    dense = {}
+    for dialect in ("mo", "ct"):
+        report = dequantize_checkpoint(tmp_path / dialect, tmp_path / f"dense-{dialect}")
+        assert report.notes and "input scales dropped" in report.notes[0]
+        dense[dialect] = CheckpointReader(tmp_path / f"dense-{dialect}")
+    names = dense["mo"].names()
+    assert sorted(names) == sorted(dense["ct"].names())
+    assert all(torch.equal(dense["mo"].read(n), dense["ct"].read(n)) for n in names)
+
+
+def test_bad_input(monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_path):
+    code, _, err = run_cli(monkeypatch, capsys, "convert", tiny("qwen3_moe"), tmp_path / "out", "--to", "bf16")
+    assert code == 2 and err.startswith("error: ") and "no NVFP4" in err
+    assert not (tmp_path / "out").exists()
+    code, _, err = run_cli(monkeypatch, capsys, "convert", tiny_nvfp4a16("qwen3_moe"), tmp_path / "out", "--to",
+                           "bf16", "--repair")
+    assert code == 2 and "--repair" in err

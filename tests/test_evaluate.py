@@ -1,0 +1,178 @@
+"""`fp4kit eval` (fp4kit/evaluate.py): the layer-streaming comparison equals a whole-model transformers forward of
+the same dequantized weights, with the same activation quantization for W4A4, on every family and both dialects."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from fp4kit.fixtures import FIXTURES, fixture_spec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SAMPLES, SEQ_LEN, BATCH = 4, 24, 2
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def token_ids():
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (SAMPLES, SEQ_LEN), generator=generator)
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory):
+    """quantized(family, scheme, dialect) -> an fp4kit checkpoint of that tiny fixture (W4A4 on a little text)."""
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    built = {}
+
+    def get(family: str, scheme: str, dialect: str):
+        key = (family, scheme, dialect)
+        if key not in built:
+            built[key] = tmp_path_factory.mktemp(f"{family}-{scheme}") / dialect
+            options = QuantizeOptions(scheme=scheme, format=dialect, samples=4, seq_len=32)
+            quantize_checkpoint(tiny(family), built[key], options)
+        return built[key]
+
+    return get
+
+
+def _hf_model(path, family: str):
+    import transformers
+
+    model = getattr(transformers, fixture_spec(family)["model_class"]).from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path) -> torch.Tensor:
+    """[KL, CE source, CE quantized, top-1] from transformers' whole models: the source as transformers loads it,
+    the checkpoint dequantized to a dense float32 checkpoint loaded the same way, W4A4 activations emulated."""
+    from fp4kit.dense import dequantize_checkpoint
+    from fp4kit.evaluate import _scores, emulate_w4a4, input_divisors
+    from fp4kit.families import detect
+    from fp4kit.formats.detect import open_checkpoint
+
+    dense = tmp_path / "dense-fp32"
+    dequantize_checkpoint(ckpt, dense, dtype=torch.float32)
+    source, quantized = _hf_model(src, family), _hf_model(dense, family)
+    with open_checkpoint(ckpt) as opened:
+        divisors = input_divisors(opened)
+        bmm = detect(opened.config).name == "llama4"
+    covered = emulate_w4a4(quantized, "", divisors, bmm) if divisors else set()
+    assert covered == set(divisors)  # every input scale of the checkpoint is emulated
+    totals = torch.zeros(4, dtype=torch.float64)
+    with torch.inference_mode():
+        for start in range(0, SAMPLES, BATCH):
+            ids = token_ids[start : start + BATCH]
+            logits = [m(input_ids=ids, use_cache=False).logits[:, :-1].reshape(-1, 256).float()
+                      for m in (source, quantized)]
+            totals += _scores(*logits, ids[:, 1:].reshape(-1))
+    return totals / (SAMPLES * (SEQ_LEN - 1))
+
+
+def _streamed(src, ckpt, token_ids):
+    from fp4kit.evaluate import evaluate
+
+    result = evaluate(src, ckpt, token_ids, batch_size=BATCH)
+    return result, torch.tensor([result.kl, result.ce_source, result.ce_quantized, result.top1], dtype=torch.float64)
+
+
+CASES = [(f, "nvfp4a16", "compressed-tensors") for f in FIXTURES] + [
+    (f, "nvfp4", "compressed-tensors") for f in ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4")
+] + [("llama4", "nvfp4", "modelopt"), ("qwen3_moe", "nvfp4a16", "modelopt")]
+
+
+@pytest.mark.parametrize(("family", "scheme", "dialect"), CASES)
+def test_streaming_equals_whole_model_forward(family, scheme, dialect, tiny, quantized, token_ids, tmp_path):
+    src, ckpt = tiny(family), quantized(family, scheme, dialect)
+    result, streamed = _streamed(src, ckpt, token_ids)
+    reference = whole_model_scores(src, ckpt, family, token_ids, tmp_path)
+    assert result.scheme == scheme and result.tokens == SAMPLES * (SEQ_LEN - 1)
+    assert torch.allclose(streamed, reference, rtol=REL, atol=0), (streamed, reference)
+    assert result.kl > 1e-4 and len(result.layers) == fixture_spec(family)["config"].get(
+        "text_config", fixture_spec(family)["config"])["num_hidden_layers"]
+    assert all(0 < e < 1 for e in result.layers)
+
+
+def test_w4a4_emulation_moves_the_result(tiny, quantized, token_ids):
+    """The activation quantization is on: W4A4 and W4A16 of the same weights differ, W4A4 errs more."""
+    a16, _ = _streamed(tiny("qwen3_moe"), quantized("qwen3_moe", "nvfp4a16", "compressed-tensors"), token_ids)
+    a4, _ = _streamed(tiny("qwen3_moe"), quantized("qwen3_moe", "nvfp4", "compressed-tensors"), token_ids)
+    assert a4.kl > a16.kl and a4.layers[-1] > a16.layers[-1]
+
+
+def test_w4a4_experts_match_the_verify_reference():
+    """The routed-experts emulation (transformers' eager loop with two quantization points) equals
+    fp4kit/verify/reference.py's moe_reference, an independent loop over the same math."""
+    from types import SimpleNamespace
+
+    from fp4kit.evaluate import _routed_experts_w4a4
+    from fp4kit.routing import RoutingSpec
+    from fp4kit.verify.reference import moe_reference
+
+    generator = torch.Generator().manual_seed(1)
+    experts, hidden, inter, tokens, k = 4, 32, 16, 20, 2
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=generator)
+    w2 = torch.randn(experts, hidden, inter, generator=generator)
+    x = torch.randn(tokens, hidden, generator=generator)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=generator)
+    div13 = torch.rand(experts, generator=generator, dtype=torch.float64) * 0.01 + 1e-3
+    div2 = torch.rand(experts, generator=generator, dtype=torch.float64) * 0.01 + 1e-3
+    module = SimpleNamespace(gate_up_proj=w13, down_proj=w2, act_fn=torch.nn.functional.silu)
+    ours = _routed_experts_w4a4(module, list(div13), list(div2))(x, ids, weights)
+    spec = RoutingSpec("softmax_topk", experts, k)
+    reference = moe_reference(x, weights, ids, w13, w2, spec, activation_global_div=(div13, div2))
+    assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_source_against_itself(tiny, token_ids):
+    result, _ = _streamed(tiny("glm4_moe"), tiny("glm4_moe"), token_ids)
+    assert result.scheme == "bf16"
+    assert result.kl == 0 and result.top1 == 1 and result.ce_source == result.ce_quantized
+    assert result.layers == [0.0] * len(result.layers)
+
+
+def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
+    from fp4kit import cli
+
+    monkeypatch.setattr(sys, "argv", ["fp4kit", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_json(monkeypatch, capsys, tiny, quantized, tmp_path):
+    out = tmp_path / "eval.json"
+    code, stdout, _ = run_cli(monkeypatch, capsys, "eval", tiny("llama4_text"),
+                              quantized("llama4_text", "nvfp4a16", "compressed-tensors"), "--samples", 2,
+                              "--seq-len", 16, "--json", out)
+    assert code == 0 and "KL(source || quantized)" in stdout
+    report = json.loads(out.read_text())
+    assert {"kl", "ce_source", "ce_quantized", "top1", "layers", "samples", "tokens"} <= set(report)
+    assert report["samples"] == 2 and report["tokens"] == 2 * 15
+
+
+def _bad(monkeypatch, capsys, *args, needle: str) -> None:
+    code, _, err = run_cli(monkeypatch, capsys, "eval", *args)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+
+
+def test_bad_input(monkeypatch, capsys, tiny, quantized, tmp_path):
+    src, ckpt = tiny("qwen3_moe"), quantized("qwen3_moe", "nvfp4a16", "compressed-tensors")
+    _bad(monkeypatch, capsys, src, tmp_path / "nowhere", needle="nowhere")
+    _bad(monkeypatch, capsys, src, quantized("glm4_moe", "nvfp4a16", "compressed-tensors"), needle="model_type")
+    text = tmp_path / "broken.jsonl"
+    text.write_text("{not json\n")
+    _bad(monkeypatch, capsys, src, ckpt, "--text", text, needle="broken.jsonl")
+    _bad(monkeypatch, capsys, src, ckpt, "--dtype", "float8", needle="--dtype")
+    _bad(monkeypatch, capsys, src, ckpt, "--seq-len", 1, needle="seq_len")
