@@ -44,7 +44,7 @@ _COMPATIBLE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_siz
 class EvalResult:
     source: str
     checkpoint: str
-    scheme: str  # nvfp4 (W4A4, activations emulated), nvfp4a16, or bf16 for a dense checkpoint
+    scheme: str  # nvfp4 (W4A4, activations emulated), nvfp4a16, or dense (not quantized)
     samples: int
     seq_len: int
     tokens: int  # positions scored: samples x (seq_len - 1)
@@ -159,7 +159,7 @@ class _Model:
             self.divisors = input_divisors(ckpt)
             self.reader: CheckpointReader | DenseView = DenseView(ckpt, torch.float32)
         else:
-            self.scheme = "bf16"
+            self.scheme = "dense"
             self.reader = stack.enter_context(CheckpointReader(root))
 
 

@@ -132,7 +132,7 @@ def test_w4a4_experts_match_the_verify_reference():
 
 def test_source_against_itself(tiny, token_ids):
     result, _ = _streamed(tiny("glm4_moe"), tiny("glm4_moe"), token_ids)
-    assert result.scheme == "bf16"
+    assert result.scheme == "dense"
     assert result.kl == 0 and result.top1 == 1 and result.ce_source == result.ce_quantized
     assert result.layers == [0.0] * len(result.layers)
 
@@ -176,3 +176,42 @@ def test_bad_input(monkeypatch, capsys, tiny, quantized, tmp_path):
     _bad(monkeypatch, capsys, src, ckpt, "--text", text, needle="broken.jsonl")
     _bad(monkeypatch, capsys, src, ckpt, "--dtype", "float8", needle="--dtype")
     _bad(monkeypatch, capsys, src, ckpt, "--seq-len", 1, needle="seq_len")
+
+
+def _added_peak_bytes(work) -> int:
+    """What ``work()`` adds to this process's peak RSS (VmHWM reset to the current RSS first)."""
+    import ctypes
+
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what earlier work freed must not hide this one's growth
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = status("VmRSS:")
+    work()
+    return status("VmHWM:") - start
+
+
+def test_peak_memory_does_not_grow_with_layer_count(tmp_path):
+    """Six more layers add far less than a layer's dequantized weights to eval's peak; holding them would add 6 x 2
+    sides x that."""
+    from fp4kit.evaluate import evaluate
+    from fp4kit.quantize import quantize_checkpoint
+    from fp4kit.synthetic import write_synthetic_qwen3_moe
+
+    dims = dict(hidden=256, moe_intermediate=256, num_experts=16, num_heads=4, num_kv_heads=2, head_dim=64,
+                vocab_size=1024)
+    pairs = {}
+    for layers in (2, 8):
+        src = write_synthetic_qwen3_moe(tmp_path / f"src{layers}", num_layers=layers, **dims)
+        quantize_checkpoint(src, tmp_path / f"q{layers}")
+        pairs[layers] = (src, tmp_path / f"q{layers}")
+    ids = torch.randint(0, 1024, (4, 32), generator=torch.Generator().manual_seed(0))
+    evaluate(*pairs[2], ids, batch_size=2)  # imports and first-call set-up
+    added = {n: _added_peak_bytes(lambda p=pair: evaluate(*p, ids, batch_size=2)) for n, pair in pairs.items()}
+    layer_fp32 = 16 * 3 * 256 * 256 * 4  # one layer's routed experts, dequantized
+    print(f"peak RSS added: 2 layers {added[2] / 1e6:.1f} MB, 8 layers {added[8] / 1e6:.1f} MB")
+    assert added[8] - added[2] < 2 * layer_fp32
+    assert added[2] > layer_fp32  # the measurement sees real work
