@@ -37,11 +37,15 @@ def main() -> None:
     parser.add_argument("--bf16-source-up-to", type=int, default=8)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-eval-mem"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="tiny dims on the CPU: checks the script only")
     args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    dims = dict(hidden=256, moe_intermediate=128, num_experts=8, num_heads=4, num_kv_heads=2, head_dim=64,
+                vocab_size=1024) if args.smoke else {}
     shutil.rmtree(args.workdir, ignore_errors=True)
-    one_bf16 = write_synthetic_qwen3_moe(args.workdir / "bf16-1L", num_layers=1, threads=16)
+    one_bf16 = write_synthetic_qwen3_moe(args.workdir / "bf16-1L", num_layers=1, threads=16, **dims)
     one_q = args.workdir / "nvfp4-1L"
-    quantize_checkpoint(one_bf16, one_q, QuantizeOptions(scheme="nvfp4", device="cuda", samples=8, seq_len=512))
+    quantize_checkpoint(one_bf16, one_q, QuantizeOptions(scheme="nvfp4", device=device, samples=8, seq_len=512))
     config = json.loads((one_bf16 / "config.json").read_text())
     token_ids = torch.randint(0, config["vocab_size"], (args.samples, args.seq_len),
                               generator=torch.Generator().manual_seed(0))
@@ -51,14 +55,14 @@ def main() -> None:
         ckpt = repeat_first_layer(one_q, args.workdir / f"nvfp4-{layers}L", layers)
         source = repeat_first_layer(one_bf16, args.workdir / f"bf16-{layers}L", layers) \
             if layers <= args.bf16_source_up_to else ckpt
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        result = evaluate(source, ckpt, token_ids, "cuda", args.batch_size)
-        torch.cuda.synchronize()
+        result = evaluate(source, ckpt, token_ids, device, args.batch_size)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
         row = {"layers": layers, "source": "bf16" if source != ckpt else "itself", "seconds": time.perf_counter()
-               - start, "peak_gb": torch.cuda.max_memory_allocated() / GB, "hidden_states_gb": hidden_bytes / GB,
-               "kl": result.kl}
+               - start, "peak_gb": peak / GB, "hidden_states_gb": hidden_bytes / GB, "kl": result.kl}
         rows.append(row)
         print(json.dumps(row), flush=True)
         for path in {source, ckpt}:
