@@ -258,7 +258,7 @@ def evaluate(
                 memory.trim_freed_memory()
             layer_errors.append(_relative_error(hidden[0], hidden[1]))
         finals = [_final(m.reader, text, dtype, torch_device) for m, text in zip(models, texts, strict=True)]
-        head_divisor = _lm_head_divisor(models[1].reader, models[1].divisors)
+        head_divisors = [_lm_head_divisor(m.reader, m.divisors) for m in models]
         totals = torch.zeros(4, dtype=torch.float64)  # kl, ce source, ce quantized, top-1 agreements
         for b in range(len(hidden[0])):
             targets = ids[b * batch_size : (b + 1) * batch_size, 1:].reshape(-1)
@@ -267,8 +267,8 @@ def evaluate(
                 logits = []
                 for side, (norm, head) in enumerate(finals):
                     x = norm(states[side][chunk])
-                    if side == 1 and head_divisor is not None:
-                        x = _fake_quantized(x, head_divisor)
+                    if head_divisors[side] is not None:
+                        x = _fake_quantized(x, head_divisors[side])
                     logits.append(F.linear(x, head).float())
                 totals += _scores(logits[0], logits[1], targets[chunk])
     tokens = token_ids.shape[0] * (token_ids.shape[1] - 1)

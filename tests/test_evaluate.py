@@ -98,6 +98,21 @@ def test_streaming_equals_whole_model_forward(family, scheme, dialect, tiny, qua
     assert all(0 < e < 1 for e in result.layers)
 
 
+def test_quantized_lm_head(tiny, token_ids, tmp_path):
+    """A W4A4 lm_head (default ignores dropped): dequantized, and its input quantized, in both computations."""
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    options = QuantizeOptions(scheme="nvfp4", default_ignore=False, ignore=[r"mlp\.gate$"], samples=4, seq_len=32)
+    quantize_checkpoint(tiny("qwen3_moe"), ckpt, options)
+    from fp4kit.checkpoint import CheckpointReader
+
+    assert "lm_head.input_global_scale" in CheckpointReader(ckpt)
+    _, streamed = _streamed(tiny("qwen3_moe"), ckpt, token_ids)
+    reference = whole_model_scores(tiny("qwen3_moe"), ckpt, "qwen3_moe", token_ids, tmp_path)
+    assert torch.allclose(streamed, reference, rtol=REL, atol=0), (streamed, reference)
+
+
 def test_w4a4_emulation_moves_the_result(tiny, quantized, token_ids):
     """The activation quantization is on: W4A4 and W4A16 of the same weights differ, W4A4 errs more."""
     a16, _ = _streamed(tiny("qwen3_moe"), quantized("qwen3_moe", "nvfp4a16", "compressed-tensors"), token_ids)
