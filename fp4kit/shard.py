@@ -40,7 +40,7 @@ from pathlib import Path
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.output import atomic_directory
 from fp4kit.placement import LayerPlacement, check_ep, imbalance, load_stats, place
 from fp4kit.shard_copy import FileEntry, ShardCopier, file_jobs, sha256_file
 from fp4kit.shard_io import (
@@ -187,7 +187,6 @@ def shard_checkpoint(
     check_ep(num_experts, options.ep)
     if (src / LAYOUT_MANIFEST).exists():
         _refuse_layout(src, num_experts, options.ep)
-    check_destination(src, dst, options.overwrite)
     tensors = read_tensors(src)
     inventory = scan_experts(list(tensors), num_experts)
     if not inventory.modules:
@@ -206,7 +205,7 @@ def shard_checkpoint(
         if progress:
             progress(done, input_bytes)
 
-    with atomic_directory(dst) as work:
+    with atomic_directory(dst, src, options.overwrite) as work:
         layouts = {rank: ShardLayout(work / (SHARED_DIR if rank is None else rank_dir_name(rank)), owned,
                                      options.max_shard_bytes, "shared" if rank is None else "experts")
                    for rank, owned in by_owner.items()}

@@ -15,7 +15,7 @@ import pytest
 
 from fp4kit.distributed import assign_jobs
 from fp4kit.errors import Fp4kitError
-from fp4kit.output import partial_dir
+from fp4kit.output import leftovers
 
 # calibrated W4A4 (4 batches: 2 per rank) in ModelOpt's dialect, in several shards and an index, then EP 2
 RECIPE = """\
@@ -143,7 +143,7 @@ def test_failure_on_one_rank_is_one_line_exit_2_and_no_output(tiny, tmp_path) ->
     assert launched.returncode == 1
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", launched.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15"}, launched.stderr[-3000:]
-    assert not dst.exists() and not partial_dir(dst).exists()
+    assert not dst.exists() and not leftovers(dst)
 
 
 def test_commands_that_do_not_split_refuse_torchrun(monkeypatch) -> None:

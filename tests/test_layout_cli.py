@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from fp4kit.checkpoint import DTYPES, CheckpointReader
 from fp4kit.layout_manifest import MANIFEST
-from fp4kit.output import partial_dir
+from fp4kit.output import leftovers
 
 
 def run_cli(monkeypatch, capsys, *args: object) -> tuple[int, str]:
@@ -100,7 +100,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(monkeypatch, capsys, w4
     assert err.startswith("error: ") and err.count("\n") == 1, err
     for needle in needles:
         assert needle in err
-    assert not out.exists() and not partial_dir(out).exists()
+    assert not out.exists() and not leftovers(out)
 
 
 def test_a_layer_failing_mid_stream_leaves_no_output(monkeypatch, capsys, w4a4, tmp_path):
@@ -116,7 +116,7 @@ def test_a_layer_failing_mid_stream_leaves_no_output(monkeypatch, capsys, w4a4, 
     out = tmp_path / "out"
     code, err = run_cli(monkeypatch, capsys, "layout", source, out, "--backend", "trtllm")
     assert code == 2 and "experts.5: gate and up have different weight global scales" in err
-    assert not out.exists() and not partial_dir(out).exists()
+    assert not out.exists() and not leftovers(out)
 
 
 RSS_CHILD = r"""
