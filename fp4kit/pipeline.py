@@ -187,12 +187,13 @@ def run_loaded(loaded: LoadedRecipe, workdir: Path | None = None, console: Conso
     keys = {SOURCE: fingerprint(model)}
     ctx = StepContext(recipe, {SOURCE: model})
     records: list[StepRecord] = []
-    for step in recipe.steps():
-        inputs = {name: keys[name] for name in upstream(step, recipe)}
-        inputs |= {str(path): fingerprint(path) for path in input_files(step, recipe)}
-        keys[step] = step_key(step, recipe.step_options(step), inputs)
-        records.append(_run_step(step, ctx, workdir, keys[step], console, ranks))
-        ctx.outputs[step] = workdir / step
+    with ranks.exclusive(workdir):  # a second run of the same workdir is refused, not interleaved
+        for step in recipe.steps():
+            inputs = {name: keys[name] for name in upstream(step, recipe)}
+            inputs |= {str(path): fingerprint(path) for path in input_files(step, recipe)}
+            keys[step] = step_key(step, recipe.step_options(step), inputs)
+            records.append(_run_step(step, ctx, workdir, keys[step], console, ranks))
+            ctx.outputs[step] = workdir / step
     # only rank 0 ran verify: the others report no result rather than a failed one
     verify = next((r.report for r in records if r.name == "verify"), None) if ranks.main else None
     summary = Summary(str(loaded.path), recipe.name, recipe.model, recipe.family, str(workdir), records,
