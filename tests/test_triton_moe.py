@@ -92,7 +92,7 @@ def test_expert_mask_ranks_sum_to_full_output() -> None:
 
 
 def test_nan_router_rows_do_not_disturb_valid_rows() -> None:
-    """DESIGN.md §7: padding rows with NaN hidden states and router logits, routed by `route` (distinct ids)."""
+    """Padding rows with NaN hidden states and router logits, routed by `route` (distinct ids)."""
     spec = RoutingSpec("softmax_topk", 8, 3)
     w13, w2, hidden, logits = _setup(12, 6, 8, 64, 32)
     hidden[1] = float("nan")
