@@ -151,6 +151,17 @@ def test_a_check_that_cannot_run_is_skipped_not_passed(monkeypatch, capsys, tiny
     assert f"PASS: {document['counts']['passed']} passed, 1 skipped in" in " ".join(stdout.split())
 
 
+def test_run_summary_shows_skipped_results_and_reads_version_1_reports() -> None:
+    from fp4kit.pipeline import _verify_row
+
+    row = {"layer": 1, "check": "kernel", "target": "triton", "tokens": 64, "detail": "too large"}
+    assert "| skip |" in _verify_row({**row, "status": "skipped", "passed": False})
+    assert "| pass |" in _verify_row({**row, "status": "passed", "passed": True})
+    assert "| **FAIL** |" in _verify_row({**row, "status": "failed", "passed": False})
+    assert "| pass |" in _verify_row({**row, "passed": True})  # version 1: no status
+    assert "| **FAIL** |" in _verify_row({**row, "passed": False})
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--mode", "w4a4"], "weight-only"),
     (["--layers", "7"], "not an NVFP4 MoE layer"),
