@@ -83,10 +83,18 @@ class Summary:
         return "\n".join(lines) + "\n"
 
 
+_STATUS_CELL = {"passed": "pass", "skipped": "skip"}
+
+
+def _status(result: dict) -> str:
+    """A verify result's status; reports of format version 1 (from an earlier run's marker) have only ``passed``."""
+    return result.get("status") or ("passed" if result.get("passed") else "failed")
+
+
 def _verify_row(result: dict) -> str:
     error = "" if result.get("error") is None else f"{result['error']:.3g} / {result.get('tolerance') or '-'}"
     cells = [result.get("layer"), result.get("check"), result.get("target"), result.get("tokens"),
-             "pass" if result.get("passed") else "**FAIL**", error, result.get("detail", "")]
+             _STATUS_CELL.get(_status(result), "**FAIL**"), error, result.get("detail", "")]
     return "| " + " | ".join("" if c is None else str(c).replace("|", "/") for c in cells) + " |"
 
 

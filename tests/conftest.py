@@ -28,9 +28,10 @@ def tiny_nvfp4a16(tiny, tmp_path_factory):
     built: dict[str, Path] = {}
 
     def get(name: str) -> Path:
-        if name not in built:
-            built[name] = tmp_path_factory.mktemp(f"nvfp4a16-{name}") / "out"
-            quantize_checkpoint(tiny(name), built[name])
+        if name not in built:  # cached only once quantized: a failure fails every test that asks again
+            out = tmp_path_factory.mktemp(f"nvfp4a16-{name}") / "out"
+            quantize_checkpoint(tiny(name), out)
+            built[name] = out
         return built[name]
 
     return get

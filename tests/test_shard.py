@@ -1,6 +1,6 @@
 """`fp4kit shard` on tiny fixtures of every family: every expert on exactly one rank with its source bytes, shared
 tensors stored once and hard-linked, manifests that check out, and per-rank MoE outputs that sum to the unsharded
-output (fp4kit.verify.reference.moe_reference, fp32) for N in {1, 2, 4, 8} and every placement (DESIGN.md §6).
+output (fp4kit.verify.reference.moe_reference, fp32) for N in {1, 2, 4, 8} and every placement.
 """
 
 from __future__ import annotations
@@ -38,17 +38,8 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def quantized(tiny_nvfp4a16):
-    failed: dict[str, str] = {}
-
-    def get(family: str) -> Path:
-        if family not in failed:
-            try:
-                return tiny_nvfp4a16(family)
-            except Fp4kitError as exc:  # a quantize limitation, not a shard one
-                failed[family] = str(exc)
-        pytest.skip(f"fixture {family} does not quantize: {failed[family]}")
-
-    return get
+    """quantized(family) -> the fixture quantized by fp4kit; a quantize failure fails the tests that need it."""
+    return tiny_nvfp4a16
 
 
 def _model(src: Path) -> tuple[dict, object, int]:
@@ -203,7 +194,7 @@ def moe_output(root: Path, module: str, layer: int, hidden: torch.Tensor, expert
     """Routed-expert output of one layer computed from checkpoint ``root`` alone, with only ``experts`` (all if None).
 
     W4A4 as an engine runs it on one EP rank: the activation global scale of w13 / w2 is reduced over the experts the
-    rank holds (the smallest multiplier), which is what FlashInfer backends do without EPLB (DESIGN.md §1)."""
+    rank holds (the smallest multiplier), which is what FlashInfer backends do without EPLB."""
     config, family, num_experts = _model(root)
     spec = family.routing(family.text_config(config))
     experts = list(range(num_experts)) if experts is None else experts

@@ -59,7 +59,7 @@ def square(tmp_path_factory) -> dict[str, Path]:
 
 
 def _failures(report) -> list[str]:
-    return [f"layer {r.layer} {r.check} {r.target}: {r.error} {r.detail}" for r in report.results if not r.passed]
+    return [f"layer {r.layer} {r.check} {r.target}: {r.error} {r.detail}" for r in report.results if r.failed]
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -129,6 +129,37 @@ def test_cli_passes_writes_json_and_reports_skipped_backends(monkeypatch, capsys
     assert backends["flashinfer-trtllm"]["ran"] is False and backends["flashinfer-trtllm"]["reason"]
     if not torch.cuda.is_available():
         assert "no GPU" in backends["marlin"]["reason"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON, reason="needs the Triton interpreter on a CPU")
+def test_a_check_that_cannot_run_is_skipped_not_passed(monkeypatch, capsys, tiny_nvfp4a16, tmp_path) -> None:
+    """The interpreter takes at most 64 (token, expert) pairs: at 64 tokens (top-2) the Triton kernel check is
+    skipped. It is reported as skipped in the JSON, the table and the summary, not counted as passed; the exit code
+    stays 0 (1 only when a check fails)."""
+    out = tmp_path / "report.json"
+    code, stdout, err = run_cli(monkeypatch, capsys, "verify", tiny_nvfp4a16("qwen3_moe"), "--tokens", "1,64",
+                                "--layers", "1", "--backend", "triton", "--device", "cpu", "--json", out)
+    assert code == 0, stdout + err
+    document = json.loads(out.read_text())
+    triton = {r["tokens"]: r for r in document["results"] if r["check"] == "kernel" and r["target"] == "triton"}
+    assert triton[1]["status"] == "passed" and triton[1]["passed"] is True
+    assert triton[64]["status"] == "skipped" and triton[64]["passed"] is False
+    assert "Triton interpreter" in triton[64]["detail"] and triton[64]["error"] is None
+    statuses = [r["status"] for r in document["results"]]
+    assert document["counts"] == {s: statuses.count(s) for s in ("passed", "failed", "skipped")}
+    assert document["counts"]["skipped"] == 1 and document["counts"]["failed"] == 0 and document["passed"] is True
+    assert f"PASS: {document['counts']['passed']} passed, 1 skipped in" in " ".join(stdout.split())
+
+
+def test_run_summary_shows_skipped_results_and_reads_version_1_reports() -> None:
+    from fp4kit.pipeline import _verify_row
+
+    row = {"layer": 1, "check": "kernel", "target": "triton", "tokens": 64, "detail": "too large"}
+    assert "| skip |" in _verify_row({**row, "status": "skipped", "passed": False})
+    assert "| pass |" in _verify_row({**row, "status": "passed", "passed": True})
+    assert "| **FAIL** |" in _verify_row({**row, "status": "failed", "passed": False})
+    assert "| pass |" in _verify_row({**row, "passed": True})  # version 1: no status
+    assert "| **FAIL** |" in _verify_row({**row, "passed": False})
 
 
 @pytest.mark.parametrize(("extra", "message"), [

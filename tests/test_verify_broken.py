@@ -27,7 +27,7 @@ TOKENS = [16, 256]
 def _failed(report) -> dict[str, list]:
     found: dict[str, list] = {}
     for r in report.results:
-        if not r.passed:
+        if r.failed:
             found.setdefault(r.check, []).append(r)
     return found
 

@@ -1,13 +1,17 @@
 """What `fp4kit verify` found: a rich table for the terminal, a JSON document, and an optional per-layer error plot.
 
-JSON (format ``fp4kit-verify``, version 1)::
+JSON (format ``fp4kit-verify``, version 2)::
 
     {"format", "version", "checkpoint", "kind", "family", "mode", "device", "passed", "seconds",
+     "counts": {"passed", "failed", "skipped"},
      "tolerances": {"kernel", "source"}, "notes": [...],
      "backends": [{"name", "ran", "reason"}],
-     "results": [{"layer", "check", "target", "passed", "error", "tolerance", "tokens", "detail"}]}
+     "results": [{"layer", "check", "target", "status", "passed", "error", "tolerance", "tokens", "detail"}]}
 
-``error`` is a relative Frobenius error ||got - expected|| / ||expected|| (null for pass/fail checks).
+A result's ``status`` is ``passed``, ``failed`` or ``skipped`` (the check could not run here; ``detail`` says why).
+Its ``passed`` (kept for readers of version 1) is true for ``status: passed`` only: a skipped check is not a pass.
+The top-level ``passed`` is true when no check failed (the exit code: 1 only on failures). ``error`` is a relative
+Frobenius error ||got - expected|| / ||expected|| (null for pass/fail checks).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.verify.checks import CheckResult
+from fp4kit.verify.checks import FAILED, PASSED, SKIPPED, CheckResult
 
-FORMAT, VERSION = "fp4kit-verify", 1
+FORMAT, VERSION = "fp4kit-verify", 2
 
 
 @dataclass
@@ -45,10 +49,19 @@ class VerifyReport:
 
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.results)
+        """No check failed (skipped ones neither pass nor fail)."""
+        return not any(r.failed for r in self.results)
+
+    def counts(self) -> dict[str, int]:
+        return {status: sum(r.status == status for r in self.results) for status in (PASSED, FAILED, SKIPPED)}
+
+    def summary(self) -> str:
+        """"N passed, M skipped, K failed" (the parts that are not zero; "0 checks" when there are none)."""
+        parts = [f"{n} {status}" for status, n in self.counts().items() if n]
+        return ", ".join(parts) or "0 checks"
 
     def add_failure(self, layer: int, check: str, target: str, detail: str) -> None:
-        self.results.append(CheckResult(layer, check, target, False, detail=detail))
+        self.results.append(CheckResult(layer, check, target, FAILED, detail=detail))
 
     def to_json(self) -> dict:
         return {
@@ -61,14 +74,19 @@ class VerifyReport:
             "device": self.device,
             "passed": self.passed,
             "seconds": round(self.seconds, 3),
+            "counts": self.counts(),
             "tolerances": {"kernel": self.tol_kernel, "source": self.tol_source},
             "notes": self.notes,
             "backends": [asdict(b) for b in self.backends],
-            "results": [asdict(r) for r in self.results],
+            "results": [_result_json(r) for r in self.results],
         }
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def _result_json(result: CheckResult) -> dict:
+    return asdict(result) | {"passed": result.passed}
 
 
 def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, str]]:
@@ -80,8 +98,8 @@ def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, s
     for (check, target), results in groups.items():
         errors = [r for r in results if r.error is not None]
         worst = max(errors, key=lambda r: r.error or 0.0) if errors else None
-        failed = [r for r in results if not r.passed]
-        skipped = [r for r in results if r.detail.startswith("skipped")]
+        failed = [r for r in results if r.failed]
+        skipped = [r for r in results if r.skipped]
         shown = failed[0] if failed else (worst or results[0])
         error = "" if worst is None else f"{worst.error:.3g} (≤ {worst.tolerance:.3g})"
         if failed:
@@ -92,7 +110,7 @@ def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, s
         if worst is not None and worst.detail and not failed:
             detail += f", {worst.detail}"
         if skipped and not failed:
-            why = skipped[0].detail.removeprefix("skipped: ")
+            why = skipped[0].detail
             detail = f"all {len(skipped)} skipped: {why}" if len(skipped) == len(results) else \
                 f"{detail}; {len(skipped)} skipped ({why})"
         layers = sorted({r.layer for r in results})
@@ -125,10 +143,7 @@ def print_report(report: VerifyReport) -> None:
         table.add_row(check, target, layers, error, shown_status, detail)
     console.print(table)
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
-    failures = sum(not r.passed for r in report.results)
-    console.print(
-        f"{verdict}: {len(report.results) - failures}/{len(report.results)} checks passed in {report.seconds:.1f} s"
-    )
+    console.print(f"{verdict}: {report.summary()} in {report.seconds:.1f} s")
 
 
 def check_plot_available() -> None:
