@@ -4,7 +4,7 @@ Exit codes, for every command:
   0    done
   1    the checks ran and found problems (inspect, verify, run's verify step)
   2    failed: bad input (Fp4kitError), a usage error, an OS error (disk full, permission denied, read-only DST, ...)
-       or an internal error; always one line ``error: <file, tensor or command>: <what>`` on stderr
+       or an internal error; one line ``error: <file, tensor or command>: <what>`` on stderr per problem
   130  interrupted (Ctrl-C)
 An internal error (a bug: any other exception) is a failure like the others, so a pipeline that tells 1 from 2 never
 reads a crash as "problems found"; its traceback goes to a file that the one line names.
@@ -140,15 +140,17 @@ def _internal_error(exc: BaseException) -> str:
     return f"internal error: {type(exc).__name__}: {exc} (please report it{where})"
 
 
-def _fail(exc: BaseException, line: str) -> int:
-    """Print ``error: line`` once (under torchrun: on the one rank that failed first) and return exit code 2."""
+def _fail(exc: BaseException, *lines: str) -> int:
+    """Print ``error: line`` for each line (one per problem; under torchrun only on the rank that failed first) and
+    return exit code 2."""
     ranks = os.environ.get("WORLD_SIZE", "1") != "1"
     if ranks:
         from fp4kit import distributed
 
         exc = distributed.shared_failure(exc)  # a silent RankFailed where another rank failed first
     if not getattr(exc, "silent", False):
-        typer.echo(f"error: {one_line(line)}", err=True)
+        for line in lines:
+            typer.echo(f"error: {one_line(line)}", err=True)
     if ranks:
         from fp4kit import distributed
 
@@ -175,8 +177,8 @@ def run(args: Sequence[str]) -> int:
     except click_exceptions.ClickException as exc:  # usage errors: parsing happens before any work
         typer.echo(f"error: {one_line(describe_usage_error(exc))}", err=True)
         return EXIT_FAILED
-    except Fp4kitError as exc:
-        return _fail(exc, str(exc))
+    except Fp4kitError as exc:  # a recipe's validation reports all its problems at once, one line each
+        return _fail(exc, *(getattr(exc, "problems", None) or [str(exc)]))
     except BrokenPipeError:  # stdout's reader went away (`fp4kit inspect X | head -1`): nothing left to say
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
