@@ -6,6 +6,7 @@ Exit codes, for every command:
   2    failed: bad input (Fp4kitError), a usage error, an OS error (disk full, permission denied, read-only DST, ...)
        or an internal error; one line ``error: <file, tensor or command>: <what>`` on stderr per problem
   130  interrupted (Ctrl-C)
+  141  stdout was closed early (`fp4kit inspect X | head -1`), as a shell reports a process ended by SIGPIPE
 An internal error (a bug: any other exception) is a failure like the others, so a pipeline that tells 1 from 2 never
 reads a crash as "problems found"; its traceback goes to a file that the one line names.
 
@@ -14,7 +15,7 @@ Each subcommand lives in its own module under fp4kit/commands and registers itse
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import importlib
 import os
 import pkgutil
@@ -170,6 +171,8 @@ def run(args: Sequence[str]) -> int:
     except typer.Exit as exc:  # --help, --version
         return exc.exit_code
     except SystemExit as exc:  # a command's own exit code: inspect and verify exit 1 when they find problems
+        if isinstance(exc.__context__, BrokenPipeError):  # rich exits 1 when its stdout's reader went away
+            return EXIT_BROKEN_PIPE
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     except (KeyboardInterrupt, typer.Abort):
         typer.echo(INTERRUPTED, err=True)
@@ -180,13 +183,13 @@ def run(args: Sequence[str]) -> int:
     except Fp4kitError as exc:  # a recipe's validation reports all its problems at once, one line each
         return _fail(exc, *(getattr(exc, "problems", None) or [str(exc)]))
     except BrokenPipeError:  # stdout's reader went away (`fp4kit inspect X | head -1`): nothing left to say
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        with contextlib.suppress(OSError, ValueError):  # no flush at exit may complain about it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except OSError as exc:
-        if exc.errno == errno.EPIPE:
-            return EXIT_BROKEN_PIPE
         return _fail(exc, describe_os_error(exc))
+    except MemoryError as exc:  # not a bug: the machine has less memory than this input needs
+        return _fail(exc, f"out of memory{': ' + str(exc) if str(exc) else ''}")
     except Exception as exc:
         return _fail(exc, _internal_error(exc))
 

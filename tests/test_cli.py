@@ -94,6 +94,18 @@ def test_os_error_through_the_entry_point(tiny, tmp_path) -> None:
     assert blocker.read_text() == "" and sorted(tmp_path.iterdir()) == [blocker]
 
 
+def test_stdout_closed_early_is_not_problems_found() -> None:
+    """`fp4kit ... | head -1`: the reader leaves; exit as a shell reports SIGPIPE (141), never 1, and no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:  # --version prints through click, --help through rich, which exits 1 on a broken pipe by itself
+        started = [subprocess.Popen([*ENTRY_POINTS["script"], argv], env=ENV, stdout=write_end,
+                                    stderr=subprocess.PIPE, text=True) for argv in ("--version", "--help")]
+    finally:
+        os.close(write_end)
+    assert [(p.wait(timeout=120), p.communicate()[1]) for p in started] == [(cli.EXIT_BROKEN_PIPE, "")] * 2
+
+
 def test_sigint_prints_one_line_and_exits_130(tmp_path) -> None:
     """A real SIGINT while `fp4kit run` waits on its recipe (a FIFO nobody writes): one line, exit 130."""
     fifo = tmp_path / "recipe.yaml"
@@ -141,6 +153,7 @@ def fail_with(monkeypatch, capsys, exc: BaseException) -> tuple[int, str]:
     (IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), "/src/model.safetensors"),
      "error: /src/model.safetensors: Is a directory"),
     (Fp4kitError("a.safetensors: header\nis cut short"), "error: a.safetensors: header / is cut short"),
+    (MemoryError(), "error: out of memory"),
 ])
 def test_failure_is_one_line_exit_2(monkeypatch, capsys, exc, line) -> None:
     assert fail_with(monkeypatch, capsys, exc) == (2, line + "\n")
