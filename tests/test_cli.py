@@ -85,11 +85,14 @@ def test_version(runs, entry) -> None:
 
 
 def test_os_error_through_the_entry_point(tiny, tmp_path) -> None:
-    """DST below a regular file: the OSError becomes one line naming the file, exit 2, nothing written."""
+    """DST below a regular file, a directory as the recipe: the OSError is one line naming the file, exit 2, nothing
+    written."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    process = launch("script", ["quantize", str(tiny("qwen3_moe")), str(blocker / "out"), "-q"])
-    code, out, err = finish(process)
+    quantize = launch("script", ["quantize", str(tiny("qwen3_moe")), str(blocker / "out"), "-q"])
+    directory = launch("script", ["run", str(tmp_path)])  # a directory where the recipe file is expected
+    assert finish(directory) == (2, "", f"error: {tmp_path}: Is a directory\n")
+    code, out, err = finish(quantize)
     assert code == 2 and out == "" and str(blocker) in one_error_line(err), err
     assert blocker.read_text() == "" and sorted(tmp_path.iterdir()) == [blocker]
 
