@@ -37,7 +37,6 @@ def run(
     typer.echo(f"summary: {Path(summary.workdir) / 'summary.md'} and summary.json")
     verify = loaded.recipe.verify
     if summary.passed is False and verify is not None and verify.fail_run:
-        # not typer.Exit: under cli.main's standalone_mode=False click returns its code instead of exiting
         raise SystemExit(1)
 
 

@@ -66,7 +66,6 @@ def verify(
     if not quiet:
         print_report(report)
     if not report.passed:
-        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
         sys.exit(1)
 
 
