@@ -80,13 +80,13 @@ def test_overwrite_replaces_a_non_empty_destination(monkeypatch, capsys, w4a4, t
 
 
 BAD = {  # name -> (source, extra arguments, words the one-line error must contain)
-    "unknown backend": ("w4a4", ["--backend", "cuda"], ["unknown backend 'cuda'", "trtllm"]),
+    "unknown backend": ("w4a4", ["--backend", "cuda"], ["'cuda' is not one of", "'trtllm'"]),
     "not nvfp4": ("bf16", ["--backend", "marlin"], ["no NVFP4 quantization config"]),
     "weight-only for W4A4": ("a16", ["--backend", "trtllm"], ["weight-only", "--backend marlin"]),
     "cutlass I % 64": ("padded", ["--backend", "cutlass"], ["I = 48", "multiple of 64"]),
     "marlin H % 128": ("padded", ["--backend", "marlin"], ["H = 96", "multiple of 128"]),
     "trtllm fp16": ("w4a4", ["--backend", "trtllm", "--act-dtype", "fp16"], ["bfloat16"]),
-    "unknown flavor": ("w4a4", ["--backend", "cutlass", "--cutlass-flavor", "sglang"], ["unknown CUTLASS flavor"]),
+    "unknown flavor": ("w4a4", ["--backend", "cutlass", "--cutlass-flavor", "sglang"], ["'sglang' is not one of"]),
 }
 
 

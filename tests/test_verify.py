@@ -166,7 +166,7 @@ def test_run_summary_shows_skipped_results_and_reads_version_1_reports() -> None
     (["--mode", "w4a4"], "weight-only"),
     (["--layers", "7"], "not an NVFP4 MoE layer"),
     (["--backend", "flashinfer-trtllm"], "cannot run here"),
-    (["--backend", "nope"], "unknown backend"),
+    (["--backend", "nope"], "'nope' is not one of"),
     (["--tokens", "0"], "--tokens"),
 ])
 def test_cli_unusable_input_exits_2(monkeypatch, capsys, tiny_nvfp4a16, extra: list[str], message: str) -> None:

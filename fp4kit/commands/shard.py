@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -14,13 +14,14 @@ def shard(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (as `fp4kit quantize` writes it)")],
     dst: Annotated[Path, typer.Argument(help="output directory: one rank-NNNNN/ per rank (created atomically)")],
     ep: Annotated[int, typer.Option("--ep", help="expert-parallel size N")],
-    placement: Annotated[str, typer.Option(help="linear (vLLM's), round-robin or balanced (needs --stats)")] = "linear",
+    placement: Annotated[Literal["linear", "round-robin", "balanced"], typer.Option(
+        help="linear (vLLM's), round-robin or balanced (needs --stats)")] = "linear",
     stats: Annotated[
         Path | None, typer.Option(help="routing statistics JSON: per-layer token counts per expert (see docs)")
     ] = None,
     max_shard_size: Annotated[str, typer.Option(help="safetensors file size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Split a checkpoint into per-rank expert-parallel checkpoints, each loadable on its own."""
     from fp4kit.shard import ShardOptions, shard_checkpoint

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -25,13 +25,13 @@ def verify(
     source: Annotated[Path | None, typer.Option(help="the BF16 checkpoint CKPT was made from")] = None,
     layers: Annotated[str | None, typer.Option(help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
     tokens: Annotated[str, typer.Option(help="batch sizes of random hidden states")] = "1,16,256,4096",
-    backend: Annotated[str, typer.Option(
-        help="auto, reference, triton, flashinfer-cutlass, flashinfer-trtllm or marlin")] = "auto",
+    backend: Annotated[Literal["auto", "reference", "triton", "flashinfer-cutlass", "flashinfer-trtllm", "marlin"],
+                       typer.Option(help="the MoE kernel to check against the reference")] = "auto",
     ep_shards: Annotated[Path | None, typer.Option(help="output of `fp4kit shard` made from CKPT")] = None,
     layout: Annotated[list[Path] | None, typer.Option(
         help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")] = None,
-    mode: Annotated[str | None, typer.Option(
-        help="w4a16 or w4a4 (default: w4a4 when CKPT has activation scales)")] = None,
+    mode: Annotated[Literal["w4a16", "w4a4"] | None, typer.Option(
+        help="default: w4a4 when CKPT has activation scales")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a per-layer error plot (PNG, needs matplotlib)")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
@@ -39,7 +39,8 @@ def verify(
     tol_kernel: Annotated[float, typer.Option(help="kernel vs reference, relative error")] = 1e-2,
     tol_source: Annotated[float | None, typer.Option(
         help="quantized vs BF16 source, relative error (default 0.25 for w4a16, 0.35 for w4a4)")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="print no report (the exit code says pass or fail)")] = False,
 ) -> None:
     """Check that CKPT's MoE layers compute what the source model computes: kernels vs reference, quantized vs
     BF16, layout outputs, EP splits, NaN/Inf routing rows. Exit 0 pass, 1 fail, 2 unusable input."""
@@ -65,7 +66,6 @@ def verify(
     if not quiet:
         print_report(report)
     if not report.passed:
-        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
         sys.exit(1)
 
 
