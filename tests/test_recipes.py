@@ -1,4 +1,4 @@
-"""Issue 8: every recipe in recipes/ runs on a tiny stand-in of its family; invalid recipes fail with one line that
+"""Every recipe in recipes/ runs on a tiny stand-in of its family; invalid recipes fail with one line that
 names the key and where it was set, exit 2."""
 
 from __future__ import annotations
