@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import input_scale_group
 from fp4kit.nvfp4 import GLOBAL_NUMERATOR
 from fp4kit.plan import ModelPlan
 
@@ -18,12 +19,7 @@ ROUTING_STATS_NAME = "fp4kit_routing_stats.json"
 
 def _projection_key(module: str, expert: int | None) -> str:
     """Modules that share one input scale under the `shared` policy: a layer's routed experts, per projection."""
-    if expert is None:
-        return module
-    head, _, leaf = module.rpartition(".")
-    experts_path = head.rsplit(".", 1)[0]
-    # gate and up read the same input: one key for both
-    return f"{experts_path}.*.{'gate_up' if leaf in ('gate_proj', 'up_proj') else leaf}"
+    return module if expert is None else input_scale_group(module)
 
 
 def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: str) -> dict[str, torch.Tensor]:

@@ -141,6 +141,47 @@ class Candidate:
     parent: str  # module path without the last component: siblings share it
 
 
+@dataclass(frozen=True)
+class ExpertModule:
+    """A routed expert's Linear, ``{experts}.{expert}.{proj}`` (e.g. model.layers.3.mlp.experts.7.gate_proj)."""
+
+    experts: str  # the experts container: model.layers.3.mlp.experts
+    expert: int
+    proj: str  # gate_proj, up_proj or down_proj
+
+    @property
+    def fused(self) -> str:
+        """The kernels' name of the projection: gate and up form w13 (one input, one weight scale), down is w2."""
+        return "w13" if self.proj in FUSED_SIBLINGS[1] else "w2"
+
+
+_EXPERT_MODULE = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+
+
+def expert_module(module: str) -> ExpertModule | None:
+    """The routed expert a module name (without a tensor suffix) belongs to, or None."""
+    m = _EXPERT_MODULE.match(module)
+    return ExpertModule(m["experts"], int(m["expert"]), m["proj"]) if m else None
+
+
+def weight_scale_group(module: str) -> str:
+    """Modules whose weights a kernel fuses share this key, and must share one weight global scale: q/k/v of one
+    attention, gate/up of one MLP or expert; any other module is a group of its own."""
+    parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
+    for i, members in enumerate(FUSED_SIBLINGS):
+        if leaf in members:
+            return f"{parent}#{i}"
+    return module
+
+
+def input_scale_group(module: str) -> str:
+    """Modules that read one activation and so share one input scale: a layer's routed experts per projection (w13
+    or w2: the kernels quantize the hidden states once for every expert, and EP then needs no all-reduce), and the
+    fused groups of ``weight_scale_group``."""
+    expert = expert_module(module)
+    return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module)
+
+
 def layer_of(name: str) -> int | None:
     m = LAYER_RE.match(name)
     return int(m.group("layer")) if m else None
