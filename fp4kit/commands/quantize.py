@@ -40,6 +40,21 @@ def quantize(
         typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
                           "per-expert: each expert's own")
     ] = "shared",
+    method: Annotated[
+        str, typer.Option(help="rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error "
+                               "search (weighted by calibration activations when calibrating: scheme nvfp4 or "
+                               "--calib); gptq: GPTQ on calibration data")
+    ] = "rtn",
+    gptq_damp: Annotated[float, typer.Option(help="GPTQ damping, a fraction of the Hessian's mean diagonal")] = 0.01,
+    gptq_min_tokens: Annotated[
+        int, typer.Option(help="GPTQ: routed experts with fewer calibration tokens fall back to mse")
+    ] = 32,
+    gptq_scales: Annotated[
+        str, typer.Option(help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")
+    ] = "mse",
+    input_scales_from: Annotated[
+        str, typer.Option(help="gptq/mse W4A4 input scales from the quantized model's forward or the source's")
+    ] = "quantized",
     native: Annotated[
         bool, typer.Option("--native/--no-native",
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
@@ -57,8 +72,14 @@ def quantize(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
-        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales,
+        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, method=method,
+        gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_mse_scales=gptq_scales != "rtn",
+        input_scales_from=input_scales_from,
     )
+    if gptq_scales not in ("mse", "rtn"):
+        from fp4kit.errors import Fp4kitError
+
+        raise Fp4kitError(f"unknown --gptq-scales {gptq_scales!r}; choose mse or rtn")
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
     if not quiet:
         rate = report.input_bytes / max(report.seconds, 1e-9)
@@ -67,6 +88,10 @@ def quantize(
             f"kept, {human_bytes(report.input_bytes)} -> {human_bytes(report.output_bytes)} in {report.seconds:.1f} s "
             f"({human_bytes(rate)}/s) -> {dst}"
         )
+        if report.fallback_modules:
+            shown = ", ".join(report.fallback_modules[:8]) + (" ..." if len(report.fallback_modules) > 8 else "")
+            typer.echo(f"{report.method}: {len(report.fallback_modules)} Linears fell back to mse (too few "
+                       f"calibration tokens, or outside the calibrated layers): {shown}")
 
 
 def register(app: typer.Typer) -> None:
