@@ -77,7 +77,7 @@ def gptq_quantize(
     upper = _inverse_hessian_factor(hessian, options.damp)
     global_f32 = global_mul.to(device=device, dtype=torch.float32)
     global_rows = global_f32.reshape(batch, 1)
-    quantized = torch.empty_like(w)
+    compensated = torch.empty_like(w)  # each column as the pass rounds it: encoding it gives the codes used
     scales = torch.empty((batch, rows, k // BLOCK), dtype=torch.float32, device=device)
     for start in range(0, k, options.block_size):
         end = min(start + options.block_size, k)
@@ -93,18 +93,23 @@ def gptq_quantize(
             scale = scale.squeeze(-1)  # [B, N]
             scales[:, :, (start + g) // BLOCK] = scale
             divisor = scale / global_rows
-            for j in range(g, g + BLOCK):
+            group_end = g + BLOCK
+            for j in range(g, group_end):
                 column = w1[:, :, j]
                 q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
-                quantized[:, :, start + j] = q
+                compensated[:, :, start + j] = column
                 error = (column - q) / u1[:, j, j].unsqueeze(-1)
                 errors[:, :, j] = error
-                # the remaining columns of this lazy block absorb the error (row-independent rank-1 update)
-                w1[:, :, j + 1 :] -= error.unsqueeze(-1) * u1[:, j, j + 1 :].unsqueeze(1)
+                # the rest of this 16-block absorbs the error at once (row-independent rank-1 update) ...
+                if j + 1 < group_end:
+                    w1[:, :, j + 1 : group_end] -= error.unsqueeze(-1) * u1[:, j, j + 1 : group_end].unsqueeze(1)
+            # ... the rest of the lazy block once per 16-block, the columns after it once per lazy block
+            if group_end < end - start:
+                w1[:, :, group_end:] -= torch.bmm(errors[:, :, g:group_end], u1[:, g:group_end, group_end:])
         if end < k:
             w[:, :, end:] -= torch.bmm(errors, upper[:, start:end, end:])
     divisor = scales / global_rows.unsqueeze(-1)
-    packed = encode_blocks(quantized.unflatten(-1, (-1, BLOCK)), divisor)
+    packed = encode_blocks(compensated.unflatten(-1, (-1, BLOCK)), divisor)
     return NVFP4Tensor(packed.cpu(), scales.to(torch.float8_e4m3fn).cpu(), (1.0 / global_f32.double()).cpu())
 
 
