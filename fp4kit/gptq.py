@@ -145,6 +145,7 @@ class LayerQuantizer:
     device: torch.device
     exact_fp32_global_scale: bool = False
     gptq: GptqOptions = field(default_factory=GptqOptions)
+    native: bool = True  # bf16 weights on the CPU through the C mse loop (same bytes)
     fallbacks: list[str] = field(default_factory=list)  # modules that fell back to mse
     done: set[int] = field(default_factory=set)  # id() of the groups quantized
 
@@ -179,7 +180,7 @@ class LayerQuantizer:
             importance = None
             if unit.hessian is not None and unit.tokens > 0:
                 importance = unit.hessian.diagonal() if unit.hessian.dim() == 2 else unit.hessian
-            q = quantize_mse(unit.weight.to(self.device), unit.global_mul, importance)
+            q = quantize_mse(unit.weight.to(self.device), unit.global_mul, importance, self.native)
             results[(unit.group, unit.members[0])] = NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(),
                                                                  q.global_scale_div)
         replacements: dict[str, torch.Tensor] = {}

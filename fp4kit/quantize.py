@@ -30,7 +30,7 @@ SCHEMES = ("nvfp4a16", "nvfp4")
 METHODS = ("rtn", "mse", "gptq")
 # where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
 # the source model's (a separate calibration pass first, as rtn does)
-INPUT_SCALE_SOURCES = ("quantized", "source")
+INPUT_SCALE_SOURCES = ("source", "quantized")
 FORMATS = ("compressed-tensors", "modelopt")
 QUEUE_DEPTH = 3
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
@@ -64,7 +64,7 @@ class QuantizeOptions:
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
     gptq_mse_scales: bool = True
-    input_scales_from: str = "quantized"
+    input_scales_from: str = "source"
 
 
 @dataclass
@@ -172,7 +172,7 @@ def quantize_tensors(
     try:
         on_device = [w.to(device, non_blocking=True) for w in weights]
         if options.method == "mse":
-            quantized = quantize_group_mse(on_device, options.exact_fp32_global_scale)
+            quantized = quantize_group_mse(on_device, options.exact_fp32_global_scale, native=options.native_cpu)
         else:
             quantized = quantize_group(on_device, options.exact_fp32_global_scale, options.native_cpu)
     except NonFiniteError:
@@ -302,6 +302,7 @@ def _quantize_calibrated(
         reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
         GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_mse_scales, options.gptq_min_tokens),
+        native=options.native_cpu,
     )
     with_input = options.scheme == "nvfp4"
 
@@ -333,7 +334,8 @@ def _quantize_calibrated(
     for group in rest:
         weights = read_group_weights(reader, group)
         try:
-            quantized = quantize_group_mse([w.to(options.device) for w in weights], options.exact_fp32_global_scale)
+            quantized = quantize_group_mse([w.to(options.device) for w in weights], options.exact_fp32_global_scale,
+                                           native=options.native_cpu)
         except NonFiniteError:
             raise _nonfinite_error([group], [weights]) from None
         quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]

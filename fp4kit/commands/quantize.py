@@ -53,8 +53,9 @@ def quantize(
         str, typer.Option(help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")
     ] = "mse",
     input_scales_from: Annotated[
-        str, typer.Option(help="gptq/mse W4A4 input scales from the quantized model's forward or the source's")
-    ] = "quantized",
+        str, typer.Option(help="gptq/mse W4A4 input scales from the source model's forward (a pass of its own, "
+                               "as rtn) or from the calibrated pass's forward of the quantized model (no extra pass)")
+    ] = "source",
     native: Annotated[
         bool, typer.Option("--native/--no-native",
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")

@@ -152,3 +152,96 @@ VECTOR_CLONES int fp4kit_encode_bf16(const uint16_t *x, const uint16_t *amax, in
     free(t);
     return 0;
 }
+
+/* 8 lanes of 32 bits (GCC/clang vector extensions: AVX2 registers in the avx2 clone, pairs of SSE ones else) */
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* Weighted squared error of one block (two halves of 8) under a block-scale code, computed as
+ * fp4kit.scale_search.block_errors does: (E2M1 value * divisor - |x|)^2, times the channel's importance, summed
+ * as the halving tree e[i] + e[i + n/2]. The code is counted with the encode's threshold compares; its value
+ * c/2 + max(c-4, 0)/2 + max(c-6, 0) (0, .5, ..., 2, 3, 4, 6) is exact, so the product with the divisor is torch's. */
+static inline float block_error(const v8i *magnitude, const v8f *x, const v8i *th, float divisor, const v8f *weights) {
+    v8f e[2];
+    for (int h = 0; h < 2; h++) {
+        v8i a = magnitude[h], c = {0};
+        for (int k = 0; k < 7; k++) c -= (v8i)(a >= th[k]); /* a true compare is -1 in every bit */
+        v8i above4 = (c - 4) & (v8i)(c > 4), above6 = (c - 6) & (v8i)(c > 6);
+        v8f value = __builtin_convertvector(c + above4, v8f) * 0.5f + __builtin_convertvector(above6, v8f);
+        v8f d = value * divisor - x[h];
+        e[h] = d * d;
+        if (weights != NULL) e[h] = e[h] * weights[h];
+    }
+    v8f s = e[0] + e[1];
+    float s4[4] = {s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]};
+    float s2[2] = {s4[0] + s4[2], s4[1] + s4[3]};
+    return s2[0] + s2[1];
+}
+
+static inline const v8i *wide_thresholds(Tables *t, v8i (*wide)[7], uint8_t *wide_ready, uint8_t code8) {
+    if (!wide_ready[code8]) {
+        const uint16_t *th = thresholds_of(t, code8);
+        for (int k = 0; k < 7; k++)
+            for (int i = 0; i < 8; i++) wide[code8][k][i] = th[k];
+        wide_ready[code8] = 1;
+    }
+    return wide[code8];
+}
+
+/* The mse block-scale search (fp4kit.scale_search.search_block_scales) and the encode with the chosen scales:
+ * per block, the RTN code, the codes offset by each of n_offsets offsets (clamped to [1, 0x7E]) and "max to 4"
+ * (fp8(G * amax / 4)); the first of the smallest errors wins. importance: fp32 weights per input channel of one
+ * row (k_blocks blocks), or NULL. */
+VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax, int64_t n_blocks, float global_mul,
+                                         const int32_t *offsets, int n_offsets, const float *importance,
+                                         int64_t k_blocks, uint8_t *packed, uint8_t *block_scale) {
+    Tables *t = malloc(sizeof *t);
+    if (t == NULL) return -1;
+    t->global_mul = global_mul;
+    memset(t->scale_of_amax, SCALE_UNSET, sizeof t->scale_of_amax);
+    memset(t->ready, 0, sizeof t->ready);
+    float divisors[128];
+    v8i (*wide)[7] = aligned_alloc(sizeof(v8i), 128 * sizeof *wide); /* vectors want their own alignment */
+    if (wide == NULL) {
+        free(t);
+        return -1;
+    }
+    uint8_t wide_ready[128] = {0};
+    for (int code = 0; code < 128; code++) divisors[code] = e4m3_to_f32((uint8_t)code) / global_mul;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint16_t *block = x + b * BLOCK;
+        v8i magnitude[2];
+        v8f xf[2], weights[2];
+        for (int i = 0; i < BLOCK; i++) {
+            magnitude[i / 8][i % 8] = block[i] & 0x7FFF;
+            xf[i / 8][i % 8] = bf16_to_f32(block[i] & 0x7FFFu);
+            if (importance != NULL) weights[i / 8][i % 8] = importance[(b % k_blocks) * BLOCK + i];
+        }
+        const v8f *w = importance == NULL ? NULL : weights;
+        uint8_t rtn = block_scale_code(t, amax[b]);
+        uint8_t best = rtn;
+        float best_error = block_error(magnitude, xf, wide_thresholds(t, wide, wide_ready, rtn), divisors[rtn], w);
+        for (int k = 0; k <= n_offsets; k++) {
+            int code;
+            if (k < n_offsets) {
+                code = (int)rtn + offsets[k];
+                code = code < 1 ? 1 : (code > 0x7E ? 0x7E : code);
+            } else {
+                float max_to_4 = global_mul * (bf16_to_f32(amax[b]) / 4.0f);
+                code = f32_to_e4m3(max_to_4 > 448.0f ? 448.0f : max_to_4);
+                if (code == 0) code = 0x20;
+            }
+            float error = block_error(magnitude, xf, wide_thresholds(t, wide, wide_ready, (uint8_t)code),
+                                      divisors[code], w);
+            if (error < best_error) {
+                best_error = error;
+                best = (uint8_t)code;
+            }
+        }
+        block_scale[b] = best;
+        encode_block(block, thresholds_of(t, best), packed + b * (BLOCK / 2));
+    }
+    free(wide);
+    free(t);
+    return 0;
+}

@@ -124,6 +124,11 @@ def _load() -> ctypes.CDLL | None:
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                         ctypes.c_void_p,
                     ]
+                    library.fp4kit_mse_encode_bf16.restype = ctypes.c_int
+                    library.fp4kit_mse_encode_bf16.argtypes = [
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ]
                     _library = library
         return _library or None
 
@@ -156,4 +161,24 @@ def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple
     block_scale = torch.empty(amax.shape, dtype=torch.uint8)
     _load().fp4kit_encode_bf16(weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul),
                                packed.data_ptr(), block_scale.data_ptr())
+    return packed, block_scale.view(torch.float8_e4m3fn)
+
+
+def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offsets: tuple[int, ...],
+               importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode() with block scales chosen by fp4kit.scale_search's search (same bytes): the RTN code, the codes
+    ``offsets`` away, and max-to-4, by squared error weighted by ``importance`` (fp32 [K], one per input channel)."""
+    if not amax.is_contiguous() or amax.dtype != torch.bfloat16:
+        raise ValueError("amax must be the contiguous bf16 block amax of the weight")
+    packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
+    block_scale = torch.empty(amax.shape, dtype=torch.uint8)
+    offsets_c = (ctypes.c_int32 * len(offsets))(*offsets)
+    if importance is not None:
+        importance = importance.to(torch.float32).contiguous()
+        if importance.shape != (weight.shape[-1],):
+            raise ValueError(f"importance must be one fp32 weight per input channel, got {list(importance.shape)}")
+    _load().fp4kit_mse_encode_bf16(
+        weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul), offsets_c, len(offsets),
+        None if importance is None else importance.data_ptr(), weight.shape[-1] // BLOCK, packed.data_ptr(),
+        block_scale.data_ptr())
     return packed, block_scale.view(torch.float8_e4m3fn)
