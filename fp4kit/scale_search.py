@@ -54,10 +54,10 @@ def block_errors(magnitudes: torch.Tensor, divisor: torch.Tensor, importance: to
     error = dequantized.sub_(magnitudes).square_()
     if importance is not None:
         error.mul_(importance)
-    while error.shape[-1] > 1:  # a halving tree, the order the C loop sums in (same choices, same bytes)
-        half = error.shape[-1] // 2
-        error = error[..., :half] + error[..., half:]
-    return error.squeeze(-1)
+    # the C loop's order (same choices, same bytes): halves, quarters, then (e0 + e2) + (e1 + e3)
+    error = error[..., :8] + error[..., 8:]
+    error = error[..., :4] + error[..., 4:]
+    return (error[..., 0] + error[..., 2]) + (error[..., 1] + error[..., 3])
 
 
 def _candidate_scales(rtn_scale: torch.Tensor, amax: torch.Tensor, global_mul: torch.Tensor) -> list[torch.Tensor]:

@@ -153,36 +153,49 @@ VECTOR_CLONES int fp4kit_encode_bf16(const uint16_t *x, const uint16_t *amax, in
     return 0;
 }
 
-/* 8 lanes of 32 bits (GCC/clang vector extensions: AVX2 registers in the avx2 clone, pairs of SSE ones else) */
-typedef int32_t v8i __attribute__((vector_size(32)));
+/* A block's 16 lanes (GCC/clang vector extensions: one AVX2 register of 16-bit lanes, two of fp32 ones, in the avx2
+ * clone; SSE registers else) */
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 
-/* Weighted squared error of one block (two halves of 8) under a block-scale code, computed as
- * fp4kit.scale_search.block_errors does: (E2M1 value * divisor - |x|)^2, times the channel's importance, summed
- * as the halving tree e[i] + e[i + n/2]. The code is counted with the encode's threshold compares; its value
- * c/2 + max(c-4, 0)/2 + max(c-6, 0) (0, .5, ..., 2, 3, 4, 6) is exact, so the product with the divisor is torch's. */
-static inline float block_error(const v8i *magnitude, const v8f *x, const v8i *th, float divisor, const v8f *weights) {
-    v8f e[2];
-    for (int h = 0; h < 2; h++) {
-        v8i a = magnitude[h], c = {0};
-        for (int k = 0; k < 7; k++) c -= (v8i)(a >= th[k]); /* a true compare is -1 in every bit */
-        v8i above4 = (c - 4) & (v8i)(c > 4), above6 = (c - 6) & (v8i)(c > 6);
-        v8f value = __builtin_convertvector(c + above4, v8f) * 0.5f + __builtin_convertvector(above6, v8f);
-        v8f d = value * divisor - x[h];
-        e[h] = d * d;
-        if (weights != NULL) e[h] = e[h] * weights[h];
-    }
-    v8f s = e[0] + e[1];
-    float s4[4] = {s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]};
-    float s2[2] = {s4[0] + s4[2], s4[1] + s4[3]};
-    return s2[0] + s2[1];
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
+
+/* Weighted squared error of one block under a block-scale code, computed as fp4kit.scale_search.block_errors does:
+ * (E2M1 value * divisor - |x|)^2, times the channel's importance, summed as the halving tree e[i] + e[i + n/2].
+ * The code is counted with the encode's threshold compares on the bf16 bit patterns; its value c/2 + max(c-4, 0)/2
+ * + max(c-6, 0) (0, .5, ..., 2, 3, 4, 6) is exact, so the product with the divisor is torch's. */
+static inline float block_error(v16s magnitude, v16f x, const v16s *th, float divisor, const v16f *weights) {
+    v16s c = {0};
+    for (int k = 0; k < 7; k++) c -= (v16s)(magnitude >= th[k]); /* a true compare is -1 in every bit */
+    v16s twice = c + ((c - 4) & (v16s)(c > 4)), above6 = (c - 6) & (v16s)(c > 6);
+    v16f value = __builtin_convertvector(twice, v16f) * 0.5f + __builtin_convertvector(above6, v16f);
+    v16f d = value * divisor - x;
+    v16f e = d * d;
+    if (weights != NULL) e = e * *weights;
+#ifdef HAVE_SHUFFLEVECTOR
+    v8f s8 = __builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#else
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = e[i] + e[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+#endif
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static inline const v8i *wide_thresholds(Tables *t, v8i (*wide)[7], uint8_t *wide_ready, uint8_t code8) {
+static inline const v16s *wide_thresholds(Tables *t, v16s (*wide)[7], uint8_t *wide_ready, uint8_t code8) {
     if (!wide_ready[code8]) {
         const uint16_t *th = thresholds_of(t, code8);
         for (int k = 0; k < 7; k++)
-            for (int i = 0; i < 8; i++) wide[code8][k][i] = th[k];
+            for (int i = 0; i < BLOCK; i++) wide[code8][k][i] = (int16_t)th[k]; /* all below 0x7F81: no sign */
         wide_ready[code8] = 1;
     }
     return wide[code8];
@@ -201,7 +214,7 @@ VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax
     memset(t->scale_of_amax, SCALE_UNSET, sizeof t->scale_of_amax);
     memset(t->ready, 0, sizeof t->ready);
     float divisors[128];
-    v8i (*wide)[7] = aligned_alloc(sizeof(v8i), 128 * sizeof *wide); /* vectors want their own alignment */
+    v16s (*wide)[7] = aligned_alloc(sizeof(v16s), 128 * sizeof *wide); /* vectors want their own alignment */
     if (wide == NULL) {
         free(t);
         return -1;
@@ -210,14 +223,14 @@ VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax
     for (int code = 0; code < 128; code++) divisors[code] = e4m3_to_f32((uint8_t)code) / global_mul;
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint16_t *block = x + b * BLOCK;
-        v8i magnitude[2];
-        v8f xf[2], weights[2];
-        for (int i = 0; i < BLOCK; i++) {
-            magnitude[i / 8][i % 8] = block[i] & 0x7FFF;
-            xf[i / 8][i % 8] = bf16_to_f32(block[i] & 0x7FFFu);
-            if (importance != NULL) weights[i / 8][i % 8] = importance[(b % k_blocks) * BLOCK + i];
-        }
-        const v8f *w = importance == NULL ? NULL : weights;
+        v16s magnitude;
+        v16f xf, weights;
+        memcpy(&magnitude, block, sizeof magnitude);
+        magnitude &= 0x7FFF;
+        v16i widened = __builtin_convertvector(magnitude, v16i) << 16; /* bf16 bits -> fp32 bits */
+        memcpy(&xf, &widened, sizeof xf);
+        if (importance != NULL) memcpy(&weights, importance + (b % k_blocks) * BLOCK, sizeof weights);
+        const v16f *w = importance == NULL ? NULL : &weights;
         uint8_t rtn = block_scale_code(t, amax[b]);
         uint8_t best = rtn;
         float best_error = block_error(magnitude, xf, wide_thresholds(t, wide, wide_ready, rtn), divisors[rtn], w);

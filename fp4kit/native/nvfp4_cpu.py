@@ -22,6 +22,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -164,10 +165,18 @@ def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple
     return packed, block_scale.view(torch.float8_e4m3fn)
 
 
+# the mse search costs ~10x the RTN encode per weight: large tensors are split by rows over a few threads (the C
+# call releases the GIL)
+MSE_THREADS = min(4, os.cpu_count() or 1)
+MSE_SPLIT_BLOCKS = 1 << 16
+_pool: ThreadPoolExecutor | None = None
+
+
 def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offsets: tuple[int, ...],
                importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """encode() with block scales chosen by fp4kit.scale_search's search (same bytes): the RTN code, the codes
     ``offsets`` away, and max-to-4, by squared error weighted by ``importance`` (fp32 [K], one per input channel)."""
+    global _pool
     if not amax.is_contiguous() or amax.dtype != torch.bfloat16:
         raise ValueError("amax must be the contiguous bf16 block amax of the weight")
     packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
@@ -177,8 +186,23 @@ def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offs
         importance = importance.to(torch.float32).contiguous()
         if importance.shape != (weight.shape[-1],):
             raise ValueError(f"importance must be one fp32 weight per input channel, got {list(importance.shape)}")
-    _load().fp4kit_mse_encode_bf16(
-        weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul), offsets_c, len(offsets),
-        None if importance is None else importance.data_ptr(), weight.shape[-1] // BLOCK, packed.data_ptr(),
-        block_scale.data_ptr())
+    k_blocks = weight.shape[-1] // BLOCK
+    rows = amax.numel() // k_blocks
+    parts = MSE_THREADS if amax.numel() >= MSE_SPLIT_BLOCKS else 1
+    bounds = [rows * i // parts for i in range(parts + 1)]
+
+    def run(first: int, last: int) -> None:
+        blocks = first * k_blocks
+        _load().fp4kit_mse_encode_bf16(
+            weight.data_ptr() + blocks * BLOCK * 2, amax.data_ptr() + blocks * 2, (last - first) * k_blocks,
+            ctypes.c_float(global_mul), offsets_c, len(offsets), None if importance is None else importance.data_ptr(),
+            k_blocks, packed.data_ptr() + blocks * (BLOCK // 2), block_scale.data_ptr() + blocks)
+
+    if parts == 1:
+        run(0, rows)
+    else:
+        with _lock:
+            _pool = _pool or ThreadPoolExecutor(MSE_THREADS, thread_name_prefix="fp4kit-mse")
+        for future in [_pool.submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]:
+            future.result()
     return packed, block_scale.view(torch.float8_e4m3fn)
