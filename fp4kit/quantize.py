@@ -63,7 +63,7 @@ class QuantizeOptions:
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
-    gptq_mse_scales: bool = True
+    gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
     input_scales_from: str = "source"
 
 
@@ -93,6 +93,8 @@ def _validate(options: QuantizeOptions) -> None:
                           f"{' or '.join(INPUT_SCALE_SOURCES)}")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
+    if options.gptq_scales not in ("mse", "rtn"):
+        raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
     if options.gptq_min_tokens < 1:
         raise Fp4kitError(f"--gptq-min-tokens must be at least 1, got {options.gptq_min_tokens}")
     if options.gptq_block_size < 16 or options.gptq_block_size % 16:
@@ -301,7 +303,7 @@ def _quantize_calibrated(
     quantizer = LayerQuantizer(
         reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
-        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_mse_scales, options.gptq_min_tokens),
+        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens),
         native=options.native_cpu,
     )
     with_input = options.scheme == "nvfp4"

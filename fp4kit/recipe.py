@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fp4kit.errors import Fp4kitError
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
-CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales")
+CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales", "method", "gptq_damp",
+                       "gptq_min_tokens", "gptq_scales", "input_scales_from")
 KeyPath = tuple[str | int, ...]
 # A recipe is a few dozen keys. YAML aliases may repeat a value, not multiply the recipe: a few hundred bytes of
 # nested anchors would otherwise expand to billions of values before any check could look at them.
@@ -55,6 +56,11 @@ class QuantizeStep(_Options):
     seq_len: int | None = Field(default=None, ge=1)
     batch_size: int | None = Field(default=None, ge=1)
     moe_input_scales: Literal["shared", "per-expert"] | None = None
+    method: Literal["rtn", "mse", "gptq"] | None = None  # None: fp4kit quantize's default (rtn)
+    gptq_damp: float | None = Field(default=None, gt=0)
+    gptq_min_tokens: int | None = Field(default=None, ge=1)
+    gptq_scales: Literal["mse", "rtn"] | None = None
+    input_scales_from: Literal["source", "quantized"] | None = None
 
 
 class RepairStep(_Options):

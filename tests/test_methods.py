@@ -65,6 +65,41 @@ def test_mse_never_worse_than_rtn_per_block(weighted):
     assert (q.block_scale.float() == nvfp4.ZERO_BLOCK_SCALE).all() and (q.packed == 0).all()
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_native_mse_makes_the_torch_choices(weighted):
+    """fp4kit's C search loop (fp4kit/native/nvfp4_cpu.c) picks the same scales, so writes the same bytes."""
+    from fp4kit.native import nvfp4_cpu
+
+    if not nvfp4_cpu.available():
+        pytest.fail("no C compiler: the native mse loop cannot be compared")
+    gen = torch.Generator().manual_seed(6)
+    big = (torch.randn(300, 512, generator=gen) * 0.02).to(torch.bfloat16)  # split over threads
+    for weight in [*_adversarial_weights(), big]:
+        importance = torch.rand(weight.shape[-1], generator=gen) ** 4 if weighted else None
+        global_mul = nvfp4.global_scale_mul(weight.abs().amax())
+        torch_path = quantize_mse(weight, global_mul, importance)
+        native = quantize_mse(weight, global_mul, importance, native=True)
+        assert torch.equal(torch_path.packed, native.packed)
+        assert torch.equal(torch_path.block_scale.view(torch.uint8), native.block_scale.view(torch.uint8))
+
+
+def test_recipe_method_reaches_quantize(tmp_path):
+    from fp4kit.errors import Fp4kitError
+    from fp4kit.recipe import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  scheme: nvfp4a16\n  method: gptq\n"
+                    "  gptq_damp: 0.05\n")
+    section = load_recipe(path).recipe.quantize
+    assert section is not None and section.method == "gptq" and section.gptq_damp == 0.05
+    from fp4kit.recipe import CALIBRATION_OPTIONS  # passed by name to QuantizeOptions by the quantize step
+
+    assert set(CALIBRATION_OPTIONS) <= set(QuantizeOptions.__dataclass_fields__)
+    path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  method: awq\n")
+    with pytest.raises(Fp4kitError, match="quantize.method"):
+        load_recipe(path)
+
+
 def test_mse_stack_and_group_share_the_rtn_global_scale():
     from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 

@@ -74,13 +74,9 @@ def quantize(
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, method=method,
-        gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_mse_scales=gptq_scales != "rtn",
+        gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_scales=gptq_scales,
         input_scales_from=input_scales_from,
     )
-    if gptq_scales not in ("mse", "rtn"):
-        from fp4kit.errors import Fp4kitError
-
-        raise Fp4kitError(f"unknown --gptq-scales {gptq_scales!r}; choose mse or rtn")
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
     if not quiet:
         rate = report.input_bytes / max(report.seconds, 1e-9)
