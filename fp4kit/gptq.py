@@ -20,12 +20,13 @@ import torch
 from fp4kit.calibrate import LayerStatistics
 from fp4kit.checkpoint import CheckpointReader
 from fp4kit.errors import Fp4kitError
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, _per_leading_index, block_amax, encode_blocks, rtn_block_scale
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, _per_leading_index, encode_blocks, rtn_block_scale
 from fp4kit.plan import QuantGroup, read_group_weights
 from fp4kit.scale_search import group_global_mul, quantize_mse, round_e2m1_magnitude_, search_block_scales
 
-# stacked fp32 weights + Hessians per batched GPTQ call: bounds the pass's memory on wide layers (128 experts)
-MAX_BATCH_BYTES = 1 << 30
+# stacked fp32 weights + Hessians per batched GPTQ call: bounds the pass's memory on wide layers (128 experts);
+# on a GPU larger stacks mean fewer launches per column
+MAX_BATCH_BYTES = {"cpu": 1 << 30, "cuda": 1 << 34}
 
 
 @dataclass
@@ -86,10 +87,11 @@ def gptq_quantize(
         u1 = upper[:, start:end, start:end]
         for g in range(0, end - start, BLOCK):
             block = w1[:, :, g : g + BLOCK]
+            amax = block.abs().amax(dim=-1, keepdim=True)  # finite: checked up front (no device sync per group)
             if options.mse_scales:
-                scale = search_block_scales(block, global_f32, importance[:, start + g : start + g + BLOCK])
+                scale = search_block_scales(block, global_f32, importance[:, start + g : start + g + BLOCK], amax)
             else:
-                scale = rtn_block_scale(block_amax(block), _per_leading_index(global_f32, 3))
+                scale = rtn_block_scale(amax, _per_leading_index(global_f32, 3))
             scale = scale.squeeze(-1)  # [B, N]
             scales[:, :, (start + g) // BLOCK] = scale
             divisor = scale / global_rows
@@ -170,7 +172,7 @@ class LayerQuantizer:
                 if self.method == "gptq" or not usable:
                     self.fallbacks.extend(names)
                 mse_units.append(unit)
-        for batch in _batches(gptq_units):
+        for batch in _batches(gptq_units, MAX_BATCH_BYTES.get(self.device.type, 1 << 30)):
             stacked = gptq_quantize(torch.stack([u.weight for u in batch]), torch.stack([u.hessian for u in batch]),
                                     torch.stack([u.global_mul for u in batch]), self.gptq)
             for b, unit in enumerate(batch):
@@ -220,14 +222,14 @@ class LayerQuantizer:
         return quantized
 
 
-def _batches(units: list[_Unit]) -> list[list[_Unit]]:
-    """Units of one weight shape, stacked up to MAX_BATCH_BYTES of fp32 weights and Hessians."""
+def _batches(units: list[_Unit], max_bytes: int) -> list[list[_Unit]]:
+    """Units of one weight shape, stacked up to ``max_bytes`` of fp32 weights and Hessians."""
     by_shape: dict[tuple[int, ...], list[_Unit]] = {}
     for unit in units:
         by_shape.setdefault(tuple(unit.weight.shape), []).append(unit)
     batches = []
     for shape, same in by_shape.items():
         per_unit = 4 * (shape[0] * shape[1] * 2 + shape[1] * shape[1] * 3)
-        size = max(1, MAX_BATCH_BYTES // per_unit)
+        size = max(1, max_bytes // per_unit)
         batches.extend(same[i : i + size] for i in range(0, len(same), size))
     return batches
