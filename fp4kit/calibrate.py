@@ -15,6 +15,10 @@ Statistics per layer:
   would receive had it been routed there. down_proj input amax = amax of ``act(gate) * up`` of those inputs;
 - routing counts under the real top-k, read from the router transformers ran.
 The hidden states passed on are the layer's own output, i.e. the real router and top-k.
+
+``calibrate_quantized`` is the pass of the calibrated quantization methods (gptq, activation-weighted mse): per
+layer it collects input second moments (per routed expert from the tokens routed to it), lets the caller quantize
+the layer, and passes on the outputs of the quantized layer.
 """
 
 from __future__ import annotations
@@ -282,11 +286,7 @@ def calibrate(
     ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.distributed to combine.
     """
     src = Path(src)
-    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.numel() == 0:
-        raise Fp4kitError(f"calibration token ids must be a non-empty int64 [samples, seq_len] tensor, got "
-                          f"{token_ids.dtype}{list(token_ids.shape)}")
-    if batch_size < 1:
-        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
+    _check_calibration_arguments(token_ids, batch_size)
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
     result = CalibrationResult()
@@ -311,6 +311,14 @@ def calibrate(
             if on_layer is not None:
                 on_layer(index, hidden_batches)
     return result
+
+
+def _check_calibration_arguments(token_ids: torch.Tensor, batch_size: int) -> None:
+    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.numel() == 0:
+        raise Fp4kitError(f"calibration token ids must be a non-empty int64 [samples, seq_len] tensor, got "
+                          f"{token_ids.dtype}{list(token_ids.shape)}")
+    if batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
 
 
 def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int, batch_share: tuple[int, int]):
@@ -490,6 +498,7 @@ def calibrate_quantized(
     the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
     result)`` runs once a layer's are in ``result``."""
     src = Path(src)
+    _check_calibration_arguments(token_ids, batch_size)
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
     result = CalibrationResult()
