@@ -296,3 +296,49 @@ def test_bad_method_options_are_one_line_errors(tiny, tmp_path):
                     QuantizeOptions(method="gptq", gptq_min_tokens=0)):
         with pytest.raises(Fp4kitError):
             quantize_checkpoint(tiny("qwen3_moe"), tmp_path / "out", options)
+
+
+def test_pass_statistics_are_the_routed_tokens_second_moments(tiny):
+    """calibrate_quantized's Hessians against a full transformers forward: per expert X^T X of exactly the tokens
+    its router sent it (gate/up one shared tensor, down from act(gate) * up of those tokens), q/k/v one tensor."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from fp4kit.calibrate import calibrate_quantized
+
+    src = tiny("qwen3_moe")
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(7))
+    seen = {}
+
+    def keep(index, layer, stats):
+        seen[index] = stats
+        return {}  # the layer stays unquantized: the next layer sees the source's hidden states
+
+    calibrate_quantized(src, ids, keep, dtype=torch.float32)
+    model = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    captured = {}
+    layer = model.model.layers[1]
+    layer.mlp.register_forward_hook(lambda m, args, out: captured.setdefault("hidden", args[0]))
+    layer.mlp.gate.register_forward_hook(lambda m, args, out: captured.setdefault("router", out))
+    layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: captured.setdefault("attn", args[0]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    stats = seen[1]
+    prefix = "model.layers.1."
+    hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])
+    top_ids = captured["router"][2]
+    experts = layer.mlp.experts
+    for e in range(experts.gate_up_proj.shape[0]):
+        x = hidden[(top_ids == e).any(dim=-1)]
+        gate = stats.hessians[f"{prefix}mlp.experts.{e}.gate_proj"]
+        assert gate is stats.hessians[f"{prefix}mlp.experts.{e}.up_proj"]
+        assert stats.tokens[f"{prefix}mlp.experts.{e}.gate_proj"] == x.shape[0]
+        torch.testing.assert_close(gate, x.t() @ x, rtol=1e-4, atol=1e-4)
+        g, u = (x @ experts.gate_up_proj[e].t()).chunk(2, dim=-1)
+        inner = experts.act_fn(g) * u
+        torch.testing.assert_close(stats.hessians[f"{prefix}mlp.experts.{e}.down_proj"], inner.t() @ inner,
+                                   rtol=1e-4, atol=1e-4)
+    attn = captured["attn"].reshape(-1, captured["attn"].shape[-1])
+    q = stats.hessians[f"{prefix}self_attn.q_proj"]
+    assert q is stats.hessians[f"{prefix}self_attn.k_proj"] is stats.hessians[f"{prefix}self_attn.v_proj"]
+    torch.testing.assert_close(q, attn.t() @ attn, rtol=1e-4, atol=1e-4)
+    assert stats.tokens[f"{prefix}self_attn.v_proj"] == ids.numel()
