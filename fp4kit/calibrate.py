@@ -362,11 +362,10 @@ class LayerStatistics:
 class _SecondMomentRecorder:
     """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed by ``close``)."""
 
-    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool,
-                 routing_weighted: bool = False):
+    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool):
         self.layer_prefix = f"{text.prefix}layers.{index}."
         self.scales_input = text.scales_input
-        self.modules, self.full, self.routing_weighted = modules, full, routing_weighted
+        self.modules, self.full = modules, full
         self.stats = LayerStatistics(self.layer_prefix)
         self.last_input: tuple[torch.Tensor, str] | None = None  # the input of the last hooked Linear
         self.router_output: tuple | None = None
@@ -424,29 +423,24 @@ class _SecondMomentRecorder:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             hidden = args[0].reshape(-1, args[0].shape[-1])
             assert self.router_output is not None
-            top_weights = None
             if len(self.router_output) == 3:  # Qwen3 / GLM routers: (logits, top-k weights, top-k ids)
-                logits, top_weights, top_ids = self.router_output
+                logits, top_ids = self.router_output[0], self.router_output[2]
             else:  # Llama-4 router: (scores, logits), top-k on the logits
                 logits = self.router_output[1]
                 top_ids = torch.topk(logits, module.top_k, dim=1).indices
-            self._expert_moments(f"{block_name}.experts", experts, hidden, logits, top_ids,
-                                 top_weights if self.routing_weighted else None)
+            self._expert_moments(f"{block_name}.experts", experts, hidden, logits, top_ids)
 
         return hook
 
     @torch.no_grad()
     def _expert_moments(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
-                        top_ids: torch.Tensor, top_weights: torch.Tensor | None) -> None:
-        """``top_weights``: weight each token's rows by the routing weight its expert output is scaled with (the
-        error it makes in the layer's output), else 1."""
+                        top_ids: torch.Tensor) -> None:
         num_experts = experts.gate_up_proj.shape[0]
         for e in range(num_experts):
             names = [f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj"]
             if not any(self._wanted(n) for n in names):
                 continue
-            routed = top_ids == e
-            tokens = routed.any(dim=-1).nonzero().squeeze(-1)
+            tokens = (top_ids == e).any(dim=-1).nonzero().squeeze(-1)
             if tokens.numel() == 0:
                 for n in names:  # zero statistics: the expert is known, and known to have seen nothing
                     if n not in self.stats.hessians:
@@ -457,13 +451,9 @@ class _SecondMomentRecorder:
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
                 x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
                 weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
-            gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
-            inner = experts.act_fn(gate) * up
-            if top_weights is not None:
-                scale = (top_weights.float() * routed).sum(dim=-1)[tokens].unsqueeze(-1)
-                x, inner = x.float() * scale, inner.float() * scale
             self._add(names[:2], x)
-            self._add(names[2:], inner)
+            gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
+            self._add(names[2:], experts.act_fn(gate) * up)
 
     def _inner(self, experts: nn.Module) -> int:
         return experts.gate_up_proj.shape[-1 if self.scales_input else -2] // 2
@@ -489,7 +479,6 @@ def calibrate_quantized(
     full_hessians: bool = True,
     dtype: torch.dtype | None = None,
     on_layer: Callable[[int, CalibrationResult], None] | None = None,
-    routing_weighted: bool = False,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -511,7 +500,7 @@ def calibrate_quantized(
         hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, (0, 1))
         for index in range(len(text.layers)):
             layer = _load_layer(text, reader, index, dtype, torch_device)
-            recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians, routing_weighted)
+            recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
             for hidden in hidden_batches:
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 layer(hidden, *args, **kwargs)
