@@ -22,7 +22,13 @@ from fp4kit.checkpoint import CheckpointReader
 from fp4kit.errors import Fp4kitError
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, _per_leading_index, encode_blocks, rtn_block_scale
 from fp4kit.plan import QuantGroup, read_group_weights
-from fp4kit.scale_search import group_global_mul, quantize_mse, round_e2m1_magnitude_, search_block_scales
+from fp4kit.scale_search import (
+    GPTQ_CODE_OFFSETS,
+    group_global_mul,
+    quantize_mse,
+    round_e2m1_magnitude_,
+    search_block_scales,
+)
 
 # stacked fp32 weights + Hessians per batched GPTQ call: bounds the pass's memory on wide layers (128 experts);
 # on a GPU larger stacks mean fewer launches per column
@@ -89,7 +95,8 @@ def gptq_quantize(
             block = w1[:, :, g : g + BLOCK]
             amax = block.abs().amax(dim=-1, keepdim=True)  # finite: checked up front (no device sync per group)
             if options.mse_scales:
-                scale = search_block_scales(block, global_f32, importance[:, start + g : start + g + BLOCK], amax)
+                scale = search_block_scales(block, global_f32, importance[:, start + g : start + g + BLOCK], amax,
+                                            GPTQ_CODE_OFFSETS)
             else:
                 scale = rtn_block_scale(amax, _per_leading_index(global_f32, 3))
             scale = scale.squeeze(-1)  # [B, N]
