@@ -292,9 +292,12 @@ def _quantize_calibrated(
     from fp4kit.calibrate import calibrate_quantized
     from fp4kit.gptq import GptqOptions, LayerQuantizer
 
+    total = sum(_job_bytes(reader, job) for job in plan.jobs)
+    done = 0
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
             put({job: reader.read(job)})
+            done += _job_bytes(reader, job)
     by_layer: dict[int, list[QuantGroup]] = {}
     for group in plan.groups:
         if group.layer is not None:
@@ -315,15 +318,15 @@ def _quantize_calibrated(
             return source_input_divs
         return input_scale_divisors(replace(plan, groups=groups), input_amax, options.moe_input_scales)
 
-    num_layers = max(by_layer, default=0) + 1
-
     def on_layer(index: int, result) -> None:
+        nonlocal done
         divs = divisors([g for g, _ in pending], result.input_amax)
         for group, quantized in pending:
             put(encode_group(group, quantized, options, divs))
+            done += _job_bytes(reader, group)
         pending.clear()
         if progress:
-            progress(index + 1, num_layers)
+            progress(done, total)
 
     vocab_size = int(plan.text_config["vocab_size"])
     token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
@@ -343,6 +346,9 @@ def _quantize_calibrated(
         quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
         put(encode_group(group, quantized, options, divs))
         fallbacks.extend(c.linear.module for c in group.members)
+        done += _job_bytes(reader, group)
+        if progress:
+            progress(done, total)
     return fallbacks, result.routing_counts
 
 
