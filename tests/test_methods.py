@@ -342,3 +342,14 @@ def test_pass_statistics_are_the_routed_tokens_second_moments(tiny):
     assert q is stats.hessians[f"{prefix}self_attn.k_proj"] is stats.hessians[f"{prefix}self_attn.v_proj"]
     torch.testing.assert_close(q, attn.t() @ attn, rtol=1e-4, atol=1e-4)
     assert stats.tokens[f"{prefix}self_attn.v_proj"] == ids.numel()
+
+
+def test_modules_outside_the_decoder_layers_fall_back(tiny, tmp_path):
+    """Without the default ignore list GLM's lm_head and MTP layer (which transformers does not build) are quantized
+    too: by data-free mse, and reported."""
+    report = quantize_checkpoint(tiny("glm4_moe"), tmp_path / "out", QuantizeOptions(
+        method="gptq", samples=4, seq_len=32, default_ignore=False, gptq_min_tokens=1))
+    reader = CheckpointReader(tmp_path / "out")
+    assert "lm_head.weight_packed" in reader and "model.layers.3.eh_proj.weight_packed" in reader
+    assert {"lm_head", "model.layers.3.eh_proj", "model.layers.3.self_attn.q_proj"} <= set(report.fallback_modules)
+    assert not [m for m in report.fallback_modules if m.startswith("model.layers.0.self_attn")]
