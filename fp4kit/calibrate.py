@@ -1,4 +1,4 @@
-"""Activation statistics for W4A4 NVFP4, one decoder layer in memory at a time (issue 3, DESIGN.md §11).
+"""Activation statistics for W4A4 NVFP4, one decoder layer in memory at a time (README.md, `fp4kit quantize`).
 
 The text model is built on the meta device from config.json, so it costs no memory. One forward of it with every
 decoder layer replaced by a recorder yields the embeddings and, per layer, the exact arguments the full model
