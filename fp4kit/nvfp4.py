@@ -1,4 +1,4 @@
-"""The canonical NVFP4 tensor and its math (README.md; compressed-tensors` nvfp4 helpers are the reference).
+"""The canonical NVFP4 tensor and its math (README.md; compressed-tensors' NVFP4 quantization is the reference).
 
 One form everywhere inside fp4kit: E2M1 codes packed two per byte along K (low nibble first), FP8 E4M3 block
 scales over 16 consecutive K elements, and one per-tensor global scale kept in *divisor* form D = amax / (448*6)
