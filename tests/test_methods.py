@@ -353,3 +353,18 @@ def test_modules_outside_the_decoder_layers_fall_back(tiny, tmp_path):
     assert "lm_head.weight_packed" in reader and "model.layers.3.eh_proj.weight_packed" in reader
     assert {"lm_head", "model.layers.3.eh_proj", "model.layers.3.self_attn.q_proj"} <= set(report.fallback_modules)
     assert not [m for m in report.fallback_modules if m.startswith("model.layers.0.self_attn")]
+
+
+def test_w4a4_input_scales_come_from_the_source_calibration(tiny, tmp_path):
+    """By default gptq's activation scales are rtn's (the source model's calibration); from the quantized pass they
+    differ, from layer 1 on at the latest."""
+    src = tiny("qwen3_moe")
+    common = dict(scheme="nvfp4", samples=4, seq_len=32)
+    quantize_checkpoint(src, tmp_path / "rtn", QuantizeOptions(**common))
+    quantize_checkpoint(src, tmp_path / "gptq", QuantizeOptions(method="gptq", **common))
+    quantize_checkpoint(src, tmp_path / "q", QuantizeOptions(method="gptq", input_scales_from="quantized", **common))
+    readers = {name: CheckpointReader(tmp_path / name) for name in ("rtn", "gptq", "q")}
+    names = [n for n in readers["rtn"].names() if n.endswith("input_global_scale")]
+    assert names and all(torch.equal(readers["rtn"].read(n), readers["gptq"].read(n)) for n in names)
+    later = [n for n in names if ".layers.1." in n]
+    assert any(not torch.equal(readers["rtn"].read(n), readers["q"].read(n)) for n in later)
