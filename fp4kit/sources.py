@@ -280,18 +280,28 @@ def dequantize_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: 
     return (values * scale).to(dtype)
 
 
-def dequantize(reader, linear: QuantizedLinear) -> torch.Tensor:
-    """The Linear's [N, K] weight, dequantized (non-finite values are kept: quantizing reports them)."""
+def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The Linear's [N, K] weight, dequantized to ``dtype`` (default: the planned one); non-finite values are kept
+    (quantizing reports them)."""
     enc = linear.encoding
+    dtype = dtype or linear.dtype
     if isinstance(enc, Fp8Block):
         weight = reader.read(enc.weight, check_finite=False)
-        return dequantize_fp8_block(weight, reader.read(enc.scale, check_finite=False), enc.block, linear.dtype)
+        return dequantize_fp8_block(weight, reader.read(enc.scale, check_finite=False), enc.block, dtype)
     shape = tuple(int(v) for v in reader.read(enc.shape).tolist())
     if shape != (linear.out_features, linear.in_features):
         raise Fp4kitError(f"{enc.shape}: {list(shape)}, but {enc.weight} and {enc.scale} hold "
                           f"[{linear.out_features}, {linear.in_features}]")
     return dequantize_pack_quantized(reader.read(enc.weight), reader.read(enc.scale, check_finite=False), shape,
-                                     enc.num_bits, enc.group_size, linear.dtype)
+                                     enc.num_bits, enc.group_size, dtype)
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    """The dtype config.json names for the model (``dtype`` or ``torch_dtype``), bf16 when it names none."""
+    text = config.get("text_config") or config
+    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    dtype = getattr(torch, str(name), None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
 
 
 # --- writing sources (fixtures, benchmarks) -------------------------------------------------------------------
