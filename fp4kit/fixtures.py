@@ -19,8 +19,8 @@ import torch
 FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text", "deepseek_v3")
 
 # Tiny stand-ins that meet the seed recipes' backend rules: I % 64 (CUTLASS gated GEMM, Marlin), 8 experts so that
-# EP 8 divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout: Marlin) H % 128. The fixtures' H is 64, which
-# CUTLASS accepts; the vision-language families keep it, since their M-RoPE sections are sized for it.
+# EP 8 divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout) and DeepSeek (Marlin) H % 128. The fixtures' H
+# is 64, which CUTLASS accepts; the vision-language families keep it, since their M-RoPE sections are sized for it.
 RECIPE_STAND_INS = {
     "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 8},
     "qwen3_vl_moe": {"moe_intermediate_size": 64, "num_experts": 8},
@@ -29,7 +29,7 @@ RECIPE_STAND_INS = {
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
                                       "partial_rotary_factor": 0.5}},
     "llama4": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8},
-    "deepseek_v3": {"moe_intermediate_size": 64, "n_routed_experts": 8},
+    "deepseek_v3": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
 }
 
 
