@@ -253,8 +253,23 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     """[N, K] e4m3 times its [ceil(N/bm), ceil(K/bn)] block multipliers, in fp32, cast to ``dtype``."""
     rows, cols = weight.shape
     bm, bn = block
-    scale = scale_inv.to(torch.float32).repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
-    return (weight.to(torch.float32) * scale).to(dtype)
+    grid_rows, grid_cols = scale_inv.shape
+    if weight.is_cuda:
+        values = weight.to(torch.float32)
+    else:  # a table lookup is the same conversion (NaN included), and on the CPU twice as fast as .to()
+        values = torch.take(_E4M3.to(weight.device), weight.view(torch.uint8).long())
+    padded = (grid_rows * bm, grid_cols * bn) != (rows, cols)
+    if padded:  # the last block of a row or column is partial: zeros stand in for the missing elements
+        values = torch.nn.functional.pad(values, (0, grid_cols * bn - cols, 0, grid_rows * bm - rows))
+    blocks = values.view(grid_rows, bm, grid_cols, bn)
+    blocks.mul_(scale_inv.to(torch.float32)[:, None, :, None])
+    values = blocks.view(grid_rows * bm, grid_cols * bn)
+    if padded:
+        values = values[:rows, :cols].contiguous()
+    return values.to(dtype)
+
+
+_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
