@@ -158,23 +158,25 @@ def test_detect_checks_headers():
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
-def test_quantize_quantized_source_end_to_end(family, kind, sources, tmp_path, passthrough_through_plan):
+@pytest.mark.parametrize(("kind", "dialect"), [("bf16", "compressed-tensors"), ("fp8", "compressed-tensors"),
+                                               ("int4", "compressed-tensors"), ("fp8", "modelopt")])
+def test_quantize_quantized_source_end_to_end(family, kind, dialect, sources, tmp_path, passthrough_through_plan):
     src = sources(family, kind)
     dst = tmp_path / "out"
     cli._register_commands()
-    assert cli.run(["quantize", str(src), str(dst)]) == 0
+    assert cli.run(["quantize", str(src), str(dst), "--format", dialect]) == 0
     assert cli.run(["inspect", str(dst)]) == 0
     config = json.loads((dst / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert config["quantization_config"]["quant_method"] == dialect
     assert "weight_block_size" not in config["quantization_config"]
     with safe_open(dst / "model.safetensors", "pt") as out:
         names = set(out.keys())
         assert not any(n.endswith(("weight_scale_inv", "weight_shape")) for n in names)
         kept = {n: out.get_slice(n).get_dtype() for n in names if n.endswith(".weight")}
-    assert all(dtype in ("BF16", "F32") for dtype in kept.values()), kept  # kept Linears come out dequantized
+    packed = "U8" if dialect == "modelopt" else None  # ModelOpt's packed NVFP4 weights are <m>.weight too
+    assert all(dtype in ("BF16", "F32", packed) for dtype in kept.values()), kept  # kept ones come out dequantized
     if family == "deepseek_v3":
-        assert "model.layers.3.mlp.experts.0.up_proj.weight" in kept  # the MTP layer is not quantized
+        assert kept["model.layers.3.mlp.experts.0.up_proj.weight"] == "BF16"  # the MTP layer is not quantized
 
 
 def test_bf16_mode_equals_quantizing_the_peers_bf16_copy(sources, tmp_path, monkeypatch, passthrough_through_plan):
