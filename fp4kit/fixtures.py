@@ -79,13 +79,11 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
     return path
 
 
-# Linears the published quantized sources keep in bf16: lm_head, routers (DeepSeek-V3's FP8 files, Qwen3's)
-_KEPT_BY_SOURCES = re.compile(r"(^|\.)lm_head$|mlp\.gate$|shared_expert_gate$|(embed|norm)[^.]*$")
-
-
 def _linear_modules(tensors: dict[str, torch.Tensor]):
+    from fp4kit.sources import KEPT_BY_FP8_SOURCES
+
     for tname, t in tensors.items():
-        if tname.endswith(".weight") and t.dim() == 2 and not _KEPT_BY_SOURCES.search(tname[: -len(".weight")]):
+        if tname.endswith(".weight") and t.dim() == 2 and not KEPT_BY_FP8_SOURCES.search(tname[: -len(".weight")]):
             yield tname[: -len(".weight")]
 
 
@@ -104,19 +102,10 @@ def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantizatio
 
 
 def write_fp8_block_source(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """A single-file bf16 fixture SRC as DeepSeek-V3's FP8 release stores it: every Linear but lm_head and the
-    routers as float8_e4m3fn with ``weight_scale_inv`` float32 per block, config ``quant_method: fp8``."""
-    from safetensors.torch import load_file
+    """Fixture SRC as DeepSeek-V3's FP8 release stores it (fp4kit.sources.write_fp8_block_copy)."""
+    from fp4kit.sources import write_fp8_block_copy
 
-    from fp4kit.sources import quantize_fp8_block
-
-    src, dst = Path(src), Path(dst)
-    tensors = load_file(src / "model.safetensors")
-    for module in list(_linear_modules(tensors)):
-        weight, scale_inv = quantize_fp8_block(tensors[f"{module}.weight"], block)
-        tensors[f"{module}.weight"], tensors[f"{module}.weight_scale_inv"] = weight, scale_inv
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-    return _rewrite(src, dst, tensors, qc)
+    return write_fp8_block_copy(src, dst, block)
 
 
 def write_pack_quantized_source(src: str | Path, dst: str | Path, num_bits: int = 4, group_size: int = 32,

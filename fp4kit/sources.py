@@ -18,9 +18,11 @@ Tensors the source kept unquantized are not touched.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -322,6 +324,8 @@ def model_dtype(config: dict) -> torch.dtype:
 # --- writing sources (fixtures, benchmarks) -------------------------------------------------------------------
 
 FP8_MAX = 448.0
+# Linears the published FP8 sources keep in bf16: lm_head and the routers (DeepSeek-V3's files, Qwen3's)
+KEPT_BY_FP8_SOURCES = re.compile(r"(^|\.)lm_head$|mlp\.gate$|shared_expert_gate$|(embed|norm)[^.]*$")
 
 
 def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,3 +341,41 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(grid[0] * bm, grid[1] * bn)[:rows, :cols].contiguous(), scale_inv
+
+
+def write_fp8_block_copy(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
+                         max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write unquantized checkpoint SRC as DeepSeek-V3's FP8 release stores it, one tensor at a time: every 2-D
+    Linear weight but lm_head and the routers as float8_e4m3fn with ``weight_scale_inv`` float32 per block, config
+    ``quant_method: fp8`` with ``weight_block_size``; everything else as it is."""
+    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files, read_config
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    config = read_config(src)
+    if isinstance(config.get("quantization_config"), dict):
+        raise Fp4kitError(f"{src}/config.json: quantization_config: already quantized")
+    with CheckpointReader(src) as reader:
+        blocked = {name for name, info in reader.tensors.items() if name.endswith(".weight") and len(info.shape) == 2
+                   and info.dtype.is_floating_point and not KEPT_BY_FP8_SOURCES.search(name[: -len(".weight")])}
+        planned = []
+        for name, info in reader.tensors.items():
+            if name not in blocked:
+                planned.append(PlannedTensor(name, info.dtype, info.shape))
+                continue
+            grid = (math.ceil(info.shape[0] / block[0]), math.ceil(info.shape[1] / block[1]))
+            planned.append(PlannedTensor(name, torch.float8_e4m3fn, info.shape))
+            planned.append(PlannedTensor(name[: -len(".weight")] + FP8_SCALE_SUFFIX, torch.float32, grid))
+        writer = ShardWriter(dst, planned, max_shard_bytes, metadata={"format": "pt"})
+        for name in reader.names():
+            tensor = reader.read(name)
+            if name in blocked:
+                tensor, scale_inv = quantize_fp8_block(tensor, block)
+                writer.write(name[: -len(".weight")] + FP8_SCALE_SUFFIX, scale_inv)
+            writer.write(name, tensor)
+        writer.finish()
+    copy_side_files(src, dst)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
