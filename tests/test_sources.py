@@ -220,3 +220,45 @@ def test_w4a4_of_a_quantized_source_is_refused_in_one_line(kind, sources, tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "cannot be calibrated for W4A4" in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_mode_equals_model_free_ptq_with_its_fp8_converter(family, sources, tmp_path, monkeypatch,
+                                                               passthrough_through_plan):
+    """llm-compressor's model_free_ptq(NVFP4A16, converter=FP8BlockDequantizer) against dequant_dtype bf16: every
+    tensor byte-identical, except that model_free_ptq gives some fused siblings each its own weight global scale
+    (routed experts' gate/up, MLA's q_a/kv_a) where fp4kit shares one (as oneshot does and vLLM's fused kernels
+    assume); there the members whose scale happens to agree are byte-identical too."""
+    pytest.importorskip("llmcompressor")
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+    from llmcompressor import model_free_ptq
+
+    from fp4kit import quantize
+    from fp4kit.families.base import weight_scale_group
+
+    src = write_fp8_block_source(sources(family, "bf16"), tmp_path / "fp8-16x16", block=(16, 16))
+    blocked = [n.removesuffix(".weight_scale_inv") for n in load_file(src / "model.safetensors")
+               if n.endswith(".weight_scale_inv")]
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*embed_tokens$"] + (["re:.*layers\\.3\\..*"] if family ==
+                                                                    "deepseek_v3" else [])
+    model_free_ptq(src, tmp_path / "llmc", scheme="NVFP4A16", ignore=ignore,
+                   converter=FP8BlockDequantizer(targets=blocked, weight_block_size=(16, 16)))
+    monkeypatch.setattr(quantize, "build_plan", partial(plan_module.build_plan, dequant_dtype="bf16"))
+    quantize.quantize_checkpoint(src, tmp_path / "ours")
+    theirs = {n: t for f in sorted((tmp_path / "llmc").glob("*.safetensors")) for n, t in load_file(f).items()}
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    assert theirs.keys() == ours.keys()
+    modules = {n.removesuffix(".weight_global_scale") for n in ours if n.endswith(".weight_global_scale")}
+    agreeing_fused = 0
+    for module in sorted(modules):
+        names = [f"{module}.{leaf}" for leaf in ("weight_packed", "weight_scale", "weight_global_scale")]
+        same = all(torch.equal(ours[n].view(torch.uint8), theirs[n].view(torch.uint8)) for n in names)
+        if weight_scale_group(module) == module:
+            assert same, module
+        elif torch.equal(ours[names[2]], theirs[names[2]]):
+            assert same, module
+            agreeing_fused += 1
+    assert agreeing_fused > 0
+    for name in set(ours) - {f"{m}.{leaf}" for m in modules for leaf in ("weight_packed", "weight_scale",
+                                                                          "weight_global_scale")}:
+        assert torch.equal(ours[name].view(torch.uint8), theirs[name].view(torch.uint8)), name
