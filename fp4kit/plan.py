@@ -92,11 +92,8 @@ def build_plan(
     ``dequant_dtype`` fp32 (one rounding) or bf16 (the peers' bf16 intermediate); their scale tensors are consumed,
     and those left unquantized are written dequantized in the model's dtype."""
     family = detect(config)
-    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()}, dequant_dtype)
+    source, shapes = source_view(reader, config, dequant_dtype)
     consumed_by_source = source.consumed()
-    # the Linears as the model sees them: a quantized one's tensors stand in as <module>.weight [N, K]
-    shapes = {name: info.shape for name, info in reader.tensors.items() if name not in consumed_by_source}
-    shapes.update({f"{m}.weight": (q.out_features, q.in_features) for m, q in source.linears.items()})
     text_config = family.check_config(config, shapes)
     candidates = [_with_source(c, source) for c in
                   linear_candidates(shapes, text_config, family.moe_intermediate(text_config))]
@@ -146,6 +143,35 @@ def build_plan(
     jobs.sort(key=lambda j: _order_key(j.members[0].linear.source.tensor if isinstance(j, QuantGroup) else j))
     return ModelPlan(family, config, text_config, groups, passthrough, ignored_modules, jobs,
                      source if source.quantized else None)
+
+
+def source_view(reader: CheckpointReader, config: dict,
+                dequant_dtype: str = "fp32") -> tuple[SourceFormat, dict[str, tuple[int, ...]]]:
+    """How SRC stores its Linears, and its tensors' shapes as the model sees them: a quantized Linear's tensors
+    stand in as ``<module>.weight`` [N, K]."""
+    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()}, dequant_dtype)
+    consumed = source.consumed()
+    shapes = {name: info.shape for name, info in reader.tensors.items() if name not in consumed}
+    shapes.update({f"{m}.weight": (q.out_features, q.in_features) for m, q in source.linears.items()})
+    return source, shapes
+
+
+def source_candidates(reader: CheckpointReader, config: dict, prefix: str = "",
+                      dequant_dtype: str = "fp32") -> list[Candidate]:
+    """SRC's Linears whose names start with ``prefix`` (e.g. one layer's experts, for verify --source), as the plan
+    sees them: ``read_group_weights`` returns them dequantized when SRC stores them quantized."""
+    family = detect(config)
+    source, shapes = source_view(reader, config, dequant_dtype)
+    text_config = family.text_config(config)
+    shapes = {name: shape for name, shape in shapes.items() if name.startswith(prefix)}
+    return [_with_source(c, source) for c in
+            linear_candidates(shapes, text_config, family.moe_intermediate(text_config))]
+
+
+def read_linear_weight(reader: CheckpointReader, source: SourceFormat | None, module: str) -> torch.Tensor:
+    """``<module>.weight`` as the model sees it: dequantized in fp32 when SRC stores it quantized."""
+    quantized = source.linears.get(module) if source is not None else None
+    return dequantize(reader, quantized, torch.float32) if quantized else reader.read(f"{module}.weight")
 
 
 def refuse_calibration(plan: ModelPlan) -> None:

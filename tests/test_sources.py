@@ -262,3 +262,25 @@ def test_bf16_mode_equals_model_free_ptq_with_its_fp8_converter(family, sources,
     for name in set(ours) - {f"{m}.{leaf}" for m in modules for leaf in ("weight_packed", "weight_scale",
                                                                           "weight_global_scale")}:
         assert torch.equal(ours[name].view(torch.uint8), theirs[name].view(torch.uint8)), name
+
+
+def test_source_candidates_and_linear_weights_read_dequantized(sources):
+    """What verify --source reads from a quantized source: one layer's experts and its shared expert, in fp32 as
+    compressed-tensors' FP8BlockDequantizer computes them."""
+    from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+
+    src = sources("deepseek_v3", "fp8")
+    tensors = load_file(src / "model.safetensors")
+    blocked = [n.removesuffix(".weight_scale_inv") for n in tensors if n.endswith(".weight_scale_inv")]
+    expected = FP8BlockDequantizer(targets=blocked, dtype=torch.float32).process(tensors)
+    config = json.loads((src / "config.json").read_text())
+    with CheckpointReader(src) as reader:
+        members = plan_module.source_candidates(reader, config, "model.layers.1.mlp.experts.")
+        assert len(members) == 8 * 3
+        for c, weight in zip(members, plan_module.read_group_weights(reader, plan_module.QuantGroup(members)),
+                             strict=True):
+            assert torch.equal(bits(weight), bits(expected[c.linear.module + ".weight"])), c.linear.module
+        source = plan_module.source_view(reader, config)[0]
+        for module in ("model.layers.1.mlp.shared_experts.up_proj", "model.layers.1.mlp.gate"):
+            found = plan_module.read_linear_weight(reader, source, module)
+            assert torch.equal(found.view(torch.uint8), expected[module + ".weight"].view(torch.uint8)), module
