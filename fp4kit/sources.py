@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,24 +278,48 @@ _E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e
 def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
     """[N, words] int32 -> [N, cols] int8: element i is bits [i*b, (i+1)*b) of the row's little-endian bit stream
     of words, stored with an offset of 2^(b-1)."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    words = torch.nn.functional.pad(words, (0, 1))  # a value may spill into the word after the last
-    start = torch.arange(cols, dtype=torch.int64) * num_bits
-    index, shift = start // 32, start % 32
-    low = words[:, index] >> shift
-    high = words[:, index + 1] << (32 - shift)
-    values = (low | high) & ((1 << num_bits) - 1)
+    mask = (1 << num_bits) - 1
+    if 32 % num_bits == 0:  # no value spans two words: shift each word by every offset at once
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
+        values = ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)[:, :cols]
+    else:
+        words = torch.nn.functional.pad(packed.to(torch.int64) & 0xFFFFFFFF, (0, 1))  # a value may spill over
+        start = torch.arange(cols, dtype=torch.int64, device=packed.device) * num_bits
+        index, shift = start // 32, start % 32
+        values = ((words[:, index] >> shift) | (words[:, index + 1] << (32 - shift))) & mask
     return (values - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def _byte_table(num_bits: int) -> torch.Tensor:
+    """[256, 8/b] float32: the signed values of the 8/b elements a byte holds, lowest bits first."""
+    per_byte = 8 // num_bits
+    byte = torch.arange(256, dtype=torch.int32)
+    shifts = torch.arange(0, 8, num_bits, dtype=torch.int32)
+    return (((byte[:, None] >> shifts) & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))).to(torch.float32).view(
+        256, per_byte)
+
+
+_BYTE_TABLES = {bits: _byte_table(bits) for bits in (1, 2, 4, 8)}
 
 
 def dequantize_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], num_bits: int,
                               group_size: int | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows, cols = shape
-    values = unpack_int32(packed, num_bits, cols).to(torch.float32)
+    if num_bits in _BYTE_TABLES and sys.byteorder == "little":  # the words' bytes in stream order: a table lookup
+        table = _BYTE_TABLES[num_bits].to(packed.device)
+        codes = packed.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+        values = torch.index_select(table, 0, codes).view(rows, -1)
+        values = values[:, :cols].contiguous() if values.shape[1] != cols else values
+    else:
+        values = unpack_int32(packed, num_bits, cols).to(torch.float32)
     scale = scale.to(torch.float32)
-    if group_size is not None:
-        scale = scale.repeat_interleave(group_size, 1)[:, :cols]
-    return (values * scale).to(dtype)
+    if group_size is None:
+        values.mul_(scale)
+    elif cols % group_size == 0:
+        values.view(rows, cols // group_size, group_size).mul_(scale.unsqueeze(-1))
+    else:
+        values.mul_(scale.repeat_interleave(group_size, 1)[:, :cols])
+    return values.to(dtype)
 
 
 def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None) -> torch.Tensor:
