@@ -11,6 +11,7 @@ those).
 from __future__ import annotations
 
 import json
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -284,3 +285,18 @@ def test_source_candidates_and_linear_weights_read_dequantized(sources):
         for module in ("model.layers.1.mlp.shared_experts.up_proj", "model.layers.1.mlp.gate"):
             found = plan_module.read_linear_weight(reader, source, module)
             assert torch.equal(found.view(torch.uint8), expected[module + ".weight"].view(torch.uint8)), module
+
+
+def test_broken_fp8_source_exits_2_in_one_line(sources, tmp_path, capsys):
+    """A block-scale grid that does not fit its weight: one line naming the tensor, exit 2, no output."""
+    src = tmp_path / "broken"
+    shutil.copytree(sources("qwen3_moe", "fp8"), src)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    tensors[name] = torch.ones(2, 1)
+    save_file(tensors, src / "model.safetensors")
+    cli._register_commands()
+    assert cli.run(["quantize", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {name}: torch.float32[2, 1], the [64, 64] weight in 128x128 blocks needs float32[1, 1]"]
+    assert not (tmp_path / "out").exists()
