@@ -248,15 +248,17 @@ def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
     return reader.info(job).nbytes
 
 
-def read_group_weights(reader: CheckpointReader, group: QuantGroup) -> list[torch.Tensor]:
+def read_group_weights(reader: CheckpointReader, group: QuantGroup,
+                       device: torch.device | str | None = None) -> list[torch.Tensor]:
     """The [N, K] weights of a group's Linears; one fused expert row is read once for gate and up. Linears the
-    source stores quantized come dequantized (fp32 or bf16, as planned)."""
+    source stores quantized come dequantized (fp32 or bf16, as planned), on ``device`` when given (a GPU: the
+    stored bytes are copied there and dequantized there; other weights stay on the CPU)."""
     rows: dict[tuple[str, int], torch.Tensor] = {}
     weights = []
     for c in group.members:
         src = c.linear.source
         if src.quantized is not None:
-            weights.append(dequantize(reader, src.quantized))
+            weights.append(dequantize(reader, src.quantized, device=device))
             continue
         if src.expert is None:
             weights.append(reader.read(src.tensor, check_finite=False))  # quantizing checks them

@@ -322,20 +322,26 @@ def dequantize_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: 
     return values.to(dtype)
 
 
-def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The Linear's [N, K] weight, dequantized to ``dtype`` (default: the planned one); non-finite values are kept
-    (quantizing reports them)."""
+def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """The Linear's [N, K] weight, dequantized to ``dtype`` (default: the planned one) on ``device`` (default: the
+    CPU; on a GPU the stored bytes travel, not the fp32 result); non-finite values are kept (quantizing reports
+    them)."""
     enc = linear.encoding
     dtype = dtype or linear.dtype
+
+    def read(name: str, check_finite: bool = False) -> torch.Tensor:
+        tensor = reader.read(name, check_finite=check_finite)
+        return tensor if device is None else tensor.to(device, non_blocking=True)
+
     if isinstance(enc, Fp8Block):
-        weight = reader.read(enc.weight, check_finite=False)
-        return dequantize_fp8_block(weight, reader.read(enc.scale, check_finite=False), enc.block, dtype)
+        return dequantize_fp8_block(read(enc.weight), read(enc.scale), enc.block, dtype)
     shape = tuple(int(v) for v in reader.read(enc.shape).tolist())
     if shape != (linear.out_features, linear.in_features):
         raise Fp4kitError(f"{enc.shape}: {list(shape)}, but {enc.weight} and {enc.scale} hold "
                           f"[{linear.out_features}, {linear.in_features}]")
-    return dequantize_pack_quantized(reader.read(enc.weight), reader.read(enc.scale, check_finite=False), shape,
-                                     enc.num_bits, enc.group_size, dtype)
+    return dequantize_pack_quantized(read(enc.weight, True), read(enc.scale), shape, enc.num_bits, enc.group_size,
+                                     dtype)
 
 
 def model_dtype(config: dict) -> torch.dtype:
