@@ -223,10 +223,11 @@ def planned_passthrough(reader: CheckpointReader, name: str) -> PlannedTensor:
     return PlannedTensor(name, info.dtype, info.shape)
 
 
-def read_job(reader: CheckpointReader, job: QuantGroup | str) -> object:
-    """A job's data: a group's weights (``read_group_weights``) or a passthrough tensor as the output holds it."""
+def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.device | str | None = None) -> object:
+    """A job's data: a group's weights (``read_group_weights``, quantized sources dequantized on ``device``) or a
+    passthrough tensor as the output holds it."""
     if isinstance(job, QuantGroup):
-        return read_group_weights(reader, job)
+        return read_group_weights(reader, job, device)
     if isinstance(job, DequantizedWeight):
         return dequantize(reader, job.linear, torch.float32).to(job.dtype)
     return reader.read(job)
