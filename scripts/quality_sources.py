@@ -63,6 +63,13 @@ def log_probs(model_dir: Path, windows: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.log_softmax(model(w[None]).logits[0].float(), -1) for w in windows])
 
 
+def plan_with(dequant_dtype: str, *args, **kwargs):
+    """fp4kit.plan.build_plan in ``dequant_dtype`` whatever quantize passes."""
+    from fp4kit import plan
+
+    return plan.build_plan(*args, **{**kwargs, "dequant_dtype": dequant_dtype})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=Path(__file__).parents[2] / "shared/refmodel/qwen3-moe-bytes")
@@ -70,14 +77,14 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-quality-sources"))
     args = parser.parse_args()
 
-    from fp4kit import plan, quantize
+    from fp4kit import quantize
     from fp4kit.sources import write_fp8_block_copy
 
     shutil.rmtree(args.workdir, ignore_errors=True)
     fp8 = write_fp8_block_copy(args.model, args.workdir / "fp8")
     outputs = {}
     for mode in ("fp32", "bf16"):
-        quantize.build_plan = partial(plan.build_plan, dequant_dtype=mode)
+        quantize.build_plan = partial(plan_with, mode)
         outputs[mode] = quantize.quantize_checkpoint(fp8, args.workdir / f"nvfp4-{mode}").output_files
     lines = (args.model / "eval.jsonl").read_text().splitlines()[: args.windows]
     windows = torch.tensor([json.loads(line)["input_ids"] for line in lines])

@@ -114,6 +114,11 @@ def sources(tmp_path_factory):
     return get
 
 
+def bf16_plan(*args, **kwargs):
+    """build_plan in dequant_dtype bf16 whatever its caller asks (quantize has no option for it yet)."""
+    return plan_module.build_plan(*args, **{**kwargs, "dequant_dtype": "bf16"})
+
+
 @pytest.fixture
 def passthrough_through_plan(monkeypatch):
     """quantize.py reads jobs and counts their bytes through fp4kit.plan (read_job, job_bytes), which know the
@@ -198,7 +203,7 @@ def test_bf16_mode_equals_quantizing_the_peers_bf16_copy(sources, tmp_path, monk
     del config["quantization_config"]
     (copy / "config.json").write_text(json.dumps(config))
     assert quantize.quantize_checkpoint(copy, tmp_path / "from-copy").quantized_linears > 0
-    monkeypatch.setattr(quantize, "build_plan", partial(plan_module.build_plan, dequant_dtype="bf16"))
+    monkeypatch.setattr(quantize, "build_plan", bf16_plan)
     quantize.quantize_checkpoint(src, tmp_path / "two-roundings")
     monkeypatch.setattr(quantize, "build_plan", plan_module.build_plan)
     expected = load_file(tmp_path / "from-copy" / "model.safetensors")
@@ -244,7 +249,7 @@ def test_bf16_mode_equals_model_free_ptq_with_its_fp8_converter(family, sources,
                                                                     "deepseek_v3" else [])
     model_free_ptq(src, tmp_path / "llmc", scheme="NVFP4A16", ignore=ignore,
                    converter=FP8BlockDequantizer(targets=blocked, weight_block_size=(16, 16)))
-    monkeypatch.setattr(quantize, "build_plan", partial(plan_module.build_plan, dequant_dtype="bf16"))
+    monkeypatch.setattr(quantize, "build_plan", bf16_plan)
     quantize.quantize_checkpoint(src, tmp_path / "ours")
     theirs = {n: t for f in sorted((tmp_path / "llmc").glob("*.safetensors")) for n, t in load_file(f).items()}
     ours = load_file(tmp_path / "ours" / "model.safetensors")
