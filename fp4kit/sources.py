@@ -156,9 +156,10 @@ def _fp8_block_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int,
 
 
 def _ct_format(qc: dict) -> str | None:
+    """"pack-quantized" when the config or one of its groups (a mixed-precision config) says so."""
     groups = qc.get("config_groups") or {}
-    formats = {g.get("format") for g in groups.values() if isinstance(g, dict) and g.get("format")}
-    return qc.get("format") or (formats.pop() if len(formats) == 1 else None)
+    formats = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    return "pack-quantized" if "pack-quantized" in formats else qc.get("format")
 
 
 @dataclass(frozen=True)
