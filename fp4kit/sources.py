@@ -176,6 +176,8 @@ def _pack_schemes(qc: dict) -> list[_PackScheme]:
         raise Fp4kitError(f"{where}: missing or empty")
     schemes = []
     for key, group in groups.items():
+        if isinstance(group, dict) and group.get("format") not in (None, "pack-quantized"):
+            continue  # another format of a mixed-precision config: its weights are not read as packed INT
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
             raise Fp4kitError(f"{where}.{key}.weights: missing")
