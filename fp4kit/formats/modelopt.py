@@ -60,6 +60,35 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
     return torch.where(keeps_multiplier.any(0), best, nearest)
 
 
+def _bf16_valued(values: torch.Tensor) -> torch.Tensor:
+    return (values.view(torch.int32) & 0xFFFF) == 0
+
+
+def multiplier_behind(stored: torch.Tensor) -> torch.Tensor | None:
+    """The compressed-tensors multiplier G that fp4kit's writer turned into the stored fp32 divisor D, or None.
+
+    fp4kit writes ``fp32_divisor(1/G)``. Not every fp32 G is the rounded reciprocal of some fp32 D (near a power of
+    two the divisors are twice as sparse as the multipliers), and then D is the nearest divisor and fp32(1/D) is
+    G's neighbour: reading 1/D back would move G by one ulp. The multipliers that map to D are at most a few ulps
+    from fp32(1/D); when exactly one of them is bf16-valued (fp4kit's and llm-compressor's weight global scales are:
+    448*6 / amax in bf16), that is the one; else None (read D as it is).
+    """
+    stored = stored.reshape(()).float()
+    if not bool(torch.isfinite(stored)) or float(stored) <= 0:
+        return None
+    nearest = (1.0 / stored.double()).float()
+    candidates = [nearest]
+    up = down = nearest
+    for _ in range(DIVISOR_SEARCH_ULPS):
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        candidates += [up, down]
+    behind = [g for g in candidates if bool(torch.isfinite(g)) and torch.equal(fp32_divisor(1.0 / g.double()), stored)
+              and torch.equal((1.0 / g.double()).float(), stored)]
+    preferred = [g for g in behind if bool(_bf16_valued(g))]
+    return preferred[0] if len(preferred) == 1 else None
+
+
 def planned(module: str, out_features: int, in_features: int, with_input_scale: bool) -> list[PlannedTensor]:
     specs = [
         PlannedTensor(f"{module}.{WEIGHT}", torch.uint8, (out_features, in_features // 2)),
