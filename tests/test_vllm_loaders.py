@@ -93,10 +93,13 @@ class CausalLM(nn.Module):
         self.model = TextModel(config, loaded)
 
 
+_MULTIMODAL = mllama4.Llama4ForConditionalGeneration
+
+
 class ConditionalGeneration(nn.Module):
-    load_weights = mllama4.Llama4ForConditionalGeneration.load_weights
-    _rename_weight_for_modelopt_checkpoint = mllama4.Llama4ForConditionalGeneration._rename_weight_for_modelopt_checkpoint
-    _load_other_weights = mllama4.Llama4ForConditionalGeneration._load_other_weights
+    load_weights = _MULTIMODAL.load_weights
+    _rename_weight_for_modelopt_checkpoint = _MULTIMODAL._rename_weight_for_modelopt_checkpoint
+    _load_other_weights = _MULTIMODAL._load_other_weights
 
     def __init__(self, config: dict, loaded: list) -> None:
         super().__init__()
