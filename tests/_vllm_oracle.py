@@ -1,8 +1,8 @@
 """vLLM's own pure-python weight preparation and loading code, imported for the oracle tests (tests/test_vllm_*.py).
 
-vLLM is installed without its dependencies (`pip install --no-deps vllm==0.33.0` plus the few pure-python modules
-its imports need, as .ci/run does); ``vllm._C`` does not load on the CPU, so the only CUDA op these functions call,
-``gptq_marlin_repack``, is swapped for vLLM's own test reference (``marlin_utils_test.marlin_weights``).
+vLLM is installed without its dependencies (`pip install --no-deps -r .ci/vllm-oracle.txt`: vllm==0.33.0 plus the
+modules its imports need, as .ci/run does); ``vllm._C`` does not load on the CPU, so the only CUDA op these
+functions call, ``gptq_marlin_repack``, is swapped for vLLM's own test reference (``marlin_utils_test``).
 Without vLLM the tests skip with the reason; with FP4KIT_REQUIRE_ORACLES=1 (CI) they fail instead.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 VLLM_VERSION = "0.33.0"
-INSTALL = f"pip install --no-deps vllm=={VLLM_VERSION} (see .ci/run for its import-time modules)"
+INSTALL = "pip install --no-deps -r .ci/vllm-oracle.txt (vLLM and the modules its imports need)"
 
 
 def _unavailable(why: str) -> None:
