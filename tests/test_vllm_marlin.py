@@ -101,3 +101,28 @@ def test_a_largest_scale_below_448_takes_vllm_factor(monkeypatch, act) -> None:
     assert_same(ours, vllm_marlin(monkeypatch, divisor_inputs(w13, w2), ACT[act]))
     factor = marlin.describe(w13, w2, None, None, act_dtype=ACT[act]).options["w13_scale_factor"]
     assert factor == (32.0 if act == "bf16" else 1.0)
+
+
+def test_layout_of_a_checkpoint_with_a_near_dead_block(monkeypatch, sources, tmp_path) -> None:
+    # what `fp4kit layout --backend marlin` refused ("too wide a range") while inspect called the checkpoint clean
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fp4kit.inspect import inspect_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["ct-nvfp4a16"], src)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+    raw = tensors[name].view(torch.uint8).clone()
+    raw[7, 1] = 0x01
+    tensors[name] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    report = inspect_checkpoint(src)
+    assert report.clean and report.marlin_zeroed_scales == {"model.layers.1.mlp.experts.w2": 1}
+    layout_checkpoint(src, tmp_path / "marlin", LayoutOptions("marlin"))
+    tensors, meta, document = read_layer(tmp_path / "marlin", 1)
+    assert document["layers"]["1"]["options"]["w2_zeroed_scales"] == 1
+    assert_same(tensors, vllm_marlin(monkeypatch, vllm_expert_inputs(src, "model.layers.1.mlp.experts", 8),
+                                     torch.bfloat16))
