@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 from fp4kit.convert import convert_checkpoint
 from fp4kit.formats import modelopt as mo
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.synthetic import write_synthetic_qwen3_moe
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -37,14 +36,24 @@ def read(root) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_quantize_modelopt_then_convert_equals_quantize_compressed_tensors(tmp_path) -> None:
-    bf16 = write_synthetic_qwen3_moe(tmp_path / "bf16", num_layers=2, hidden=128, moe_intermediate=64, num_experts=8,
-                                     top_k=2, num_heads=2, num_kv_heads=1, head_dim=32, vocab_size=64, threads=1)
-    quantize_checkpoint(bf16, tmp_path / "ct")
-    quantize_checkpoint(bf16, tmp_path / "mo", QuantizeOptions(format="modelopt"))
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_quantize_modelopt_then_convert_equals_quantize_compressed_tensors(tiny, tmp_path, scheme) -> None:
+    # weight scales: the bf16 multiplier is recovered on reading; calibrated input scales (any fp32 multiplier) are
+    # recorded exactly in the ModelOpt output's metadata where no fp32 divisor holds them
+    bf16 = tiny("qwen3_moe")
+    # the default calibration gives this fixture a down_proj input multiplier (1830.1277) no fp32 divisor holds
+    quantize_checkpoint(bf16, tmp_path / "ct", QuantizeOptions(scheme=scheme))
+    quantize_checkpoint(bf16, tmp_path / "mo", QuantizeOptions(scheme=scheme, format="modelopt"))
+    if scheme == "nvfp4":  # the case stays exercised: at least one input scale needed the record
+        from fp4kit.checkpoint import CheckpointReader
+        from fp4kit.formats.detect import EXACT_SCALES_KEY
+
+        with CheckpointReader(tmp_path / "mo") as reader:
+            assert EXACT_SCALES_KEY in reader.metadata
     convert_checkpoint(tmp_path / "mo", tmp_path / "back", "compressed-tensors")
     direct, back = read(tmp_path / "ct"), read(tmp_path / "back")
-    scales = [n for n in direct if n.endswith("weight_global_scale")]
+    scales = [n for n in direct if n.endswith(("weight_global_scale", "input_global_scale"))]
+    assert (scheme == "nvfp4") == any(n.endswith("input_global_scale") for n in scales)
     assert scales and set(direct) == set(back)
     differ = [n for n in scales if not torch.equal(direct[n], back[n])]
     assert not differ, f"{len(differ)} of {len(scales)} global scales differ, e.g. {differ[0]}"
