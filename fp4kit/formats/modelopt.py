@@ -16,8 +16,10 @@ Writing fp32 divisors (``fp32_divisor``): a canonical divisor that is exactly fp
 written as is. One that came from a compressed-tensors multiplier G is 1/G in float64, usually not an fp32 value;
 we write the fp32 D closest to 1/G among those whose reciprocal, rounded to fp32, is G again (searching
 ``DIVISOR_SEARCH_ULPS`` fp32 steps either side of the nearest). Reading D back and converting to compressed-tensors
-then restores G bit for bit. Such a D exists for every bf16-valued G (llm-compressor's and fp4kit's default; tested
-exhaustively); for other fp32 G, where none exists, the nearest fp32 value is written and G may come back one ulp off.
+then restores G bit for bit. Where no such D exists (the upper part of a binade of G, where the divisors are
+sparser than the multipliers), the nearest D is written, and G is restored by ``multiplier_behind`` when it is
+bf16-valued (fp4kit's and llm-compressor's weight global scales), or by the exact-scales metadata record the writer
+adds (fp4kit.formats.detect; quantize does so for calibrated input scales, convert for any scale).
 """
 
 from __future__ import annotations
