@@ -28,6 +28,12 @@ def _unavailable(why: str) -> None:
 
 def vllm_module(name: str) -> ModuleType:
     """``vllm.<name>``, or skip (fail in CI) when vLLM 0.33.0 cannot be imported."""
+    if not torch.cuda.is_available():
+        # vLLM imports triton: on the CPU the rest of the suite runs Triton's interpreter, which must be switched
+        # on before triton is first imported (fp4kit/verify/backends.py)
+        from fp4kit.verify.backends import enable_triton_interpreter
+
+        enable_triton_interpreter()
     try:
         import vllm
     except ImportError as exc:
