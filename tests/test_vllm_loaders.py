@@ -13,6 +13,7 @@ with a recording weight loader, and run vLLM's own load_weights methods.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -249,3 +250,66 @@ def test_shard_outputs_equal_vllm_expert_maps(tiny_nvfp4a16, tmp_path, strategy)
             held = {int(n.split(".experts.")[1].split(".")[0]) for n in index
                     if f"layers.{layer}.mlp.experts." in n}
             assert held == {e for e, local in enumerate(stored) if local >= 0}
+
+
+ct_moe = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+                     "compressed_tensors_moe_w4a4_nvfp4")
+RoutedExperts = vllm_module("model_executor.layers.fused_moe.routed_experts").RoutedExperts
+
+
+def vllm_moe_parameters(monkeypatch, dialect: str, num_experts: int, hidden: int, inter: int) -> nn.Module:
+    """The expert parameters vLLM 0.33's own NVFP4 MoE methods create (create_weights, run on a bare module; one
+    tensor-parallel rank, as vLLM's parameters ask its process group)."""
+    parameter = vllm_module("model_executor.parameter")
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)
+    layer = nn.Module()
+    method = SimpleNamespace(moe=SimpleNamespace(is_act_and_mul=True), group_size=16, use_global_sf=False,
+                             quant_config=SimpleNamespace(is_checkpoint_nvfp4_serialized=True, group_size=16))
+    create = (ct_moe.CompressedTensorsW4A4Nvfp4MoEMethod if dialect == "compressed-tensors"
+              else modelopt_config.ModelOptNvFp4FusedMoE).create_weights
+    create(method, layer, num_experts, hidden, inter, torch.bfloat16, weight_loader=None, global_num_experts=num_experts)
+    return layer
+
+
+@pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_per_expert_tensors_map_onto_vllm_moe_parameters(monkeypatch, tiny_nvfp4a16, tmp_path, dialect,
+                                                         scheme) -> None:
+    # the checkpoint-name -> parameter rule of vLLM's per-expert loaders (qwen3_moe.py / glm4_moe.py load_weights:
+    # name.replace(weight_name, param_name) over RoutedExperts.build_expert_params_mapping), each tensor checked
+    # against the slot of the parameter it lands in: [w1 | w3] rows of w13 per expert, or the whole w2 expert
+    from _layout_sources import add_input_scales
+
+    from fp4kit.convert import convert_checkpoint
+
+    root = tiny_nvfp4a16("qwen3_moe")
+    if scheme == "nvfp4":
+        root = add_input_scales(root, tmp_path / "w4a4")
+    if dialect == "modelopt":
+        convert_checkpoint(root, tmp_path / "mo", "modelopt")
+        root = tmp_path / "mo"
+    config = json.loads((root / "config.json").read_text())
+    num_experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["moe_intermediate_size"]
+    params = dict(vllm_moe_parameters(monkeypatch, dialect, num_experts, hidden, inter).named_parameters())
+    mapping = RoutedExperts.build_expert_params_mapping("gate_proj", "down_proj", "up_proj", num_experts)
+    filled: dict[str, set] = {}
+    for name, tensor in expert_tensors(root):
+        if ".mlp.experts." not in name:
+            continue
+        hits = [(p, w, e, s) for p, w, e, s in mapping if w in name]
+        assert len(hits) == 1, name
+        param_name, weight_name, expert, shard = hits[0]
+        leaf = name.replace(weight_name, param_name).split(".experts.routed_experts.")[1]
+        assert leaf in params, (name, leaf)
+        slot = params[leaf][expert]
+        if leaf.startswith("w13_") and slot.dim() >= 1:
+            slot = slot.chunk(2, dim=0)[0 if shard == "w1" else 1]
+        assert tensor.numel() == slot.numel() and tensor.dtype in (slot.dtype, torch.float32), (name, leaf)
+        if tensor.dim() == 2:
+            assert tuple(tensor.shape) == tuple(slot.shape), (name, leaf)
+        filled.setdefault(name.split(".experts.")[0], set()).add((leaf, expert, shard))
+    expected = {p for p in params if scheme == "nvfp4" or "input" not in p}
+    for layer, seen in filled.items():
+        assert {leaf for leaf, _, _ in seen} == expected, layer
+        assert len(seen) == sum(num_experts * (1 if p.startswith("w2_") else 2) for p in expected), layer
