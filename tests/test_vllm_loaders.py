@@ -268,7 +268,8 @@ def vllm_moe_parameters(monkeypatch, dialect: str, num_experts: int, hidden: int
                              quant_config=SimpleNamespace(is_checkpoint_nvfp4_serialized=True, group_size=16))
     create = (ct_moe.CompressedTensorsW4A4Nvfp4MoEMethod if dialect == "compressed-tensors"
               else modelopt_config.ModelOptNvFp4FusedMoE).create_weights
-    create(method, layer, num_experts, hidden, inter, torch.bfloat16, weight_loader=None, global_num_experts=num_experts)
+    create(method, layer, num_experts, hidden, inter, torch.bfloat16, weight_loader=None,
+           global_num_experts=num_experts)
     return layer
 
 
