@@ -151,15 +151,24 @@ def test_a_check_that_cannot_run_is_skipped_not_passed(monkeypatch, capsys, tiny
     assert f"PASS: {document['counts']['passed']} passed, 1 skipped in" in " ".join(stdout.split())
 
 
-def test_run_summary_shows_skipped_results_and_reads_version_1_reports() -> None:
-    from fp4kit.pipeline import _verify_row
+def test_run_summary_has_one_row_per_check_with_its_worst_layer_and_reads_version_1_reports() -> None:
+    from fp4kit.pipeline import _verify_row, _verify_rows
 
-    row = {"layer": 1, "check": "kernel", "target": "triton", "tokens": 64, "detail": "too large"}
-    assert "| skip |" in _verify_row({**row, "status": "skipped", "passed": False})
-    assert "| pass |" in _verify_row({**row, "status": "passed", "passed": True})
-    assert "| **FAIL** |" in _verify_row({**row, "status": "failed", "passed": False})
-    assert "| pass |" in _verify_row({**row, "passed": True})  # version 1: no status
-    assert "| **FAIL** |" in _verify_row({**row, "passed": False})
+    def result(layer: int, error: float, **fields: object) -> dict:
+        return {"layer": layer, "check": "kernel", "target": "triton", "tokens": 16, "error": error,
+                "tolerance": 0.01, "detail": "", "status": "passed", "passed": True} | fields
+
+    rows = _verify_rows([result(layer, error) for layer, error in enumerate([1e-4, 5e-3, 2e-4])]
+                        + [result(3, None, tokens=64, status="skipped", passed=False, detail="too large")])
+    assert len(rows) == 1
+    row = _verify_row(rows[0])
+    assert row.startswith("| kernel | triton | 0,1,2,3 | 0.005 (≤ 0.01) | pass |"), row
+    assert "worst: layer 1, 16 tokens" in row and "1 skipped (too large)" in row
+    assert "| skip |" in _verify_row(_verify_rows([result(1, None, status="skipped", passed=False)])[0])
+    assert "| **FAIL** |" in _verify_row(_verify_rows([result(1, 0.5, status="failed", passed=False)])[0])
+    assert "| pass |" in _verify_row(_verify_rows([result(1, 1e-3, status=None)])[0])  # version 1: no status
+    failed_v1 = _verify_row(_verify_rows([result(1, 0.5, status=None, passed=False)])[0])
+    assert "| **FAIL** |" in failed_v1 and "1 failed; first: layer 1, 16 tokens" in failed_v1
 
 
 @pytest.mark.parametrize(("extra", "message"), [

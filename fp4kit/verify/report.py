@@ -89,10 +89,18 @@ def _result_json(result: CheckResult) -> dict:
     return asdict(result) | {"passed": result.passed}
 
 
-def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, str]]:
-    """One row per (check, target): layers, worst error against its tolerance, failures, first failure's detail."""
+def result_from_json(result: dict) -> CheckResult:
+    """A result of the JSON report back as a CheckResult; version 1 results have ``passed`` but no ``status``."""
+    status = result.get("status") or (PASSED if result.get("passed") else FAILED)
+    names = ("layer", "check", "target", "error", "tolerance", "tokens", "detail")
+    return CheckResult(status=status, **{name: result[name] for name in names if name in result})
+
+
+def summary_rows(results: list[CheckResult]) -> list[tuple[str, str, str, str, str, str]]:
+    """One row per (check, target): layers, worst error against its tolerance (and the layer and batch it was on),
+    result, and the first failure's detail."""
     groups: dict[tuple[str, str], list[CheckResult]] = {}
-    for result in report.results:
+    for result in results:
         groups.setdefault((result.check, result.target), []).append(result)
     rows = []
     for (check, target), results in groups.items():
@@ -138,7 +146,7 @@ def print_report(report: VerifyReport) -> None:
     table = Table(title="checks", show_edge=False)
     for column in ("check", "target", "layers", "worst error (tolerance)", "result", "detail"):
         table.add_column(column, overflow="fold")
-    for check, target, layers, error, status, detail in _summary_rows(report):
+    for check, target, layers, error, status, detail in summary_rows(report.results):
         shown_status = {"FAIL": "[red]FAIL[/]", "skip": "[yellow]skip[/]"}.get(status, "[green]pass[/]")
         table.add_row(check, target, layers, error, shown_status, detail)
     console.print(table)
