@@ -210,9 +210,34 @@ def test_cli_plot(monkeypatch, capsys, tiny_nvfp4a16, tmp_path) -> None:
     code, _, err = run_cli(monkeypatch, capsys, "verify", tiny_nvfp4a16("qwen3_moe"), "--device", "cpu", "--tokens",
                            "4", "--backend", "reference", "--plot", plot, "--quiet")
     if importlib.util.find_spec("matplotlib") is None:
-        assert code == 2 and "matplotlib" in err and not plot.exists()
+        assert code == 2 and "matplotlib" in err and "fp4kit[plot]" in err and not plot.exists()
     else:
-        assert code == 0 and plot.stat().st_size > 0
+        assert code == 0 and plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the plot extra is not installed")
+def test_plot_has_integer_layer_ticks_labelled_tolerances_and_a_note_for_exact_zeros() -> None:
+    import matplotlib.pyplot as plt
+
+    from fp4kit.verify.checks import CheckResult
+    from fp4kit.verify.report import VerifyReport, plot_figure, plot_floor, plot_series
+
+    report = VerifyReport("ckpt", "compressed-tensors (nvfp4)", "qwen3_moe", "w4a4", "cpu", [], 0.01, 0.35)
+    for layer in (1, 2, 3):
+        report.results += [CheckResult(layer, "kernel", "triton", "passed", 1e-6 * layer, 0.01, 16),
+                           CheckResult(layer, "source", "bf16", "passed", 0.2, 0.35, 16),
+                           CheckResult(layer, "ep-sum", "ep", "passed", 0.0 if layer != 2 else 1e-7, 1e-5, 16)]
+    series, tolerances = plot_series(report)
+    assert tolerances == {0.01: ["kernel"], 0.35: ["source"], 1e-5: ["ep-sum"]}
+    assert plot_floor(series) == pytest.approx(1e-8)  # a decade below the smallest non-zero error
+    figure = plot_figure(report)
+    axes = figure.axes[0]
+    labels = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert "tolerance 0.01 (kernel)" in labels and "tolerance 0.35 (source)" in labels
+    assert "error exactly 0 (bit exact), drawn at 1e-08" in labels
+    ticks = [t for t in axes.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    plt.close(figure)
 
 
 NO_FP4 = "sm90: no NVFP4 tensor cores"
