@@ -169,8 +169,6 @@ def verify_checkpoint(
 
         tick(0)
         for number, index in enumerate(layers, 1):
-            if notify:
-                notify(f"layer {index} ({number} of {len(layers)})")
             layer_start = done
             try:
                 moe = model.layer(index)
@@ -180,11 +178,13 @@ def verify_checkpoint(
                 report.add_failure(index, "layout", model.root.name, f"undo failed: {exc}")
                 tick(per_layer)
                 continue
-            warning = slow_layer_warning(moe, options, model.spec.top_k, device)
-            if warning and notify:
-                notify(f"warning: {warning}")
             if number == 1:
                 activation_divisors(moe, mode)  # unusable input (w4a4 without scales) stops here, exit 2
+            if notify:  # after the checks of the input: an unusable one gets its error line alone
+                notify(f"layer {index} ({number} of {len(layers)})")
+                warning = slow_layer_warning(moe, options, model.spec.top_k, device)
+                if warning:
+                    notify(f"warning: {warning}")
             runners = {}
             for name in ran:
                 try:
