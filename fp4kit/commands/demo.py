@@ -17,7 +17,7 @@ def demo(
                                    "(default: a temporary directory, removed at the end)")] = None,
     device: Annotated[Literal["cpu", "cuda"], typer.Option(help="where quantize and verify run")] = "cpu",
 ) -> None:
-    """Build a small model of FAMILY offline (seeded random weights, 8 experts, sized so that the TRT-LLM, CUTLASS
+    """Build a small model of the --family offline (seeded random weights, 8 experts, sized so that the TRT-LLM, CUTLASS
     and Marlin layouts all accept it) and run the demo recipe on it: calibrated W4A4 quantize to compressed-tensors,
     TRT-LLM layout, EP=2 shard, verify. Prints the run's summary. Exit 0 verified, 1 a check failed."""
     from fp4kit.demo import run_demo

@@ -68,7 +68,8 @@ def verify(
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="write the JSON report to this file (`--json -`: print it on stdout, instead of the table)")
     ] = None,
-    plot: Annotated[Path | None, typer.Option(help="write a per-layer error plot (PNG, needs matplotlib)")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="write a per-layer error plot (PNG; needs matplotlib: pip install 'fp4kit[plot]')")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     seed: Annotated[int, typer.Option(help="seed of the random hidden states")] = 0,
     tol_kernel: Annotated[float, typer.Option(help="kernel vs reference, relative error")] = 1e-2,
