@@ -1,4 +1,4 @@
-"""`fp4kit shard`: one checkpoint directory per expert-parallel rank, each loadable on its own (docs/serving.md).
+"""`fp4kit shard`: one checkpoint directory per expert-parallel rank, each loadable on its own (docs/formats.md).
 
 On-disk layout of DST for ``--ep N`` (format ``fp4kit-ep``, version 1)::
 
