@@ -33,7 +33,7 @@ from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantMod
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
 from fp4kit.layouts import cutlass, marlin, trtllm
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.output import atomic_directory
 from fp4kit.streaming import BackgroundWriter, prefetched
 
 BACKENDS: dict[str, ModuleType] = {"trtllm": trtllm, "cutlass": cutlass, "marlin": marlin}
@@ -252,7 +252,6 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
     options.validate()
     backend, transform_options = BACKENDS[options.backend], options.transform_options()
     with open_checkpoint(src) as ckpt:
-        check_destination(src, dst, options.overwrite)
         layers = find_moe_layers(ckpt)
         if not layers:
             raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`...experts.E.{{gate,up,down}}_proj`)")
@@ -264,7 +263,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                                             else [PlannedTensor(job, reader.info(job).dtype, reader.info(job).shape)])]
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         entries: dict[str, dict] = {}
-        with atomic_directory(dst) as work:
+        with atomic_directory(dst, src, options.overwrite) as work:
             writer = ShardWriter(work, plan, options.max_shard_bytes, metadata={"producer": "fp4kit",
                                                                                  "fp4kit.layout": options.backend})
             background = BackgroundWriter(writer, QUEUE_DEPTH)

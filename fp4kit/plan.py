@@ -70,12 +70,9 @@ def build_plan(
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
     on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down)."""
     family = detect(config)
-    text_config = family.text_config(config)
     shapes = {name: info.shape for name, info in reader.tensors.items()}
-    try:
-        candidates = linear_candidates(shapes, text_config, family.moe_intermediate(text_config))
-    except KeyError as exc:
-        raise Fp4kitError(f"config.json lacks {exc.args[0]!r}, which {family.name} needs") from None
+    text_config = family.check_config(config, shapes)
+    candidates = linear_candidates(shapes, text_config, family.moe_intermediate(text_config))
     ignore_res = _compile((family.default_ignore(config) if default_ignore else []) + (ignore or []), "--ignore")
     target_res = _compile(targets or [], "--targets")
 
@@ -86,6 +83,8 @@ def build_plan(
         return not target_res or any(r.search(module) for r in target_res)
 
     chosen = [c for c in candidates if selected(c)]
+    if target_res and not chosen:
+        raise Fp4kitError(f"--targets {' '.join(targets or [])}: no Linear to quantize matches (after the ignores)")
     for c in chosen:
         if c.linear.in_features % BLOCK:
             raise Fp4kitError(
@@ -147,11 +146,11 @@ def read_group_weights(reader: CheckpointReader, group: QuantGroup) -> list[torc
     for c in group.members:
         src = c.linear.source
         if src.expert is None:
-            weights.append(reader.read(src.tensor))
+            weights.append(reader.read(src.tensor, check_finite=False))  # quantizing checks them
             continue
         key = (src.tensor, src.expert)
         if key not in rows:
-            rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1)[0]
+            rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1, check_finite=False)[0]
         matrix = rows[key].t() if src.transposed else rows[key]  # [N_total, K]
         if src.span is not None:
             matrix = matrix[src.span[0] : src.span[1]]

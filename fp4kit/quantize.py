@@ -22,7 +22,6 @@ from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.output import check_destination
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
 from fp4kit.streaming import BackgroundWriter, prefetched
 
@@ -304,8 +303,8 @@ def _quantize_checkpoint(
     _validate(options)
     start = time.perf_counter()
     config = read_config(src)
-    check_destination(src, dst, options.overwrite)
-    with CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader:
+    with (ranks.output_directory(dst, src, options.overwrite) as work,
+          CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=options.format == "modelopt")
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
@@ -319,30 +318,29 @@ def _quantize_checkpoint(
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
-        with ranks.output_directory(dst) as work:
-            metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
-            writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
-                                        output_plan(reader, replace(plan, jobs=jobs), options))
-            background = BackgroundWriter(writer, QUEUE_DEPTH)
-            stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
-            batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
-            try:
-                for job, data in prefetched(jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
-                    if isinstance(job, QuantGroup):
-                        batcher.add(job, data)  # type: ignore[arg-type]
-                        done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
-                    else:
-                        background.put({job: data})  # type: ignore[dict-item]
-                        done += reader.info(job).nbytes
-                    if progress:
-                        progress(min(done, share_bytes), share_bytes)
-                batcher.flush()
-            finally:
-                background.close()
-            writer.finish()
-            ranks.sync()  # every rank's tensors are in place
-            if ranks.main:
-                _write_side_files(work, src, config, plan, options, routing_counts)
+        metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
+        writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
+                                    output_plan(reader, replace(plan, jobs=jobs), options))
+        background = BackgroundWriter(writer, QUEUE_DEPTH)
+        stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
+        batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
+        try:
+            for job, data in prefetched(jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
+                if isinstance(job, QuantGroup):
+                    batcher.add(job, data)  # type: ignore[arg-type]
+                    done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
+                else:
+                    background.put({job: data})  # type: ignore[dict-item]
+                    done += reader.info(job).nbytes
+                if progress:
+                    progress(min(done, share_bytes), share_bytes)
+            batcher.flush()
+        finally:
+            background.close()
+        writer.finish()
+        ranks.sync()  # every rank's tensors are in place
+        if ranks.main:
+            _write_side_files(work, src, config, plan, options, routing_counts)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),

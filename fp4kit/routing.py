@@ -1,4 +1,4 @@
-"""MoE routing: router logits -> (weights, expert ids), one function for every supported family (DESIGN.md §4, §7).
+"""MoE routing: router logits -> (weights, expert ids), one function for every supported family.
 
 Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,llama4}/modeling_*.py`):
 
@@ -12,7 +12,7 @@ Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,llama4}/m
   = sigmoid(logit); never renormalized (``renormalize`` is ignored). The weight scales the expert *input*
   (`fp4kit.verify.reference.moe_reference` does that), not the output.
 
-Robustness (DESIGN.md §7, vLLM's topk_softmax fix): non-finite selection scores are replaced by 0 before selection,
+Robustness (as vLLM's topk_softmax fix): non-finite selection scores are replaced by 0 before selection,
 and ties are broken towards the lowest expert id, so a row of NaN/±Inf logits still yields k distinct ids in [0, E)
 and finite weights; a renormalization over a zero sum gives zero weights instead of NaN.
 ``routed_scaling_factor`` multiplies the weights of every kind (1.0 unless a config says otherwise).

@@ -14,9 +14,9 @@ tools read, so both see exactly the same tokens:
 
 Both are whole processes timed the way bench_quantize.py times them (median wall time incl. fsync of the output,
 peak RSS from `/usr/bin/time -v`, CPU seconds of the child); ``--nproc N`` starts fp4kit under torchrun with N
-ranks, as in bench_quantize.py. The targets of issue 3: fp4kit >= 3x faster than
+ranks, as in bench_quantize.py. The targets: fp4kit >= 3x faster than
 oneshot with <= 1/3 of its peak RSS. The report also prints, for layer 0, the ratio of the two tools' input global
-scales for o_proj (llm-compressor's attention statistics lack the causal mask, DESIGN.md §11, so they differ) and
+scales for o_proj (llm-compressor's attention statistics lack the causal mask, so they differ) and
 for an expert's gate_proj (same function before the attention output matters, so close).
 """
 

@@ -45,7 +45,6 @@ def inspect(
         for line in _text(report):
             typer.echo(line)
     if not report.clean:
-        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
         sys.exit(1)
 
 

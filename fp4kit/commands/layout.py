@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,12 +13,14 @@ from fp4kit.commands._common import human_bytes, with_progress
 def layout(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    backend: Annotated[str, typer.Option(help="trtllm, cutlass or marlin")],
-    act_dtype: Annotated[str, typer.Option(help="activation dtype the kernel runs with: bf16 or fp16")] = "bf16",
-    cutlass_flavor: Annotated[str, typer.Option(help="cutlass only: flashinfer or vllm")] = "flashinfer",
+    backend: Annotated[Literal["trtllm", "cutlass", "marlin"], typer.Option(help="the MoE kernel to lay out for")],
+    act_dtype: Annotated[Literal["bf16", "fp16"], typer.Option(
+        help="activation dtype the kernel runs with")] = "bf16",
+    cutlass_flavor: Annotated[Literal["flashinfer", "vllm"], typer.Option(
+        help="cutlass only: whose CUTLASS kernel")] = "flashinfer",
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Pre-build every MoE layer's fused-kernel layout (TRT-LLM, CUTLASS or Marlin), one layer at a time."""
     import gc

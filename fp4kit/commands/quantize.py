@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,14 +13,17 @@ from fp4kit.commands._common import human_bytes, with_progress
 def quantize(
     src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    scheme: Annotated[str, typer.Option(help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
-    format: Annotated[str, typer.Option("--format", help="checkpoint dialect")] = "compressed-tensors",
+    scheme: Annotated[Literal["nvfp4a16", "nvfp4"], typer.Option(
+        help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
+    format: Annotated[Literal["compressed-tensors", "modelopt"], typer.Option(
+        "--format", help="checkpoint dialect")] = "compressed-tensors",
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     ignore: Annotated[list[str] | None, typer.Option(help="regex on module names to keep in bf16 (repeatable)")] = None,
     targets: Annotated[
         list[str] | None, typer.Option(help="regex: quantize only matching modules, e.g. 'experts\\.' (repeatable)")
     ] = None,
-    no_default_ignore: Annotated[bool, typer.Option(help="drop the family's default ignore list")] = False,
+    no_default_ignore: Annotated[bool, typer.Option(
+        "--no-default-ignore", help="drop the family's default ignore list")] = False,
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     exact_fp32_global_scale: Annotated[
@@ -33,14 +36,15 @@ def quantize(
     seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
     moe_input_scales: Annotated[
-        str, typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
-                               "per-expert: each expert's own")
+        Literal["shared", "per-expert"],
+        typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
+                          "per-expert: each expert's own")
     ] = "shared",
     native: Annotated[
         bool, typer.Option("--native/--no-native",
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
     ] = True,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
     from fp4kit import distributed

@@ -3,6 +3,11 @@
 The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
 with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
 no compiler works, ``available()`` is False and fp4kit.nvfp4 quantizes with torch ops: the same bytes, slower.
+
+A cached library is named by a hash of everything that decides its bytes (the shipped C source, the compiler's
+resolved path and ``--version``, the flags, the platform), so a changed source or compiler never finds a stale
+build. Beside it a ``.sha256`` file records the digest of what the build wrote; a library whose bytes do not match
+it, or either file owned by another user or writable by others, is rebuilt before anything loads it.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -44,23 +50,58 @@ def _compiler() -> str | None:
     return None
 
 
+def build_key(compiler: str) -> str:
+    """Hash of the inputs that decide the library's bytes: source, compiler (resolved path and version), flags."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=60).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), os.path.realpath(compiler).encode(), version, " ".join(CFLAGS).encode(),
+                 sys.platform.encode(), platform.machine().encode()):
+        digest.update(len(part).to_bytes(8, "little") + part)  # length-prefixed: no two inputs hash alike
+    return digest.hexdigest()[:32]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(library: Path, recorded: Path) -> bool:
+    """Whether ``library`` is what this user's build wrote: both files ours, not writable by others, digest equal."""
+    try:
+        for path in (library, recorded):
+            info = path.stat()
+            if info.st_uid != os.getuid() or info.st_mode & 0o022:
+                return False
+        return recorded.read_text().strip() == _sha256(library)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS, sys.platform]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"nvfp4_cpu-{key}.so"
-    if target.exists():
+    target = cache_dir() / f"nvfp4_cpu-{build_key(compiler)}.so"
+    recorded = target.with_suffix(".sha256")
+    if _trusted(target, recorded):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent processes (torchrun ranks) never load a half-written file
+    # build beside the target and rename: concurrent processes (torchrun ranks) never load a half-written file; a
+    # reader that sees one process's digest beside another's library rebuilds rather than loading it
     fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+    os.close(fd)
+    fd, partial_digest = tempfile.mkstemp(prefix=target.stem, suffix=".sha256.partial", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
                        timeout=120)
+        os.chmod(partial, 0o755)
+        Path(partial_digest).write_text(_sha256(Path(partial)) + "\n")
+        os.chmod(partial_digest, 0o644)
+        os.replace(partial_digest, recorded)
         os.replace(partial, target)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for path in (partial, partial_digest):
+            if os.path.exists(path):
+                os.unlink(path)
+    if not _trusted(target, recorded):  # another process replaced one of them meanwhile: load nothing
+        raise OSError(f"{target}: changed while it was being built")
     return target
 
 
