@@ -43,7 +43,10 @@ def build_model(name: str, seed: int = 0, overrides: dict | None = None) -> torc
     transformers.utils.logging.disable_progress_bar()
     spec = fixture_spec(name)
     config_kwargs = spec["config"]
-    for key, value in (overrides or {}).items():
+    for key, value in (overrides or {}).items():  # text config keys, and "vision_config" merged into that config
+        if key == "vision_config":
+            config_kwargs[key] = config_kwargs[key] | value
+            continue
         target = config_kwargs.get("text_config", config_kwargs)
         target[key] = value
     config = getattr(transformers, spec["config_class"])(**config_kwargs)

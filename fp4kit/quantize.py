@@ -101,6 +101,26 @@ def _fused_output(group: QuantGroup, options: QuantizeOptions) -> tuple[str, str
     return experts, leaf
 
 
+def _exact_input_scales(plan: ModelPlan, options: QuantizeOptions, input_divs: dict[str, torch.Tensor]) -> dict:
+    """ModelOpt output: the safetensors metadata recording calibrated input divisors that no fp32 divisor holds
+    faithfully (fp4kit.formats.detect, ``EXACT_SCALES_KEY``), so converting to compressed-tensors restores the
+    multiplier that quantizing to compressed-tensors writes. Known before writing: calibration runs first."""
+    from fp4kit.formats.detect import EXACT_SCALES_KEY, MO, needs_exact_record
+
+    if options.format != "modelopt" or not input_divs:
+        return {}
+    exact = {}
+    for group in plan.groups:
+        fused = _fused_output(group, options)
+        for c in group.members:
+            divisor = input_divs.get(c.linear.module)
+            if divisor is None or not bool(needs_exact_record(MO, divisor.double())):
+                continue
+            name = mo.fused_names(*fused)[mo.INPUT_SCALE] if fused else f"{c.linear.module}.{mo.INPUT_SCALE}"
+            exact[name] = float(divisor).hex()
+    return {EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {}
+
+
 def _per_expert(group: QuantGroup, quantized: list[NVFP4Tensor]) -> list[NVFP4Tensor]:
     """Members are ordered expert by expert (gate then up): join each expert's rows into one [N_total, K]."""
     by_expert: dict[int, list[NVFP4Tensor]] = {}
@@ -298,7 +318,8 @@ def _quantize_checkpoint(
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
-        writer = ranks.shard_writer(work, planned, options.max_shard_bytes, {"producer": "fp4kit"},
+        metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
+        writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
                                     output_plan(reader, replace(plan, jobs=jobs), options))
         background = BackgroundWriter(writer, QUEUE_DEPTH)
         stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
