@@ -22,7 +22,7 @@ from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
+from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job, refuse_calibration
 from fp4kit.streaming import BackgroundWriter, prefetched
 
 SCHEMES = ("nvfp4a16", "nvfp4")
@@ -52,6 +52,8 @@ class QuantizeOptions:
     seq_len: int = 512
     batch_size: int = 8
     moe_input_scales: str = "shared"
+    # quantized sources (FP8 block, INT pack-quantized): dequantize to fp32 (one rounding) or bf16 (the peers' two)
+    dequant_dtype: str = "fp32"
 
 
 @dataclass
@@ -77,15 +79,12 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--device {options.device}: no CUDA device is available")
 
 
-def _read_job(reader: CheckpointReader, job: QuantGroup | str) -> object:
-    return read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
+def _read_job(reader: CheckpointReader, job: QuantGroup | str, device: str = "cpu") -> object:
+    # a quantized source's stored bytes are dequantized on the GPU when quantizing there
+    return read_job(reader, job, device if device.startswith("cuda") else None)
 
 
-def _job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
-    if isinstance(job, QuantGroup):
-        return sum(c.linear.out_features * c.linear.in_features * reader.info(c.linear.source.tensor).dtype.itemsize
-                   for c in job.members)
-    return reader.info(job).nbytes
+_job_bytes = job_bytes
 
 
 def _format_module(options: QuantizeOptions):
@@ -249,6 +248,7 @@ def _calibrate(
     share of the batches and the statistics are combined."""
     if options.scheme != "nvfp4":
         return {}, {}
+    refuse_calibration(plan)
     from fp4kit.calib_data import load_calibration
     from fp4kit.calibrate import calibrate
 
@@ -306,7 +306,7 @@ def _quantize_checkpoint(
     with (ranks.output_directory(dst, src, options.overwrite) as work,
           CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
-                          modelopt_layout=options.format == "modelopt")
+                          modelopt_layout=options.format == "modelopt", dequant_dtype=options.dequant_dtype)
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
             _fused_output(g, options) for g in plan.groups
         ):
@@ -325,13 +325,13 @@ def _quantize_checkpoint(
         stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
         batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
         try:
-            for job, data in prefetched(jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
+            for job, data in prefetched(jobs, lambda job: _read_job(reader, job, options.device), QUEUE_DEPTH):
                 if isinstance(job, QuantGroup):
                     batcher.add(job, data)  # type: ignore[arg-type]
-                    done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
+                    done += _job_bytes(reader, job)
                 else:
                     background.put({job: data})  # type: ignore[dict-item]
-                    done += reader.info(job).nbytes
+                    done += _job_bytes(reader, job)
                 if progress:
                     progress(min(done, share_bytes), share_bytes)
             batcher.flush()

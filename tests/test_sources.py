@@ -120,13 +120,8 @@ def bf16_plan(*args, **kwargs):
 
 
 @pytest.fixture
-def passthrough_through_plan(monkeypatch):
-    """quantize.py reads jobs and counts their bytes through fp4kit.plan (read_job, job_bytes), which know the
-    dequantized passthroughs of a quantized source. Until fp4kit/quantize.py calls them itself, route it there."""
-    from fp4kit import quantize
-
-    monkeypatch.setattr(quantize, "_read_job", plan_module.read_job)
-    monkeypatch.setattr(quantize, "_job_bytes", plan_module.job_bytes)
+def passthrough_through_plan():
+    """quantize.py reads jobs and counts their bytes through fp4kit.plan (read_job, job_bytes)."""
 
 
 def test_int4_source_matches_compressed_tensors_dequantizer(sources):
@@ -216,7 +211,6 @@ def test_bf16_mode_equals_quantizing_the_peers_bf16_copy(sources, tmp_path, monk
     assert any(not torch.equal(one[n].view(torch.uint8), found[n].view(torch.uint8)) for n in one)
 
 
-@pytest.mark.xfail(strict=True, reason="fp4kit/quantize.py's _calibrate does not call plan.refuse_calibration yet")
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_w4a4_of_a_quantized_source_is_refused_in_one_line(kind, sources, tmp_path, capsys):
     """Calibration would load FP8 codes as weights (a silently wrong activation scale): refused before any work."""
