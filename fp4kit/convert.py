@@ -238,7 +238,7 @@ def convert_checkpoint(
         repaired = RepairReport() if repair else None
         if repaired is not None:
             scales = unified_scales(scales, repaired)
-        fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.name == "llama4" \
+        fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.modelopt_fused_experts \
             else ([], [])
         in_fused = {id(m) for job in fused for m in job.members}
         jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.passthrough]

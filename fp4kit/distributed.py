@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import datetime
 import heapq
+import importlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -276,6 +277,13 @@ def ranks(device: str = "cpu") -> Ranks:
     if device == "cuda":
         device = f"cuda:{local_rank}"
     if not torch.distributed.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first imported,
+        # and transformers imports it (loading a config is enough): imported after the process group exists, those
+        # defaults hold it for good, so `destroy_process_group` at exit leaves gloo's threads running into the
+        # interpreter's finalization, which then sometimes aborts ("terminate called without an active exception").
+        # Imported first, the defaults are None.
+        importlib.import_module("torch.distributed.nn")
+
         backend = "gloo"
         if device.startswith("cuda") and torch.cuda.is_available():  # without CUDA, quantize's checks say so
             torch.cuda.set_device(torch.device(device))
@@ -286,5 +294,6 @@ def ranks(device: str = "cpu") -> Ranks:
 
 
 def _leave() -> None:
+    """At exit, while the interpreter is whole: the process group and its threads go before finalization starts."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

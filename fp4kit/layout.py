@@ -20,7 +20,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -103,6 +103,8 @@ class LayoutReport:
     output_bytes: int
     output_files: list[str]
     seconds: float
+    # experts modules whose per-expert gate/up input scales the kernel cannot hold and which got the layer's max
+    collapsed_input_scales: list[str] = field(default_factory=list)
 
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
@@ -310,5 +312,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
             copy_side_files(src, work)
             document = manifest(options.backend, options.cutlass_flavor, ACT_DTYPES[options.act_dtype], ckpt, entries)
             (work / MANIFEST).write_text(json.dumps(document, indent=2) + "\n")
+    collapsed = [entry["module"] for entry in document["layers"].values()
+                 if entry["options"].get("collapsed_input_scales13")]
     return LayoutReport(options.backend, len(layers), layers[0].num_experts, len(jobs) - len(layers), input_bytes,
-                        writer.total_bytes, writer.files, time.perf_counter() - start)
+                        writer.total_bytes, writer.files, time.perf_counter() - start, collapsed)

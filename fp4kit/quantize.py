@@ -22,7 +22,7 @@ from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
+from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job, refuse_calibration
 from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.streaming import BackgroundWriter, prefetched
 
@@ -57,6 +57,8 @@ class QuantizeOptions:
     seq_len: int = 512
     batch_size: int = 8
     moe_input_scales: str = "shared"
+    # quantized sources (FP8 block, INT pack-quantized): dequantize to fp32 (one rounding) or bf16 (the peers' two)
+    dequant_dtype: str = "fp32"
     # rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (importance-weighted
     # by calibration data when a calibration pass runs: scheme nvfp4, or calib given); gptq: GPTQ (calibrated)
     method: str = "rtn"
@@ -91,6 +93,10 @@ def _validate(options: QuantizeOptions) -> None:
     if options.input_scales_from not in INPUT_SCALE_SOURCES:
         raise Fp4kitError(f"unknown input scale source {options.input_scales_from!r}; choose "
                           f"{' or '.join(INPUT_SCALE_SOURCES)}")
+    if (options.method != "rtn" and options.scheme == "nvfp4" and options.format == "modelopt"
+            and options.input_scales_from == "quantized"):
+        raise Fp4kitError("--input-scales-from quantized: ModelOpt output records its exact input scales before the "
+                          "weights are written, and that pass finds them only as it goes; use source")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
     if options.gptq_scales not in ("mse", "rtn"):
@@ -105,15 +111,12 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--device {options.device}: no CUDA device is available")
 
 
-def _read_job(reader: CheckpointReader, job: QuantGroup | str) -> object:
-    return read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
+def _read_job(reader: CheckpointReader, job: QuantGroup | str, device: str = "cpu") -> object:
+    # a quantized source's stored bytes are dequantized on the GPU when quantizing there
+    return read_job(reader, job, device if device.startswith("cuda") else None)
 
 
-def _job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
-    if isinstance(job, QuantGroup):
-        return sum(c.linear.out_features * c.linear.in_features * reader.info(c.linear.source.tensor).dtype.itemsize
-                   for c in job.members)
-    return reader.info(job).nbytes
+_job_bytes = job_bytes
 
 
 def _format_module(options: QuantizeOptions):
@@ -127,6 +130,26 @@ def _fused_output(group: QuantGroup, options: QuantizeOptions) -> tuple[str, str
         return None
     experts, leaf = tensor.rsplit(".", 1)
     return experts, leaf
+
+
+def _exact_input_scales(plan: ModelPlan, options: QuantizeOptions, input_divs: dict[str, torch.Tensor]) -> dict:
+    """ModelOpt output: the safetensors metadata recording calibrated input divisors that no fp32 divisor holds
+    faithfully (fp4kit.formats.detect, ``EXACT_SCALES_KEY``), so converting to compressed-tensors restores the
+    multiplier that quantizing to compressed-tensors writes. Known before writing: calibration runs first."""
+    from fp4kit.formats.detect import EXACT_SCALES_KEY, MO, needs_exact_record
+
+    if options.format != "modelopt" or not input_divs:
+        return {}
+    exact = {}
+    for group in plan.groups:
+        fused = _fused_output(group, options)
+        for c in group.members:
+            divisor = input_divs.get(c.linear.module)
+            if divisor is None or not bool(needs_exact_record(MO, divisor.double())):
+                continue
+            name = mo.fused_names(*fused)[mo.INPUT_SCALE] if fused else f"{c.linear.module}.{mo.INPUT_SCALE}"
+            exact[name] = float(divisor).hex()
+    return {EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {}
 
 
 def _per_expert(group: QuantGroup, quantized: list[NVFP4Tensor]) -> list[NVFP4Tensor]:
@@ -262,6 +285,7 @@ def _calibrate(
     share of the batches and the statistics are combined."""
     if options.scheme != "nvfp4":
         return {}, {}
+    refuse_calibration(plan)
     from fp4kit.calib_data import load_calibration
     from fp4kit.calibrate import calibrate
 
@@ -296,7 +320,7 @@ def _quantize_calibrated(
     done = 0
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
-            put({job: reader.read(job)})
+            put({job: _read_job(reader, job, options.device)})  # type: ignore[dict-item]
             done += _job_bytes(reader, job)
     by_layer: dict[int, list[QuantGroup]] = {}
     for group in plan.groups:
@@ -337,7 +361,7 @@ def _quantize_calibrated(
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
     for group in rest:
-        weights = read_group_weights(reader, group)
+        weights = _read_job(reader, group, options.device)
         try:
             quantized = quantize_group_mse([w.to(options.device) for w in weights], options.exact_fp32_global_scale,
                                            native=options.native_cpu)
@@ -398,7 +422,7 @@ def _quantize_checkpoint(
     with (ranks.output_directory(dst, src, options.overwrite) as work,
           CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
-                          modelopt_layout=options.format == "modelopt")
+                          modelopt_layout=options.format == "modelopt", dequant_dtype=options.dequant_dtype)
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
             _fused_output(g, options) for g in plan.groups
         ):
@@ -408,6 +432,9 @@ def _quantize_checkpoint(
         calibrated = calibrated_method(options)
         if calibrated and ranks.world > 1:
             raise Fp4kitError(f"--method {options.method} runs in one process; start it without torchrun")
+        if calibrated and plan.source is not None:  # its layers would load FP8 codes or packed integers as weights
+            raise Fp4kitError(f"config.json: quantization_config: a {plan.source.name} source cannot be calibrated "
+                              f"(--method {options.method}) yet; use --method rtn, or mse without --calib")
         jobs = ranks.assign(plan.jobs, [_job_bytes(reader, job) for job in plan.jobs])
         source_scales = not calibrated or (options.scheme == "nvfp4" and options.input_scales_from == "source")
         input_divs, routing_counts = _calibrate(src, plan, options, ranks) if source_scales else ({}, {})
@@ -415,7 +442,8 @@ def _quantize_checkpoint(
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
-        writer = ranks.shard_writer(work, planned, options.max_shard_bytes, {"producer": "fp4kit"},
+        metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
+        writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
                                     output_plan(reader, replace(plan, jobs=jobs), options))
         background = BackgroundWriter(writer, QUEUE_DEPTH)
         stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
@@ -425,14 +453,15 @@ def _quantize_checkpoint(
                 fallbacks, pass_counts = _quantize_calibrated(
                     src, reader, plan, options, input_divs if source_scales else None, background.put, progress)
                 routing_counts = routing_counts or pass_counts
-            streamed = [] if calibrated else prefetched(jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH)
+            streamed = [] if calibrated else prefetched(
+                jobs, lambda job: _read_job(reader, job, options.device), QUEUE_DEPTH)
             for job, data in streamed:
                 if isinstance(job, QuantGroup):
                     batcher.add(job, data)  # type: ignore[arg-type]
-                    done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
+                    done += _job_bytes(reader, job)
                 else:
                     background.put({job: data})  # type: ignore[dict-item]
-                    done += reader.info(job).nbytes
+                    done += _job_bytes(reader, job)
                 if progress:
                     progress(min(done, share_bytes), share_bytes)
             batcher.flush()

@@ -368,3 +368,16 @@ def test_w4a4_input_scales_come_from_the_source_calibration(tiny, tmp_path):
     assert names and all(torch.equal(readers["rtn"].read(n), readers["gptq"].read(n)) for n in names)
     later = [n for n in names if ".layers.1." in n]
     assert any(not torch.equal(readers["rtn"].read(n), readers["q"].read(n)) for n in later)
+
+
+def test_quantized_sources_take_data_free_mse_and_refuse_calibrated_methods(tiny, tmp_path):
+    from fp4kit.errors import Fp4kitError
+    from fp4kit.fixtures import write_fp8_block_source
+
+    fp8 = write_fp8_block_source(tiny("qwen3_moe"), tmp_path / "fp8")
+    report = quantize_checkpoint(fp8, tmp_path / "mse", QuantizeOptions(method="mse"))
+    assert report.quantized_linears > 0 and "model.layers.0.self_attn.q_proj.weight_packed" in CheckpointReader(
+        tmp_path / "mse")
+    with pytest.raises(Fp4kitError, match="cannot be calibrated"):
+        quantize_checkpoint(fp8, tmp_path / "gptq", QuantizeOptions(method="gptq", samples=2, seq_len=8))
+    assert not (tmp_path / "gptq").exists()

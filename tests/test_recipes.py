@@ -16,7 +16,7 @@ from fp4kit.recipe import MAX_VALUES, STEP_ORDER, RecipeError, check_against_mod
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4.5-air", "glm-4.5v", "llama-4-scout",
-                "llama-4-maverick", "demo"}
+                "llama-4-maverick", "demo", "deepseek-v3", "kimi-k2"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

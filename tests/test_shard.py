@@ -319,7 +319,7 @@ def run_shard_unified_off(src: Path, out: Path) -> Path:
     [
         (0, "linear", None, "at least 1"),
         (9, "linear", None, "exceeds the model's 8 experts"),
-        (2, "balanced", None, "needs routing statistics"),
+        (2, "balanced", None, "needs routing statistics: --stats ROUTING_STATS.json, or the fp4kit_routing_stats"),
         (2, "balanced", "other", "model_type"),
         (2, "zigzag", None, "unknown placement"),
     ],
@@ -439,7 +439,7 @@ def test_cli_shards(quantized, tmp_path, monkeypatch, capsys) -> None:
     assert (tmp_path / "o" / rank_dir_name(3) / EXPERT_MAP).is_file()
 
 
-def test_balanced_placement_from_glm_calibration_stats(tiny, tmp_path) -> None:
+def test_balanced_placement_from_glm_calibration_stats(tiny, tmp_path, monkeypatch, capsys) -> None:
     """A calibrated GLM-4.5 checkpoint's own routing statistics cover its decoder layers, not its MTP layer (which
     has experts but no forward reaches it); balanced placement with them must still shard every MoE layer."""
     from fp4kit.input_scales import ROUTING_STATS_NAME
@@ -456,3 +456,33 @@ def test_balanced_placement_from_glm_calibration_stats(tiny, tmp_path) -> None:
     expert_map = json.loads((tmp_path / "ep2" / rank_dir_name(0) / EXPERT_MAP).read_text())
     assert mtp_layer in expert_map["layers"], "the MTP layer's experts were placed"
     assert report.moe_layers == len(stats["layers"]) + 1
+
+    # without --stats, balanced placement uses the statistics in SRC, and says so
+    from fp4kit.cli import main
+
+    monkeypatch.setattr("sys.argv", ["fp4kit", "shard", str(src), str(tmp_path / "found"), "--ep", "2",
+                                     "--placement", "balanced"])
+    main()
+    captured = capsys.readouterr()
+    assert f"routing statistics: {src / ROUTING_STATS_NAME} (found in SRC" in captured.out and captured.err == ""
+    found = json.loads((tmp_path / "found" / rank_dir_name(0) / EXPERT_MAP).read_text())
+    assert found == expert_map
+
+
+def test_uneven_split_warns_and_succeeds(quantized, tmp_path, monkeypatch, capsys) -> None:
+    """8 experts over 3 ranks (3/3/2) shards and loads in vLLM's Triton and Marlin MoE, not in the kernels that
+    hold E / ep experts per rank: one warning line on stderr (also with -q), exit 0."""
+    from fp4kit.cli import main
+
+    for extra in ([], ["-q"]):
+        out = tmp_path / f"ep3{''.join(extra)}"
+        monkeypatch.setattr("sys.argv", ["fp4kit", "shard", str(quantized("qwen3_moe")), str(out), "--ep", "3",
+                                         *extra])
+        main()  # no SystemExit: exit 0
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            "warning: 8 experts over 3 ranks is uneven (3/3/2 per rank): vLLM's Triton and Marlin MoE run it, "
+            "TRT-LLM-gen and FlashInfer CUTLASS MoE need E % ep == 0 (an EP size dividing 8)"], err
+        assert [json.loads((out / rank_dir_name(r) / EXPERT_MAP).read_text())["layers"]["0"].count(-1)
+                for r in range(3)] == [5, 5, 6]
+    assert shard_checkpoint(quantized("qwen3_moe"), tmp_path / "ep2", ShardOptions(ep=2)).warnings == []

@@ -41,6 +41,11 @@ def layout(
             f"{report.passthrough_tensors} tensors copied, {human_bytes(report.input_bytes)} -> "
             f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
         )
+    if report.collapsed_input_scales:  # said even with --quiet: the kernel runs those experts on another scale
+        typer.echo(f"note: {len(report.collapsed_input_scales)} MoE layers have per-expert gate/up input scales; "
+                   f"{report.backend} quantizes the hidden states once for all experts, so each of those layers "
+                   f"uses its largest (as vLLM does; recorded in fp4kit_layout.json): "
+                   f"{', '.join(report.collapsed_input_scales)}", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -60,6 +60,8 @@ def quantize(
         bool, typer.Option("--native/--no-native",
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
     ] = True,
+    dequant_dtype: Annotated[Literal["fp32", "bf16"], typer.Option(
+        help="FP8-block / INT4 sources: dequantize to fp32 (one rounding) or bf16 (the peers' two)")] = "fp32",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -73,8 +75,8 @@ def quantize(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
-        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, method=method,
-        gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_scales=gptq_scales,
+        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
+        method=method, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_scales=gptq_scales,
         input_scales_from=input_scales_from,
     )
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")

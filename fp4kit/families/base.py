@@ -15,9 +15,11 @@ from fp4kit.errors import Fp4kitError
 
 if TYPE_CHECKING:
     from fp4kit.routing import RoutingSpec
+    from fp4kit.sources import QuantizedLinear
 
-# Modules that a kernel fuses and that must therefore share one weight global scale.
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Modules that a kernel fuses and that must therefore share one weight global scale. MLA's q_a_proj and
+# kv_a_proj_with_mqa are vLLM's fused_qkv_a_proj (vllm/model_executor/models/deepseek_v2.py).
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
 EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
@@ -123,6 +125,7 @@ class SourceRef:
     expert: int | None = None
     span: tuple[int, int] | None = None  # range of output features (gate or up) inside the fused matrix
     transposed: bool = False  # the expert's matrix is stored [K, N] rather than [N, K]
+    quantized: QuantizedLinear | None = None  # the source stores it quantized (FP8 block, packed INT): dequantize
 
 
 @dataclass(frozen=True)

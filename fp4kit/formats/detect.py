@@ -99,6 +99,10 @@ class QuantizedCheckpoint:
             if self.reader.check_finite and bool(stored.isnan()):
                 raise Fp4kitError(f"{self.reader.info(name).file}: scale tensor {name} is NaN")
             value = decoded_scale(self.dialect, stored)
+            if self.dialect == MO and self.reader.metadata.get("producer") == "fp4kit":
+                multiplier = mo.multiplier_behind(stored)  # the multiplier fp4kit wrote this divisor for
+                if multiplier is not None:
+                    value = 1.0 / multiplier.double()
             exact = self.exact_scales.get(name)
             if exact is not None:
                 candidate = torch.tensor(exact, dtype=torch.float64)

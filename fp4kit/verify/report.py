@@ -89,10 +89,18 @@ def _result_json(result: CheckResult) -> dict:
     return asdict(result) | {"passed": result.passed}
 
 
-def _summary_rows(report: VerifyReport) -> list[tuple[str, str, str, str, str, str]]:
-    """One row per (check, target): layers, worst error against its tolerance, failures, first failure's detail."""
+def result_from_json(result: dict) -> CheckResult:
+    """A result of the JSON report back as a CheckResult; version 1 results have ``passed`` but no ``status``."""
+    status = result.get("status") or (PASSED if result.get("passed") else FAILED)
+    names = ("layer", "check", "target", "error", "tolerance", "tokens", "detail")
+    return CheckResult(status=status, **{name: result[name] for name in names if name in result})
+
+
+def summary_rows(results: list[CheckResult]) -> list[tuple[str, str, str, str, str, str]]:
+    """One row per (check, target): layers, worst error against its tolerance (and the layer and batch it was on),
+    result, and the first failure's detail."""
     groups: dict[tuple[str, str], list[CheckResult]] = {}
-    for result in report.results:
+    for result in results:
         groups.setdefault((result.check, result.target), []).append(result)
     rows = []
     for (check, target), results in groups.items():
@@ -138,7 +146,7 @@ def print_report(report: VerifyReport) -> None:
     table = Table(title="checks", show_edge=False)
     for column in ("check", "target", "layers", "worst error (tolerance)", "result", "detail"):
         table.add_column(column, overflow="fold")
-    for check, target, layers, error, status, detail in _summary_rows(report):
+    for check, target, layers, error, status, detail in summary_rows(report.results):
         shown_status = {"FAIL": "[red]FAIL[/]", "skip": "[yellow]skip[/]"}.get(status, "[green]pass[/]")
         table.add_row(check, target, layers, error, shown_status, detail)
     console.print(table)
@@ -146,36 +154,85 @@ def print_report(report: VerifyReport) -> None:
     console.print(f"{verdict}: {report.summary()} in {report.seconds:.1f} s")
 
 
+PLOT_EXTRA = "pip install 'fp4kit[plot]'"
+
+
 def check_plot_available() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise Fp4kitError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise Fp4kitError(f"--plot needs matplotlib: {PLOT_EXTRA} (or pip install matplotlib)") from None
+
+
+def plot_series(report: VerifyReport) -> tuple[dict[str, dict[int, float]], dict[float, list[str]]]:
+    """Per (check, target) with an error value: layer -> worst error over token counts; and each tolerance with the
+    checks it bounds."""
+    series: dict[str, dict[int, float]] = {}
+    tolerances: dict[float, list[str]] = {}
+    for r in report.results:
+        if r.error is None:
+            continue
+        points = series.setdefault(f"{r.check}: {r.target}", {})
+        points[r.layer] = max(points.get(r.layer, 0.0), r.error)
+        if r.tolerance is not None and r.check not in tolerances.setdefault(r.tolerance, []):
+            tolerances[r.tolerance].append(r.check)
+    return series, tolerances
+
+
+def plot_floor(series: dict[str, dict[int, float]]) -> float:
+    """Where an error of exactly 0 is drawn on the log scale: a decade below the smallest non-zero error."""
+    nonzero = [e for points in series.values() for e in points.values() if e > 0]
+    return min(nonzero) / 10 if nonzero else 1e-12
 
 
 def plot_report(report: VerifyReport, path: str | Path) -> None:
-    """Per-layer worst relative error of each (check, target) with an error value, on a log scale."""
+    """Write `plot_figure` as a PNG."""
+    import matplotlib.pyplot as plt
+
+    figure = plot_figure(report)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_figure(report: VerifyReport):  # -> matplotlib.figure.Figure (matplotlib is optional)
+    """Per-layer worst relative error of each (check, target) with an error value, on a log scale, with a labelled
+    line per tolerance; errors of exactly 0 (bit-exact outputs) are drawn at a floor that a legend entry names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    series: dict[str, dict[int, float]] = {}
-    for r in report.results:
-        if r.error is not None:
-            points = series.setdefault(f"{r.check}: {r.target}", {})
-            points[r.layer] = max(points.get(r.layer, 0.0), r.error)
+    series, tolerances = plot_series(report)
+    floor = plot_floor(series)
     figure, axes = plt.subplots(figsize=(9, 4.5))
+    zeros = False
     for label, points in series.items():
         layers = sorted(points)
-        axes.plot(layers, [max(points[layer], 1e-12) for layer in layers], marker="o", label=label)
-    axes.axhline(report.tol_kernel, linestyle="--", color="grey", linewidth=0.8)
-    axes.axhline(report.tol_source, linestyle=":", color="grey", linewidth=0.8)
+        nonzero = [i for i, layer in enumerate(layers) if points[layer] > 0]
+        line, = axes.plot(layers, [points[layer] or floor for layer in layers], marker="o", markevery=nonzero,
+                          label=label)
+        exact = [layer for layer in layers if points[layer] == 0]
+        if exact:
+            zeros = True
+            axes.plot(exact, [floor] * len(exact), linestyle="none", marker="v", markersize=8,
+                      color=line.get_color())
+    for style, (tolerance, checks) in zip(["--", ":", "-.", (0, (1, 3))] * 4, sorted(tolerances.items()),
+                                          strict=False):
+        axes.axhline(tolerance, linestyle=style, color="grey", linewidth=0.9,
+                     label=f"tolerance {tolerance:g} ({', '.join(checks)})")
+    if zeros:  # a legend entry, so that the note never covers a point
+        axes.plot([], [], linestyle="none", marker="v", color="dimgrey",
+                  label=f"error exactly 0 (bit exact), drawn at {floor:.1g}")
     axes.set_yscale("log")
-    axes.set_xlabel("layer")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.set_xlabel("MoE layer")
     axes.set_ylabel("relative error (worst over token counts)")
     axes.set_title(f"fp4kit verify: {Path(report.checkpoint).name} ({report.mode})")
-    axes.legend(fontsize="small")
+    if series:
+        axes.legend(fontsize="small")
+    else:
+        axes.annotate("no check with an error value ran (e.g. the reference alone, without --source)",
+                      xy=(0.5, 0.5), xycoords="axes fraction", ha="center")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    return figure
