@@ -4,7 +4,7 @@
 ratio = stored amax / true amax, where stored amax = 448*6 * divisor. Below 1 the scale clips real activations;
 far above 1 (``waste``, default 16) it wastes FP4 range; a shared per-layer expert scale (EP-invariant) sits
 above most experts' own amax by design, hence the generous default. llm-compressor 0.14's sequential calibration
-loses the causal mask (DESIGN.md §11), which shows up here as attention-output scales well below the true amax.
+loses the causal mask, which shows up here as attention-output scales well below the true amax.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Activation statistics for W4A4 NVFP4, one decoder layer in memory at a time (issue 3, DESIGN.md §11).
+"""Activation statistics for W4A4 NVFP4, one decoder layer in memory at a time (README.md, `fp4kit quantize`).
 
 The text model is built on the meta device from config.json, so it costs no memory. One forward of it with every
 decoder layer replaced by a recorder yields the embeddings and, per layer, the exact arguments the full model
@@ -15,6 +15,10 @@ Statistics per layer:
   would receive had it been routed there. down_proj input amax = amax of ``act(gate) * up`` of those inputs;
 - routing counts under the real top-k, read from the router transformers ran.
 The hidden states passed on are the layer's own output, i.e. the real router and top-k.
+
+``calibrate_quantized`` is the pass of the calibrated quantization methods (gptq, activation-weighted mse): per
+layer it collects input second moments (per routed expert from the tokens routed to it), lets the caller quantize
+the layer, and passes on the outputs of the quantized layer.
 """
 
 from __future__ import annotations
@@ -282,11 +286,7 @@ def calibrate(
     ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.distributed to combine.
     """
     src = Path(src)
-    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.numel() == 0:
-        raise Fp4kitError(f"calibration token ids must be a non-empty int64 [samples, seq_len] tensor, got "
-                          f"{token_ids.dtype}{list(token_ids.shape)}")
-    if batch_size < 1:
-        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
+    _check_calibration_arguments(token_ids, batch_size)
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
     result = CalibrationResult()
@@ -313,6 +313,14 @@ def calibrate(
     return result
 
 
+def _check_calibration_arguments(token_ids: torch.Tensor, batch_size: int) -> None:
+    if token_ids.dim() != 2 or token_ids.dtype != torch.int64 or token_ids.numel() == 0:
+        raise Fp4kitError(f"calibration token ids must be a non-empty int64 [samples, seq_len] tensor, got "
+                          f"{token_ids.dtype}{list(token_ids.shape)}")
+    if batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
+
+
 def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int, batch_share: tuple[int, int]):
     """Embedded hidden states per batch, and per batch shape the arguments the model passes each layer."""
     hidden_batches: list[torch.Tensor] = []
@@ -334,3 +342,203 @@ def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int, ba
             raise Fp4kitError(f"transformers' {model} cannot run this config.json: {message}") from None
         layer_args.setdefault(tuple(hidden_batches[-1].shape), store)
     return hidden_batches, layer_args
+
+
+@dataclass
+class LayerStatistics:
+    """Second moments of every quantized Linear's input in one layer, for GPTQ and importance-weighted MSE.
+
+    ``hessians[module]``: sum over its input rows x of x^T x in fp32 ([K, K]; its diagonal [K] alone when only the
+    diagonal was asked for). Modules reading the same input (q/k/v, an expert's gate/up) share one tensor object.
+    Routed experts see only the tokens routed to them (Llama-4: scaled by the router score as its MoE does).
+    ``tokens[module]``: the number of input rows.
+    """
+
+    layer_prefix: str = ""  # checkpoint name prefix of the layer's modules, e.g. "model.layers.3."
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+
+
+class _SecondMomentRecorder:
+    """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed by ``close``)."""
+
+    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool):
+        self.layer_prefix = f"{text.prefix}layers.{index}."
+        self.scales_input = text.scales_input
+        self.modules, self.full = modules, full
+        self.stats = LayerStatistics(self.layer_prefix)
+        self.last_input: tuple[torch.Tensor, str] | None = None  # the input of the last hooked Linear
+        self.router_output: tuple | None = None
+        self.handles = []
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
+                self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
+            experts = getattr(module, "experts", None)
+            if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+                router = module.router if hasattr(module, "router") else module.gate
+                self.handles.append(router.register_forward_hook(self._router_hook))
+                self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
+
+    def _wanted(self, name: str) -> bool:
+        return self.modules is None or name in self.modules
+
+    def _add(self, names: list[str], x: torch.Tensor) -> None:
+        """Add rows x [T, K] to the statistics that ``names`` share (created on first use)."""
+        x = x.reshape(-1, x.shape[-1]).float()
+        stats = self.stats
+        if names[0] not in stats.hessians:
+            k = x.shape[-1]
+            shape = (k, k) if self.full else (k,)
+            shared = torch.zeros(shape, dtype=torch.float32, device=x.device)
+            for n in names:
+                stats.hessians[n], stats.tokens[n] = shared, 0
+        hessian = stats.hessians[names[0]]
+        if self.full:
+            hessian.addmm_(x.t(), x)
+        else:
+            hessian.add_(x.square().sum(dim=0))
+        for n in names:
+            stats.tokens[n] += x.shape[0]
+
+    def _linear_hook(self, name: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            x = args[0]
+            last = self.last_input
+            self.last_input = (x, name)
+            if last is not None and last[0] is x:  # q/k/v read one tensor: one shared statistic
+                hessians = self.stats.hessians
+                if name not in hessians:
+                    hessians[name], self.stats.tokens[name] = hessians[last[1]], 0
+                if hessians[name] is hessians[last[1]]:
+                    self.stats.tokens[name] += x.reshape(-1, x.shape[-1]).shape[0]
+                    return
+            self._add([name], x)
+
+        return hook
+
+    def _router_hook(self, module: nn.Module, args: tuple, output: tuple) -> None:
+        self.router_output = output
+
+    def _moe_hook(self, block_name: str, experts: nn.Module):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            assert self.router_output is not None
+            if len(self.router_output) == 3:  # Qwen3 / GLM routers: (logits, top-k weights, top-k ids)
+                logits, top_ids = self.router_output[0], self.router_output[2]
+            else:  # Llama-4 router: (scores, logits), top-k on the logits
+                logits = self.router_output[1]
+                top_ids = torch.topk(logits, module.top_k, dim=1).indices
+            self._expert_moments(f"{block_name}.experts", experts, hidden, logits, top_ids)
+
+        return hook
+
+    @torch.no_grad()
+    def _expert_moments(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
+                        top_ids: torch.Tensor) -> None:
+        num_experts = experts.gate_up_proj.shape[0]
+        for e in range(num_experts):
+            names = [f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj"]
+            if not any(self._wanted(n) for n in names):
+                continue
+            tokens = (top_ids == e).any(dim=-1).nonzero().squeeze(-1)
+            if tokens.numel() == 0:
+                for n in names:  # zero statistics: the expert is known, and known to have seen nothing
+                    if n not in self.stats.hessians:
+                        self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(0, self._inner(experts)))
+                continue
+            x = hidden[tokens]
+            weight = experts.gate_up_proj[e]
+            if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
+                x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
+                weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
+            self._add(names[:2], x)
+            gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
+            self._add(names[2:], experts.act_fn(gate) * up)
+
+    def _inner(self, experts: nn.Module) -> int:
+        return experts.gate_up_proj.shape[-1 if self.scales_input else -2] // 2
+
+    def close(self) -> LayerStatistics:
+        for handle in self.handles:
+            handle.remove()
+        return self.stats
+
+
+# index, the loaded layer, its statistics -> the weights to run the layer with from now on (module name -> [N, K])
+LayerQuantizer = Callable[[int, nn.Module, LayerStatistics], dict[str, torch.Tensor]]
+
+
+@torch.inference_mode()
+def calibrate_quantized(
+    src: Path,
+    token_ids: torch.Tensor,
+    quantize_layer: LayerQuantizer,
+    device: str = "cpu",
+    batch_size: int = 8,
+    modules: set[str] | None = None,
+    full_hessians: bool = True,
+    dtype: torch.dtype | None = None,
+    on_layer: Callable[[int, CalibrationResult], None] | None = None,
+) -> CalibrationResult:
+    """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
+    collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
+    and returns its dequantized weights, which replace the layer's, and a second forward of the *quantized* layer
+    gives the next layer's inputs (quantization errors propagate, as llm-compressor's sequential pipeline does) and
+    the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
+    result)`` runs once a layer's are in ``result``."""
+    src = Path(src)
+    _check_calibration_arguments(token_ids, batch_size)
+    torch_device = torch.device(device)
+    dtype = dtype or _checkpoint_dtype(src)
+    result = CalibrationResult()
+    with CheckpointReader(src) as reader, memory.large_frees_returned_to_os():
+        text = _text_model(reader, src, dtype, torch_device)
+        vocab_size = text.model.config.vocab_size
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+            raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
+                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, (0, 1))
+        for index in range(len(text.layers)):
+            layer = _load_layer(text, reader, index, dtype, torch_device)
+            recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
+            for hidden in hidden_batches:
+                args, kwargs = layer_args[tuple(hidden.shape)][index]
+                layer(hidden, *args, **kwargs)
+            stats = recorder.close()
+            del recorder
+            replacements = quantize_layer(index, layer, stats)
+            del stats
+            set_layer_weights(text, layer, index, replacements)
+            amax = _AmaxRecorder(text, layer, index, modules)
+            for b, hidden in enumerate(hidden_batches):
+                args, kwargs = layer_args[tuple(hidden.shape)][index]
+                hidden_batches[b] = layer(hidden, *args, **kwargs)
+            amax.flush(result, index)
+            text.layers[index] = None
+            del layer, amax, replacements
+            memory.trim_freed_memory()
+            if on_layer is not None:
+                on_layer(index, result)
+    return result
+
+
+def set_layer_weights(text: _TextModel, layer: nn.Module, index: int, weights: dict[str, torch.Tensor]) -> None:
+    """Put [N, K] weights (by checkpoint module name) into the loaded layer: nn.Linear weights, or the rows of a
+    routed expert in transformers' fused expert parameters (gate rows, then up rows, of gate_up_proj)."""
+    prefix = f"{text.prefix}layers.{index}."
+    for name, weight in weights.items():
+        relative = name[len(prefix):]
+        head, _, leaf = relative.rpartition(".")
+        experts_path, _, expert = head.rpartition(".")
+        experts = layer.get_submodule(experts_path) if expert.isdigit() and experts_path else None
+        if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            e = int(expert)
+            if leaf == "down_proj":
+                target = experts.down_proj[e].t() if text.scales_input else experts.down_proj[e]
+            else:
+                fused = experts.gate_up_proj[e].t() if text.scales_input else experts.gate_up_proj[e]
+                rows = fused.shape[0] // 2
+                target = fused[:rows] if leaf == "gate_proj" else fused[rows:]
+        else:
+            target = layer.get_submodule(relative).weight
+        target.copy_(weight.to(target.dtype))

@@ -1,8 +1,9 @@
 """Streaming reader and writer for HF safetensors checkpoint directories.
 
-The reader parses each shard's header and reads one tensor's byte range (or one slice along dim 0) with
+The reader takes the tensors' byte ranges from fp4kit.safetensors_files (headers validated, index and shards
+reconciled) and reads one tensor's byte range (or one slice along dim 0) with
 ``os.pread`` into a buffer of its own: nothing is memory-mapped, so resident memory follows the tensor being
-processed, not the shard (DESIGN.md §10). The writer is told every output tensor (name, dtype, shape) before any
+processed, not the shard. The writer is told every output tensor (name, dtype, shape) before any
 data arrives, lays out shards and headers from that plan, then places each tensor's bytes at its offset as it
 comes; nothing waits in memory for a shard to fill. A producer that computes a large tensor can instead ask for its
 ``destination``, a tensor mapped onto the shard's bytes, and compute into it: no buffer of its own to fault in, no
@@ -29,10 +30,10 @@ from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: 
     INDEX_NAME,
     SINGLE_NAME,
     WEIGHT_SUFFIXES,
+    HeaderEntry,
+    checkpoint_files,
     parse_size,
     read_config,
-    read_header,
-    shard_files,
     shard_layout,
 )
 
@@ -51,6 +52,8 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# the bits that are all ones exactly in NaN (E4M3FN has no Inf) / in NaN and Inf (E5M2)
+_FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C)}
 
 
 @dataclass(frozen=True)
@@ -67,38 +70,41 @@ class TensorInfo:
         return self.end - self.begin
 
 
-class CheckpointReader:
-    """Tensor metadata of a HF checkpoint directory, and reads of one tensor at a time."""
+def has_nonfinite(tensor: torch.Tensor) -> bool:
+    """Whether a floating-point tensor holds NaN or Inf (two reductions, no copy of the tensor)."""
+    if not tensor.dtype.is_floating_point or tensor.numel() == 0:
+        return False
+    if tensor.dtype in _FP8_NONFINITE:
+        mask, value = _FP8_NONFINITE[tensor.dtype]
+        return bool((tensor.view(torch.uint8) & mask).eq(value).any())
+    low, high = torch.aminmax(tensor)
+    return not bool(torch.isfinite(low) & torch.isfinite(high))
 
-    def __init__(self, root: str | os.PathLike, pin_memory: bool = False):
-        """``pin_memory``: read into page-locked buffers, for fast non-blocking copies to a GPU."""
+
+def require_finite(name: str, tensor: torch.Tensor, file: Path | str) -> None:
+    if has_nonfinite(tensor):
+        raise Fp4kitError(f"{file}: tensor {name} holds NaN or Inf")
+
+
+def _tensor_info(entry: HeaderEntry) -> TensorInfo:
+    return TensorInfo(entry.name, entry.file, DTYPES[entry.dtype], entry.shape, entry.begin, entry.end)
+
+
+class CheckpointReader:
+    """Tensor metadata of a HF checkpoint directory (validated and reconciled by
+    fp4kit.safetensors_files.checkpoint_files), and reads of one tensor at a time. Every read checks that a
+    floating-point tensor is finite, unless the caller checks it itself (``check_finite=False``)."""
+
+    def __init__(self, root: str | os.PathLike, pin_memory: bool = False, check_finite: bool = True):
+        """``pin_memory``: read into page-locked buffers, for fast non-blocking copies to a GPU. ``check_finite``:
+        the default of every read's check (False for health checks that report non-finite values themselves)."""
         self.root = Path(root)
         self.pin_memory = pin_memory
-        if not self.root.is_dir():
-            raise Fp4kitError(f"{self.root}: not a directory")
-        self.tensors: dict[str, TensorInfo] = {}
-        self.metadata: dict[str, str] = {}
-        for shard in shard_files(self.root):
-            self._load_shard(shard)
+        self.check_finite = check_finite
+        files = checkpoint_files(self.root)
+        self.metadata: dict[str, str] = files.metadata
+        self.tensors: dict[str, TensorInfo] = {name: _tensor_info(entry) for name, entry in files.tensors.items()}
         self._fds: dict[Path, int] = {}
-
-    def _load_shard(self, path: Path) -> None:
-        header, data_start = read_header(path)
-        size = path.stat().st_size
-        self.metadata.update(header.pop("__metadata__", None) or {})
-        for name, entry in header.items():
-            dtype = DTYPES.get(entry.get("dtype"))
-            if dtype is None:
-                raise Fp4kitError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}")
-            begin, end = entry["data_offsets"]
-            if data_start + end > size:
-                raise Fp4kitError(f"{path}: truncated shard (tensor {name} ends past the end of the file)")
-            expected = math.prod(entry["shape"]) * dtype.itemsize
-            if end - begin != expected:
-                raise Fp4kitError(f"{path}: tensor {name} has {end - begin} bytes, its shape needs {expected}")
-            self.tensors[name] = TensorInfo(
-                name, path, dtype, tuple(entry["shape"]), data_start + begin, data_start + end
-            )
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -132,26 +138,34 @@ class CheckpointReader:
                 raise Fp4kitError(f"{info.file}: truncated while reading tensor {info.name}")
             done += got
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, check_finite: bool | None = None) -> torch.Tensor:
         """The whole tensor, in a buffer of its own."""
         info = self.tensors[name]
         raw = self._pread(info, info.begin, info.nbytes)
-        return raw.view(info.dtype).reshape(info.shape)
+        tensor = raw.view(info.dtype).reshape(info.shape)
+        if self.check_finite if check_finite is None else check_finite:
+            require_finite(name, tensor, info.file)
+        return tensor
 
-    def read_into(self, name: str, out: torch.Tensor) -> None:
+    def read_into(self, name: str, out: torch.Tensor, check_finite: bool | None = None) -> None:
         """Read the whole tensor into ``out`` (contiguous, CPU, same dtype and shape), without a buffer between."""
         info = self.tensors[name]
         if out.dtype != info.dtype or tuple(out.shape) != info.shape or not out.is_contiguous() or out.is_cuda:
             raise Fp4kitError(f"internal: {name} is {info.dtype}{list(info.shape)}, cannot be read into "
                               f"{out.dtype}{list(out.shape)}")
         self._pread_into(info, info.begin, out.reshape(-1).view(torch.uint8))
+        if self.check_finite if check_finite is None else check_finite:
+            require_finite(name, out, info.file)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+    def read_rows(self, name: str, start: int, stop: int, check_finite: bool | None = None) -> torch.Tensor:
         """tensor[start:stop] along dim 0 (e.g. one expert of a fused [E, ...] tensor) without reading the rest."""
         info = self.tensors[name]
         row_bytes = info.nbytes // info.shape[0]
         raw = self._pread(info, info.begin + start * row_bytes, (stop - start) * row_bytes)
-        return raw.view(info.dtype).reshape((stop - start, *info.shape[1:]))
+        tensor = raw.view(info.dtype).reshape((stop - start, *info.shape[1:]))
+        if self.check_finite if check_finite is None else check_finite:
+            require_finite(name, tensor, info.file)
+        return tensor
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -1,21 +1,75 @@
-"""The `fp4kit` command: parse, call the library, print. Bad input exits 2 with one line.
+"""The `fp4kit` command: parse, call the library, print.
+
+Exit codes, for every command:
+  0    done
+  1    the checks ran and found problems (inspect, verify, run's verify step)
+  2    failed: bad input (Fp4kitError), a usage error, an OS error (disk full, permission denied, read-only DST, ...)
+       or an internal error; one line ``error: <file, tensor or command>: <what>`` on stderr per problem
+  130  interrupted (Ctrl-C)
+  141  stdout was closed early (`fp4kit inspect X | head -1`), as a shell reports a process ended by SIGPIPE
+An internal error (a bug: any other exception) is a failure like the others, so a pipeline that tells 1 from 2 never
+reads a crash as "problems found"; its traceback goes to a file that the one line names.
 
 Each subcommand lives in its own module under fp4kit/commands and registers itself with ``register(app)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pkgutil
+import re
 import sys
+from collections.abc import Sequence
+from typing import Annotated
 
 import typer
 
 from fp4kit.errors import Fp4kitError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Turn BF16 MoE checkpoints into NVFP4 checkpoints that serving engines load and run.")
+try:  # typer 0.2x raises the exceptions of its own bundled copy of click, not the click package's
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # older typer: click itself
+    from click import exceptions as click_exceptions
+
+PROG = "fp4kit"
+EXIT_FAILED = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer that SIGPIPE ended
+MAX_LINE = 1000  # an error line longer than this is cut: a message carrying a huge value stays readable
+INTERRUPTED = "interrupted: no partial output was left behind"
+
+# no_args_is_help would print the whole help before the error: `fp4kit` alone is a usage error of one line
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+                  help="Turn BF16 MoE checkpoints into NVFP4 checkpoints that serving engines load and run.",
+                  epilog="Exit codes: 0 done, 1 checks found problems, 2 failed (one 'error:' line), 130 interrupted.")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("fp4kit")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        from fp4kit import __version__
+
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"{PROG} {version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="print fp4kit's version and exit")] = False,
+) -> None:
+    pass
 
 
 def _register_commands() -> None:
@@ -38,36 +92,110 @@ def _check_ranks() -> None:
                           f"(under torchrun: {' and '.join(DISTRIBUTED_COMMANDS)})")
 
 
-def main() -> None:
-    _register_commands()
+def one_line(text: str) -> str:
+    """``text`` as one bounded line: line breaks become ' / ', the middle of an overlong message is cut."""
+    line = " / ".join(part.strip() for part in str(text).splitlines() if part.strip())
+    if len(line) > MAX_LINE:
+        cut = len(line) - MAX_LINE
+        line = f"{line[: MAX_LINE // 2]} ...({cut} characters cut)... {line[-MAX_LINE // 2 :]}"
+    return line
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``<file>: <what>`` for an OSError, from its filename(s) and strerror (``[Errno N]`` left out)."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return what
+    where = os.fsdecode(exc.filename)
+    if exc.filename2 is not None:
+        where = f"{where} -> {os.fsdecode(exc.filename2)}"
+    return f"{where}: {what}"
+
+
+def describe_usage_error(exc: click_exceptions.ClickException) -> str:
+    """``fp4kit <command>: <what> (see ... --help)`` for a usage error click raised while parsing."""
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path if ctx is not None else PROG
+    # typer validates through pydantic, whose messages start "Value error, " for a value outside the choices
+    what = re.sub(r"\bvalue error, ", "", exc.format_message(), flags=re.IGNORECASE).rstrip(".")
+    what = what[:1].lower() + what[1:]
+    names = sorted(getattr(ctx.command, "commands", None) or {}) if ctx is not None else []
+    if what == "missing command" and names:
+        what = f"missing command: one of {', '.join(names)}"
+    return f"{command}: {what} (see {command} --help)"
+
+
+def _internal_error(exc: BaseException) -> str:
+    """The line for a bug, and its traceback saved to a file the line names (the line stays one line)."""
+    import tempfile
+    import traceback
+
+    where = ""
+    try:
+        fd, path = tempfile.mkstemp(prefix="fp4kit-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w") as out:
+            out.write("".join(traceback.format_exception(exc)))
+        where = f", with the traceback in {path}"
+    except OSError:
+        pass
+    return f"internal error: {type(exc).__name__}: {exc} (please report it{where})"
+
+
+def _fail(exc: BaseException, *lines: str) -> int:
+    """Print ``error: line`` for each line (one per problem; under torchrun only on the rank that failed first) and
+    return exit code 2."""
+    ranks = os.environ.get("WORLD_SIZE", "1") != "1"
+    if ranks:
+        from fp4kit import distributed
+
+        exc = distributed.shared_failure(exc)  # a silent RankFailed where another rank failed first
+    if not getattr(exc, "silent", False):
+        for line in lines:
+            typer.echo(f"error: {one_line(line)}", err=True)
+    if ranks:
+        from fp4kit import distributed
+
+        distributed.settle()
+    return EXIT_FAILED
+
+
+def run(args: Sequence[str]) -> int:
+    """Run the command line ``args`` (without the program name) and return its exit code."""
+    command = typer.main.get_command(app)
     try:
         _check_ranks()
-        # without standalone mode click returns a command's exit code (typer.Exit(1)) instead of exiting
-        code = app(standalone_mode=False)
-    except Fp4kitError as exc:
-        ranks = os.environ.get("WORLD_SIZE", "1") != "1"  # under torchrun, one rank prints what failed
-        if ranks:
-            from fp4kit import distributed
+        # click's own main() would turn Ctrl-C into a silent exit 130 and print usage errors over several lines
+        with command.make_context(PROG, list(args)) as ctx:
+            command.invoke(ctx)
+        return 0
+    except typer.Exit as exc:  # --help, --version
+        return exc.exit_code
+    except SystemExit as exc:  # a command's own exit code: inspect and verify exit 1 when they find problems
+        if isinstance(exc.__context__, BrokenPipeError):  # rich exits 1 when its stdout's reader went away
+            return EXIT_BROKEN_PIPE
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except (KeyboardInterrupt, typer.Abort):
+        typer.echo(INTERRUPTED, err=True)
+        return EXIT_INTERRUPTED
+    except click_exceptions.ClickException as exc:  # usage errors: parsing happens before any work
+        typer.echo(f"error: {one_line(describe_usage_error(exc))}", err=True)
+        return EXIT_FAILED
+    except Fp4kitError as exc:  # a recipe's validation reports all its problems at once, one line each
+        return _fail(exc, *(getattr(exc, "problems", None) or [str(exc)]))
+    except BrokenPipeError:  # stdout's reader went away (`fp4kit inspect X | head -1`): nothing left to say
+        with contextlib.suppress(OSError, ValueError):  # no flush at exit may complain about it again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        return _fail(exc, describe_os_error(exc))
+    except MemoryError as exc:  # not a bug: the machine has less memory than this input needs
+        return _fail(exc, f"out of memory{': ' + str(exc) if str(exc) else ''}")
+    except Exception as exc:
+        return _fail(exc, _internal_error(exc))
 
-            exc = distributed.shared_failure(exc)
-        if not getattr(exc, "silent", False):
-            typer.echo(f"error: {exc}", err=True)
-        if ranks:
-            distributed.settle()
-        sys.exit(2)
-    except KeyboardInterrupt:
-        typer.echo("interrupted: no output was left behind", err=True)
-        sys.exit(130)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except Exception as exc:  # click usage errors and the like
-        import click
 
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
-        raise
-    if isinstance(code, int) and code:
+def main() -> None:
+    _register_commands()
+    code = run(sys.argv[1:])
+    if code:
         sys.exit(code)

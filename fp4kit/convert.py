@@ -42,7 +42,7 @@ from fp4kit.formats.detect import (
     open_checkpoint,
 )
 from fp4kit.nvfp4 import NVFP4Tensor
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.output import atomic_directory
 from fp4kit.repair import RepairReport, rescale, unified_scales
 from fp4kit.streaming import prefetched
 
@@ -236,7 +236,6 @@ def convert_checkpoint(
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     with open_checkpoint(src) as ckpt:
-        check_destination(src, dst, overwrite)
         missing = [m.name for m in ckpt.modules if ckpt.scheme == "nvfp4" and m.input_scale is None]
         if missing:
             raise Fp4kitError(f"{missing[0]}: missing input scale tensor in a W4A4 checkpoint "
@@ -245,7 +244,7 @@ def convert_checkpoint(
         repaired = RepairReport() if repair else None
         if repaired is not None:
             scales = unified_scales(scales, repaired)
-        fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.name == "llama4" \
+        fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.modelopt_fused_experts \
             else ([], [])
         in_fused = {id(m) for job in fused for m in job.members}
         jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.passthrough]
@@ -256,7 +255,7 @@ def convert_checkpoint(
         ignore = _ignore_for(to, ckpt)
         # before any data moves: a config that cannot be built then costs no copying
         quant_config = (ct if to == CT else mo).quantization_config(ckpt.scheme, ignore)
-        with atomic_directory(dst) as work:
+        with atomic_directory(dst, src, overwrite) as work:
             writer = ShardWriter(work, [t for job in jobs for t in _planned(job, to, ckpt)], max_shard_bytes,
                                  metadata=metadata)
             done = 0

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import datetime
 import heapq
+import importlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -133,16 +134,60 @@ class Ranks:
         return [jobs[i] for i in assign_jobs(sizes, self.world)[self.rank]]
 
     @contextlib.contextmanager
-    def output_directory(self, dst: Path) -> Iterator[Path]:
-        """Rank 0: fp4kit.output.atomic_directory (renamed into place at the end). Other ranks: the same work
-        directory, once rank 0 has created it (their first sync is in ``shard_writer``)."""
-        from fp4kit.output import atomic_directory, partial_dir
+    def output_directory(self, dst: Path, src: Path, overwrite: bool) -> Iterator[Path]:
+        """fp4kit.output.atomic_directory on rank 0 (it holds the lock, checks ``dst`` and renames the work
+        directory into place at the end); the other ranks get the same work directory once rank 0 created it."""
+        from fp4kit.output import atomic_directory
 
-        if self.main:
-            with atomic_directory(dst) as work:
+        if self.world == 1:
+            with atomic_directory(dst, src, overwrite) as work:
+                yield work
+        elif self.main:
+            with atomic_directory(dst, src, overwrite) as work:
+                self.sync()
+                self.share(str(work))
                 yield work
         else:
-            yield partial_dir(dst)
+            self.sync()  # raises rank 0's failure if it could not take the lock or create the directory
+            yield Path(self.share(""))
+
+    @contextlib.contextmanager
+    def exclusive(self, path: Path) -> Iterator[None]:
+        """fp4kit.output.exclusive held by rank 0 for the block; every rank raises if rank 0 cannot take it."""
+        from fp4kit.output import exclusive
+
+        if self.world == 1:
+            with exclusive(path):
+                yield
+            return
+        with contextlib.ExitStack() as held:
+            failure = None
+            if self.main:
+                try:
+                    held.enter_context(exclusive(path))
+                except Fp4kitError as exc:
+                    failure = exc
+            self.sync(failure)
+            if failure is not None:
+                failure.fp4kit_synced = True  # type: ignore[attr-defined]
+                raise failure
+            yield
+
+    def share(self, text: str) -> str:
+        """Rank 0's ``text`` (at most MESSAGE_BYTES of UTF-8) on every rank."""
+        if self.world == 1:
+            return text
+        data = torch.zeros(MESSAGE_BYTES + 2, dtype=torch.uint8)
+        if self.main:
+            encoded = text.encode()
+            if len(encoded) > MESSAGE_BYTES:
+                raise Fp4kitError(f"internal: {len(encoded)} bytes to share between ranks, at most {MESSAGE_BYTES}")
+            data[0], data[1] = len(encoded) // 256, len(encoded) % 256
+            if encoded:
+                data[2 : 2 + len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        torch.distributed.broadcast(data, src=0)
+        length = int(data[0]) * 256 + int(data[1])
+        return bytes(data[2 : 2 + length].tolist()).decode()
 
     def shard_writer(self, work: Path, planned: list[PlannedTensor], max_shard_bytes: int,
                      metadata: dict[str, str], written_here: list[PlannedTensor]) -> ShardWriter:
@@ -232,6 +277,13 @@ def ranks(device: str = "cpu") -> Ranks:
     if device == "cuda":
         device = f"cuda:{local_rank}"
     if not torch.distributed.is_initialized():
+        # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first imported,
+        # and transformers imports it (loading a config is enough): imported after the process group exists, those
+        # defaults hold it for good, so `destroy_process_group` at exit leaves gloo's threads running into the
+        # interpreter's finalization, which then sometimes aborts ("terminate called without an active exception").
+        # Imported first, the defaults are None.
+        importlib.import_module("torch.distributed.nn")
+
         backend = "gloo"
         if device.startswith("cuda") and torch.cuda.is_available():  # without CUDA, quantize's checks say so
             torch.cuda.set_device(torch.device(device))
@@ -242,5 +294,6 @@ def ranks(device: str = "cpu") -> Ranks:
 
 
 def _leave() -> None:
+    """At exit, while the interpreter is whole: the process group and its threads go before finalization starts."""
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -1,23 +1,26 @@
 """Tiny checkpoints of every family, built offline with transformers from configs shipped in fp4kit/data.
 
 Weights are seeded random, never downloaded. They are saved the way each family's real checkpoints are: bf16,
-GLM's router weight and correction bias in fp32, and GLM's MTP layer (which transformers does not instantiate)
-added as extra tensors after the last decoder layer.
+GLM's router weight and correction bias in fp32 (DeepSeek's bias), and the MTP layer of GLM and DeepSeek (which
+transformers does not instantiate) added as extra tensors after the last decoder layer. ``write_fp8_block_source``
+and ``write_pack_quantized_source`` turn a fixture into the quantized sources those models are published as.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text")
+FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text", "deepseek_v3")
 
 # Tiny stand-ins that meet the seed recipes' backend rules: I % 64 (CUTLASS gated GEMM, Marlin), 8 experts so that
-# EP 8 divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout: Marlin) H % 128. The fixtures' H is 64, which
-# CUTLASS accepts; the vision-language families keep it, since their M-RoPE sections are sized for it.
+# EP 8 divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout) and DeepSeek (Marlin) H % 128. The fixtures' H
+# is 64, which CUTLASS accepts; the vision-language families keep it, since their M-RoPE sections are sized for it.
 RECIPE_STAND_INS = {
     "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 8},
     "qwen3_vl_moe": {"moe_intermediate_size": 64, "num_experts": 8},
@@ -26,6 +29,7 @@ RECIPE_STAND_INS = {
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
                                       "partial_rotary_factor": 0.5}},
     "llama4": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8},
+    "deepseek_v3": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
 }
 
 
@@ -39,7 +43,10 @@ def build_model(name: str, seed: int = 0, overrides: dict | None = None) -> torc
     transformers.utils.logging.disable_progress_bar()
     spec = fixture_spec(name)
     config_kwargs = spec["config"]
-    for key, value in (overrides or {}).items():
+    for key, value in (overrides or {}).items():  # text config keys, and "vision_config" merged into that config
+        if key == "vision_config":
+            config_kwargs[key] = config_kwargs[key] | value
+            continue
         target = config_kwargs.get("text_config", config_kwargs)
         target[key] = value
     config = getattr(transformers, spec["config_class"])(**config_kwargs)
@@ -62,21 +69,80 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
     path = Path(path)
     model = build_model(name, seed, overrides).to(torch.bfloat16)
     model.save_pretrained(path)
-    if name.startswith("glm4"):
+    if name.startswith("glm4") or name == "deepseek_v3":
         single = path / "model.safetensors"
         tensors = load_file(single)
+        fp32 = ("e_score_correction_bias", "mlp.gate.weight")[: 2 if name.startswith("glm4") else 1]
         for tname in list(tensors):
-            if tname.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+            if tname.endswith(fp32):
                 tensors[tname] = tensors[tname].float()
-        if name == "glm4_moe":
+        if name in ("glm4_moe", "deepseek_v3"):
             tensors.update(_glm_mtp_layer(tensors, model.config, seed))
         save_file(tensors, single, metadata={"format": "pt"})
     return path
 
 
+def _linear_modules(tensors: dict[str, torch.Tensor]):
+    from fp4kit.sources import KEPT_BY_FP8_SOURCES
+
+    for tname, t in tensors.items():
+        if tname.endswith(".weight") and t.dim() == 2 and not KEPT_BY_FP8_SOURCES.search(tname[: -len(".weight")]):
+            yield tname[: -len(".weight")]
+
+
+def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantization_config: dict) -> Path:
+    from safetensors.torch import save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for side in src.iterdir():
+        if side.is_file() and side.suffix != ".safetensors" and side.name != "model.safetensors.index.json":
+            shutil.copy2(side, dst / side.name)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def write_fp8_block_source(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
+    """Fixture SRC as DeepSeek-V3's FP8 release stores it (fp4kit.sources.write_fp8_block_copy)."""
+    from fp4kit.sources import write_fp8_block_copy
+
+    return write_fp8_block_copy(src, dst, block)
+
+
+def write_pack_quantized_source(src: str | Path, dst: str | Path, num_bits: int = 4, group_size: int = 32,
+                                targets: str = r"\.experts\.\d+\.") -> Path:
+    """A single-file bf16 fixture SRC as Kimi-K2-Thinking stores it: the Linears matching ``targets`` (the routed
+    experts) compressed by compressed-tensors' own pack-quantized compressor (symmetric INT, bf16 group scales
+    amax / (2^(b-1) - 0.5), as its min-max observer), the rest bf16 and listed in the config's ignore."""
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from safetensors.torch import load_file
+
+    src, dst = Path(src), Path(dst)
+    tensors = load_file(src / "model.safetensors")
+    weights = QuantizationArgs(num_bits=num_bits, type="int", symmetric=True, strategy="group", group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    ignore = []
+    for module in list(_linear_modules(tensors)):
+        if not re.search(targets, module):
+            ignore.append(module)
+            continue
+        weight = tensors.pop(f"{module}.weight")
+        groups = weight.float().view(weight.shape[0], -1, group_size)
+        scale = (groups.abs().amax(dim=-1) / ((1 << (num_bits - 1)) - 0.5)).clamp(min=1e-8).to(weight.dtype)
+        packed = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale}, scheme)
+        tensors.update({f"{module}.{key}": value for key, value in packed.items()})
+    ignore += [m for m in ("lm_head",) if f"{m}.weight" in tensors]
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                quantization_status="compressed", ignore=sorted(ignore))
+    return _rewrite(src, dst, tensors, config.model_dump(exclude_none=True))
+
+
 def _glm_mtp_layer(tensors: dict[str, torch.Tensor], config, seed: int) -> dict[str, torch.Tensor]:
-    """GLM-4.5 checkpoints carry the MTP layer as `model.layers.{num_hidden_layers}.*`: a full MoE decoder layer
-    plus eh_proj / enorm / hnorm / shared_head. Build one from the last layer's shapes."""
+    """GLM-4.5 and DeepSeek-V3 checkpoints carry the MTP layer as `model.layers.{num_hidden_layers}.*`: a full MoE
+    decoder layer plus eh_proj / enorm / hnorm / shared_head. Build one from the last layer's shapes."""
     last, mtp = config.num_hidden_layers - 1, config.num_hidden_layers
     generator = torch.Generator().manual_seed(seed + 1)
     out = {}

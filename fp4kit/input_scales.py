@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import input_scale_group
 from fp4kit.nvfp4 import GLOBAL_NUMERATOR
 from fp4kit.plan import ModelPlan
 
@@ -17,31 +19,29 @@ ROUTING_STATS_NAME = "fp4kit_routing_stats.json"
 
 def _projection_key(module: str, expert: int | None) -> str:
     """Modules that share one input scale under the `shared` policy: a layer's routed experts, per projection."""
-    if expert is None:
-        return module
-    head, _, leaf = module.rpartition(".")
-    experts_path = head.rsplit(".", 1)[0]
-    # gate and up read the same input: one key for both
-    return f"{experts_path}.*.{'gate_up' if leaf in ('gate_proj', 'up_proj') else leaf}"
+    return module if expert is None else input_scale_group(module)
 
 
 def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: str) -> dict[str, torch.Tensor]:
     """float64 divisor amax / (448*6) per quantized module. `shared` gives every routed expert of a layer the
-    layer's largest amax per projection (EP-invariant, as ModelOpt writes); a module whose amax is 0 or not finite
-    takes its projection's shared value, and failing that a divisor of 1 (multiplier 1, compressed-tensors' own
-    fallback), so no scale is ever 0, Inf or NaN."""
+    layer's largest amax per projection (EP-invariant, as ModelOpt writes); a module whose amax is 0 takes its
+    projection's shared value, and failing that a divisor of 1 (multiplier 1, compressed-tensors' own fallback), so
+    no scale is ever 0, Inf or NaN. A non-finite amax is an error: no default would make the layer's scales right."""
     members = [c for g in plan.groups for c in g.members]
     shared: dict[str, float] = {}
     for c in members:
         amax = input_amax.get(c.linear.module, 0.0)
-        if math.isfinite(amax) and amax > 0:
+        if not math.isfinite(amax):
+            raise Fp4kitError(f"{c.linear.module}: calibration gave a non-finite input amax ({amax}) in layer "
+                              f"{c.layer}: the layer's activations overflow or hold NaN")
+        if amax > 0:
             key = _projection_key(c.linear.module, c.expert)
             shared[key] = max(shared.get(key, 0.0), amax)
     divisors = {}
     for c in members:
         amax = input_amax.get(c.linear.module, 0.0)
         key = _projection_key(c.linear.module, c.expert)
-        if policy == "shared" or not (math.isfinite(amax) and amax > 0):
+        if policy == "shared" or not amax > 0:
             amax = shared.get(key, 0.0)
         divisor = amax / GLOBAL_NUMERATOR if amax > 0 else 1.0
         divisors[c.linear.module] = torch.tensor(divisor, dtype=torch.float64)

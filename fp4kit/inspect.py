@@ -12,7 +12,10 @@ Checks (each finding names the check, the module and a ratio where one applies):
 - nonfinite_weight: NaN or Inf in an unquantized floating tensor.
 - backend_constraint: only for the backends / EP size asked for (CUTLASS gated MoE: I % 64, H % 64; Marlin:
   H % 128, I % 64; TRT-LLM and FlashInfer CUTLASS: E % ep). Without a request they are listed, not counted.
-Streams: one tensor at a time; packed weights are never read (E2M1 codes have no NaN).
+- marlin_zeroed_scales (reported, not a problem): per MoE projection, how many block scales vLLM's Marlin
+  preparation (bf16) stores as 0 (docs/layouts.md, marlin).
+- ``--engine vllm`` adds load-contract checks (fp4kit/engine_checks.py), each citing the vLLM source it comes from.
+Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M1 codes have no NaN).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Finding:
     module: str
     detail: str
     ratio: float | None = None
+    source: str | None = None  # the engine code a load-contract check (--engine) comes from
 
 
 @dataclass
@@ -66,6 +70,9 @@ class InspectReport:
     problems: list[Finding]
     backends: dict[str, str]  # backend -> "ok" or why not
     even_ep_sizes: list[int] = field(default_factory=list)
+    # experts module + ".w13" / ".w2" -> block scales vLLM's Marlin path (bf16) stores as 0 (only where some are)
+    marlin_zeroed_scales: dict[str, int] = field(default_factory=dict)
+    engine: str | None = None
 
     @property
     def clean(self) -> bool:
@@ -102,7 +109,7 @@ def _module_scales(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Fin
     return weight_div, input_div
 
 
-def _block_scale_problems(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Finding]) -> None:
+def _block_scale_problems(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Finding]) -> numpy.ndarray:
     raw = ckpt.read_weight(m).block_scale.view(torch.uint8) if m.expert is not None \
         else ckpt.reader.read(m.block_scale).view(torch.uint8)
     # one pass over the codes (a few elementwise torch ops per module cost ~10x more, most of it thread start-up)
@@ -112,6 +119,18 @@ def _block_scale_problems(ckpt: QuantizedCheckpoint, m: QuantModule, problems: l
     if nan or negative:
         problems.append(Finding("bad_block_scale", m.name, f"{nan} NaN and {negative} negative FP8 block scales "
                                                             f"of {raw.numel()}"))
+    return counts
+
+
+def _marlin_zeroed(histograms: dict[str, numpy.ndarray]) -> dict[str, int]:
+    """Per MoE projection (all experts together), the scales vLLM's Marlin preparation zeroes (layouts.marlin)."""
+    zeroed = {}
+    for key, counts in histograms.items():
+        histogram = torch.from_numpy(counts.astype(numpy.int64))
+        factor = marlin.factor_from_histogram(histogram, torch.bfloat16)
+        if count := marlin.zeroed_from_histogram(histogram, factor):
+            zeroed[key] = count
+    return zeroed
 
 
 def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding]) -> None:
@@ -202,9 +221,15 @@ def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
     return sorted(by_layer.values(), key=lambda s: -1 if s.layer is None else s.layer)
 
 
-def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None) -> InspectReport:
-    """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems."""
+def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
+                       engine: str | None = None) -> InspectReport:
+    """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems, ``engine`` adds that
+    engine's load-contract checks (fp4kit.engine_checks)."""
+    from fp4kit.engine_checks import ENGINES, SOURCES, vllm_checks
     from fp4kit.errors import Fp4kitError
+
+    if engine is not None and engine not in ENGINES:
+        raise Fp4kitError(f"--engine {engine!r}: fp4kit checks {', '.join(ENGINES)}")
 
     for b in backends or []:
         if b not in BACKENDS:
@@ -212,7 +237,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     if ep is not None and ep < 1:
         raise Fp4kitError(f"--ep {ep}: must be at least 1")
     problems: list[Finding] = []
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, strict=False) as ckpt:
         # Every per-tensor scale first (tiny reads, cached as small tensors): created one per module between the
         # block-scale buffers below, they left that heap unreusable and inspect grew ~15 MB per 350 MB layer.
         for m in ckpt.modules:
@@ -220,10 +245,17 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                 if name is not None:
                     ckpt.divisor(name)
         scales: dict[str, tuple[float, float | None]] = {}
+        histograms: dict[str, numpy.ndarray] = {}
         for m in ckpt.modules:
             scales[m.name] = _module_scales(ckpt, m, problems)
-            _block_scale_problems(ckpt, m, problems)
+            counts = _block_scale_problems(ckpt, m, problems)
+            if match := EXPERT.match(m.name):
+                key = f"{match['experts']}.{'w2' if match['proj'] == 'down_proj' else 'w13'}"
+                histograms[key] = histograms[key] + counts if key in histograms else counts
         _group_checks(scales, problems)
+        if engine == "vllm":
+            vllm_checks(ckpt, scales, lambda check, module, detail: problems.append(
+                Finding(check, module, detail, source=SOURCES[check])))
         for name in ckpt.passthrough:
             info = ckpt.reader.info(name)
             if info.dtype.is_floating_point and info.dtype.itemsize > 1:
@@ -241,5 +273,5 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
         return InspectReport(
             str(path), ckpt.dialect, ckpt.scheme, ckpt.family.name if ckpt.family else "unknown", num_experts,
             hidden, inter, _layers(ckpt), problems, compat,
-            [s for s in EP_SIZES if num_experts and num_experts % s == 0],
+            [s for s in EP_SIZES if num_experts and num_experts % s == 0], _marlin_zeroed(histograms), engine,
         )

@@ -20,7 +20,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -33,7 +33,7 @@ from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantMod
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
 from fp4kit.layouts import cutlass, marlin, trtllm
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.output import atomic_directory
 from fp4kit.streaming import BackgroundWriter, prefetched
 
 BACKENDS: dict[str, ModuleType] = {"trtllm": trtllm, "cutlass": cutlass, "marlin": marlin}
@@ -103,6 +103,8 @@ class LayoutReport:
     output_bytes: int
     output_files: list[str]
     seconds: float
+    # experts modules whose per-expert gate/up input scales the kernel cannot hold and which got the layer's max
+    collapsed_input_scales: list[str] = field(default_factory=list)
 
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
@@ -250,7 +252,6 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
     options.validate()
     backend, transform_options = BACKENDS[options.backend], options.transform_options()
     with open_checkpoint(src) as ckpt:
-        check_destination(src, dst, options.overwrite)
         layers = find_moe_layers(ckpt)
         if not layers:
             raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`...experts.E.{{gate,up,down}}_proj`)")
@@ -262,7 +263,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                                             else [PlannedTensor(job, reader.info(job).dtype, reader.info(job).shape)])]
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         entries: dict[str, dict] = {}
-        with atomic_directory(dst) as work:
+        with atomic_directory(dst, src, options.overwrite) as work:
             writer = ShardWriter(work, plan, options.max_shard_bytes, metadata={"producer": "fp4kit",
                                                                                  "fp4kit.layout": options.backend})
             background = BackgroundWriter(writer, QUEUE_DEPTH)
@@ -311,5 +312,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
             copy_side_files(src, work)
             document = manifest(options.backend, options.cutlass_flavor, ACT_DTYPES[options.act_dtype], ckpt, entries)
             (work / MANIFEST).write_text(json.dumps(document, indent=2) + "\n")
+    collapsed = [entry["module"] for entry in document["layers"].values()
+                 if entry["options"].get("collapsed_input_scales13")]
     return LayoutReport(options.backend, len(layers), layers[0].num_experts, len(jobs) - len(layers), input_bytes,
-                        writer.total_bytes, writer.files, time.perf_counter() - start)
+                        writer.total_bytes, writer.files, time.perf_counter() - start, collapsed)

@@ -34,6 +34,12 @@ _VERSION_IN_KERNEL = re.compile(r"\((?:flashinfer-python|vLLM) (?P<version>[0-9]
 
 _W4A4 = {"w13_alpha": "fp32(D_w13) * fp32(D_a13)", "a13_gscale": "1 / fp32(D_a13)",
          "w2_alpha": "fp32(D_w2) * fp32(D_a2)", "a2_gscale": "1 / fp32(D_a2)"}
+# FlashInfer's kernels quantize the hidden states once, before routing: one gate/up input scale for all experts
+_SHARED_A13 = ("max over the layer's experts of input_scale_div13 (the kernel quantizes the hidden states once for "
+               "all experts; options.collapsed_input_scales13 counts the experts whose own scale this replaces)")
+_PER_EXPERT_A13 = "input_scale_div13[e]"
+GATE_UP_INPUT_DIVISOR = {("trtllm", None): _SHARED_A13, ("cutlass", "flashinfer"): _SHARED_A13,
+                         ("cutlass", "vllm"): _PER_EXPERT_A13, ("marlin", None): "unused (W4A16)"}
 SCALAR_FORMULAS: dict[tuple[str, str | None], dict[str, str]] = {
     ("trtllm", None): {
         "output1_scale_gate_scalar": _W4A4["w13_alpha"],
@@ -47,8 +53,8 @@ SCALAR_FORMULAS: dict[tuple[str, str | None], dict[str, str]] = {
     ("marlin", None): {"global_scale1": "fp32(D_w13) * 2^B / options.w13_scale_factor",
                        "global_scale2": "fp32(D_w2) * 2^B / options.w2_scale_factor"},
 }
-FORMULA_NOTATION = ("per expert e: D_w13 = w13_global_scale_div[e], D_w2 = w2_global_scale_div[e], D_a13 = "
-                    "input_scale_div13[e], D_a2 = input_scale_div2[e] (float64 divisors); fp32(x) rounds to nearest "
+FORMULA_NOTATION = ("per expert e: D_w13 = w13_global_scale_div[e], D_w2 = w2_global_scale_div[e], D_a13 = see "
+                    "D_a13, D_a2 = input_scale_div2[e] (float64 divisors); fp32(x) rounds to nearest "
                     "fp32; then fp32 arithmetic, left to right; B = 119 for bfloat16, 7 for float16 activations")
 
 
@@ -103,7 +109,7 @@ def manifest(backend: str, flavor: str, act_dtype: torch.dtype, ckpt: QuantizedC
         "source": {"dialect": ckpt.dialect, "scheme": ckpt.scheme,
                    "family": ckpt.family.name if ckpt.family else None},
         "tensor_name": "<module>.<argument>",
-        "scalar_formulas": {"notation": FORMULA_NOTATION, **SCALAR_FORMULAS[key]},
+        "scalar_formulas": {"notation": FORMULA_NOTATION, "D_a13": GATE_UP_INPUT_DIVISOR[key], **SCALAR_FORMULAS[key]},
         "layers": dict(sorted(layers.items(), key=lambda item: int(item[0]))),
     }
 

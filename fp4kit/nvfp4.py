@@ -1,4 +1,4 @@
-"""The canonical NVFP4 tensor and its math (DESIGN.md §2).
+"""The canonical NVFP4 tensor and its math (README.md; compressed-tensors' NVFP4 quantization is the reference).
 
 One form everywhere inside fp4kit: E2M1 codes packed two per byte along K (low nibble first), FP8 E4M3 block
 scales over 16 consecutive K elements, and one per-tensor global scale kept in *divisor* form D = amax / (448*6)
@@ -158,10 +158,20 @@ def quantize(
     if native and nvfp4_cpu.handles(weight) and amax_per_block.dtype == torch.bfloat16:
         return _quantize_native(weight, global_mul.to(torch.float32).cpu(), amax_per_block.contiguous())
     global_mul = _per_leading_index(global_mul.to(device=weight.device, dtype=torch.float32), amax_per_block.dim())
-    fp4_max = torch.tensor(FP4_MAX, dtype=amax_per_block.dtype, device=weight.device)
+    return _encode_with_scales(weight, global_mul, rtn_block_scale(amax_per_block, global_mul), global_shape)
+
+
+def rtn_block_scale(amax_per_block: torch.Tensor, global_mul: torch.Tensor) -> torch.Tensor:
+    """fp32 values of the round-to-nearest FP8 block scales fp8(G * (amax_blk / 6)), amax_blk / 6 in amax's dtype;
+    0.125 for all-zero blocks. ``global_mul`` fp32, broadcastable against the amax."""
+    fp4_max = torch.tensor(FP4_MAX, dtype=amax_per_block.dtype, device=amax_per_block.device)
     scale = torch.clamp(global_mul * (amax_per_block / fp4_max), -FP8_MAX, FP8_MAX)
     block_scale_f32 = scale.to(torch.float8_e4m3fn).to(torch.float32)
-    block_scale_f32 = torch.where(block_scale_f32 == 0, ZERO_BLOCK_SCALE, block_scale_f32)
+    return torch.where(block_scale_f32 == 0, ZERO_BLOCK_SCALE, block_scale_f32)
+
+
+def _encode_with_scales(weight: torch.Tensor, global_mul: torch.Tensor, block_scale_f32: torch.Tensor,
+                        global_shape: torch.Size) -> NVFP4Tensor:
     divisor = block_scale_f32 / global_mul
     packed = encode_blocks(weight.unflatten(-1, (-1, BLOCK)), divisor)
     return NVFP4Tensor(packed, block_scale_f32.to(torch.float8_e4m3fn),

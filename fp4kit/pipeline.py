@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 
 from fp4kit import __version__, distributed
 from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
@@ -77,17 +77,26 @@ class Summary:
             lines += [f"- note: {note}" for note in self.verify.get("notes", [])]
             lines += [f"- backend {b['name']}: {'ran' if b['ran'] else 'skipped'} ({b['reason']})"
                       for b in self.verify.get("backends", [])]
-            lines += ["", "| layer | check | target | tokens | result | error / tolerance | detail |",
-                      "|---:|---|---|---:|---|---|---|"]
-            lines += [_verify_row(r) for r in self.verify.get("results", [])]
+            lines += ["", "| check | target | layers | worst error (tolerance) | result | detail |",
+                      "|---|---|---|---|---|---|"]
+            lines += [_verify_row(row) for row in _verify_rows(self.verify.get("results", []))]
         return "\n".join(lines) + "\n"
 
 
-def _verify_row(result: dict) -> str:
-    error = "" if result.get("error") is None else f"{result['error']:.3g} / {result.get('tolerance') or '-'}"
-    cells = [result.get("layer"), result.get("check"), result.get("target"), result.get("tokens"),
-             "pass" if result.get("passed") else "**FAIL**", error, result.get("detail", "")]
-    return "| " + " | ".join("" if c is None else str(c).replace("|", "/") for c in cells) + " |"
+def _verify_rows(results: list[dict]) -> list[tuple[str, ...]]:
+    """One row per check and target with its worst layer, as `fp4kit verify` prints them."""
+    from fp4kit.verify.report import result_from_json, summary_rows
+
+    return summary_rows([result_from_json(r) for r in results])
+
+
+_STATUS_CELL = {"FAIL": "**FAIL**"}
+
+
+def _verify_row(row: tuple[str, ...]) -> str:
+    check, target, layers, error, status, detail = row
+    cells = [check, target, layers, error, _STATUS_CELL.get(status, status), detail]
+    return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
 
 
 def fingerprint(path: Path) -> str:
@@ -129,10 +138,18 @@ def write_marker(workdir: Path, step: str, marker: dict) -> None:
 
 
 def _bar(console: Console, step: str) -> Progress:
-    # verify reports MoE layers done; the other steps report bytes
+    # verify reports checks done (layers x checks); the other steps report bytes
     amount = MofNCompleteColumn() if step == "verify" else DownloadColumn()
     return Progress("[progress.description]{task.description}", BarColumn(), amount, TimeElapsedColumn(),
                     console=console, transient=True, disable=not console.is_terminal)
+
+
+def _notify(bar: Progress, task: TaskID, step: str, text: str) -> None:
+    """A warning is printed (above the bar on a terminal); other lines only name the bar's current phase."""
+    if text.startswith("warning: "):
+        bar.console.print(f"{step}: {text}", markup=False, highlight=False)
+    else:
+        bar.update(task, description=f"{step} {text}")
 
 
 # steps whose library function splits its work across torchrun's ranks; the others run on rank 0
@@ -154,6 +171,7 @@ def _run_step(step: str, ctx: StepContext, workdir: Path, key: str, console: Con
     with _bar(console, step) as bar:
         task = bar.add_task(step, total=None)
         ctx.progress = lambda done, total: bar.update(task, completed=done, total=total)
+        ctx.notify = lambda text: _notify(bar, task, step, text)
         if step in DISTRIBUTED_STEPS:
             report = STEP_FUNCTIONS[step](ctx, output)
         else:
@@ -187,12 +205,13 @@ def run_loaded(loaded: LoadedRecipe, workdir: Path | None = None, console: Conso
     keys = {SOURCE: fingerprint(model)}
     ctx = StepContext(recipe, {SOURCE: model})
     records: list[StepRecord] = []
-    for step in recipe.steps():
-        inputs = {name: keys[name] for name in upstream(step, recipe)}
-        inputs |= {str(path): fingerprint(path) for path in input_files(step, recipe)}
-        keys[step] = step_key(step, recipe.step_options(step), inputs)
-        records.append(_run_step(step, ctx, workdir, keys[step], console, ranks))
-        ctx.outputs[step] = workdir / step
+    with ranks.exclusive(workdir):  # a second run of the same workdir is refused, not interleaved
+        for step in recipe.steps():
+            inputs = {name: keys[name] for name in upstream(step, recipe)}
+            inputs |= {str(path): fingerprint(path) for path in input_files(step, recipe)}
+            keys[step] = step_key(step, recipe.step_options(step), inputs)
+            records.append(_run_step(step, ctx, workdir, keys[step], console, ranks))
+            ctx.outputs[step] = workdir / step
     # only rank 0 ran verify: the others report no result rather than a failed one
     verify = next((r.report for r in records if r.name == "verify"), None) if ranks.main else None
     summary = Summary(str(loaded.path), recipe.name, recipe.model, recipe.family, str(workdir), records,

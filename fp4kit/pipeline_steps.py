@@ -25,6 +25,7 @@ class StepContext:
     recipe: Recipe
     outputs: dict[str, Path]  # step name -> its finished output directory; SOURCE -> the model directory
     progress: Progress = None
+    notify: Callable[[str], None] | None = None  # a line about the step's progress (verify: each layer, warnings)
 
     def checkpoint(self) -> Path:
         """The newest dialect checkpoint: repair's, else quantize's, else the model."""
@@ -159,7 +160,7 @@ def run_verify(ctx: StepContext, dst: Path) -> dict:
         layouts=[ctx.outputs["layout"]] if "layout" in ctx.outputs else [], mode=section.mode, device=device,
         seed=section.seed, tol_kernel=section.tol_kernel, tol_source=section.tol_source,
     )
-    report = verify_checkpoint(ctx.checkpoint(), options, ctx.progress)
+    report = verify_checkpoint(ctx.checkpoint(), options, ctx.progress, ctx.notify)
     report.notes.extend(notes)
     with atomic_directory(dst) as work:
         report.write_json(work / "report.json")

@@ -1,4 +1,4 @@
-"""Expert placement for expert parallelism: which rank holds which expert of a MoE layer (DESIGN.md §6).
+"""Expert placement for expert parallelism: which rank holds which expert of a MoE layer (docs/formats.md).
 
 A placement of one layer is a list ``rank_of[e]`` for the layer's E experts. Three strategies:
 

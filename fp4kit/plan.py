@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import Candidate, Family, fused_groups, linear_candidates
+from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
 from fp4kit.nvfp4 import BLOCK
+from fp4kit.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype
 
 
 def _compile(patterns: list[str], what: str) -> list[re.Pattern[str]]:
@@ -57,6 +58,22 @@ class ModelPlan:
     passthrough: list[str]
     ignored_modules: list[str]  # Linears left unquantized, for the config's ignore list
     jobs: list[QuantGroup | str] = field(default_factory=list)  # execution (and output) order
+    source: SourceFormat | None = None  # how SRC stores its Linears (None: unquantized)
+
+
+class DequantizedWeight(str):
+    """A passthrough job: ``<module>.weight`` of a Linear the source stores quantized and that stays unquantized
+    in the output, written dequantized in the model's dtype (fp32 product, one rounding): the engines read an
+    ignored module as a plain weight, as llm-compressor's model-free path with compressed-tensors'
+    FP8BlockDequantizer writes it."""
+
+    linear: QuantizedLinear
+    dtype: torch.dtype
+
+    def __new__(cls, linear: QuantizedLinear, dtype: torch.dtype) -> DequantizedWeight:
+        job = super().__new__(cls, f"{linear.module}.weight")
+        job.linear, job.dtype = linear, dtype
+        return job
 
 
 def build_plan(
@@ -66,16 +83,20 @@ def build_plan(
     targets: list[str] | None = None,
     default_ignore: bool = True,
     modelopt_layout: bool = False,
+    dequant_dtype: str = "fp32",
 ) -> ModelPlan:
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
-    on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down)."""
+    on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down).
+
+    A source that stores Linears quantized (fp4kit.sources) plans them as their dequantized [N, K] weights:
+    ``dequant_dtype`` fp32 (one rounding) or bf16 (the peers' bf16 intermediate); their scale tensors are consumed,
+    and those left unquantized are written dequantized in the model's dtype."""
     family = detect(config)
-    text_config = family.text_config(config)
-    shapes = {name: info.shape for name, info in reader.tensors.items()}
-    try:
-        candidates = linear_candidates(shapes, text_config, family.moe_intermediate(text_config))
-    except KeyError as exc:
-        raise Fp4kitError(f"config.json lacks {exc.args[0]!r}, which {family.name} needs") from None
+    source, shapes = source_view(reader, config, dequant_dtype)
+    consumed_by_source = source.consumed()
+    text_config = family.check_config(config, shapes)
+    candidates = [_with_source(c, source) for c in
+                  linear_candidates(shapes, text_config, family.moe_intermediate(text_config))]
     ignore_res = _compile((family.default_ignore(config) if default_ignore else []) + (ignore or []), "--ignore")
     target_res = _compile(targets or [], "--targets")
 
@@ -86,12 +107,16 @@ def build_plan(
         return not target_res or any(r.search(module) for r in target_res)
 
     chosen = [c for c in candidates if selected(c)]
+    if target_res and not chosen:
+        raise Fp4kitError(f"--targets {' '.join(targets or [])}: no Linear to quantize matches (after the ignores)")
     for c in chosen:
         if c.linear.in_features % BLOCK:
             raise Fp4kitError(
                 f"{c.linear.source.tensor}: input dimension {c.linear.in_features} of {c.linear.module} is not "
                 f"divisible by {BLOCK} (NVFP4 blocks); exclude it with --ignore"
             )
+        if c.linear.source.quantized is not None:
+            continue
         dtype = reader.info(c.linear.source.tensor).dtype
         if not dtype.is_floating_point or dtype.itemsize == 1:
             raise Fp4kitError(f"{c.linear.source.tensor}: dtype {dtype} cannot be quantized (already quantized?)")
@@ -101,11 +126,67 @@ def build_plan(
     groups = [QuantGroup(g) for g in grouped]
     consumed = {c.linear.source.tensor for c in chosen}
     ignored_modules = sorted({_ignore_name(c) for c in candidates if c.linear.source.tensor not in consumed})
-    passthrough = [name for name in reader.names() if name not in consumed]
+    consumed |= {t for c in chosen if c.linear.source.quantized for t in c.linear.source.quantized.tensors}
+    passthrough: list[str] = []
+    kept_dtype = model_dtype(config)
+    for name in reader.names():
+        if name in consumed:
+            continue
+        if name in consumed_by_source:  # a quantized Linear left unquantized: its weight, dequantized
+            linear = next(q for q in source.linears.values() if name in q.tensors)
+            if name == linear.tensor:
+                passthrough.append(DequantizedWeight(linear, kept_dtype))
+            continue
+        passthrough.append(name)
 
     jobs: list[QuantGroup | str] = [*groups, *passthrough]
     jobs.sort(key=lambda j: _order_key(j.members[0].linear.source.tensor if isinstance(j, QuantGroup) else j))
-    return ModelPlan(family, config, text_config, groups, passthrough, ignored_modules, jobs)
+    return ModelPlan(family, config, text_config, groups, passthrough, ignored_modules, jobs,
+                     source if source.quantized else None)
+
+
+def source_view(reader: CheckpointReader, config: dict,
+                dequant_dtype: str = "fp32") -> tuple[SourceFormat, dict[str, tuple[int, ...]]]:
+    """How SRC stores its Linears, and its tensors' shapes as the model sees them: a quantized Linear's tensors
+    stand in as ``<module>.weight`` [N, K]."""
+    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()}, dequant_dtype)
+    consumed = source.consumed()
+    shapes = {name: info.shape for name, info in reader.tensors.items() if name not in consumed}
+    shapes.update({f"{m}.weight": (q.out_features, q.in_features) for m, q in source.linears.items()})
+    return source, shapes
+
+
+def source_candidates(reader: CheckpointReader, config: dict, prefix: str = "",
+                      dequant_dtype: str = "fp32") -> list[Candidate]:
+    """SRC's Linears whose names start with ``prefix`` (e.g. one layer's experts, for verify --source), as the plan
+    sees them: ``read_group_weights`` returns them dequantized when SRC stores them quantized."""
+    family = detect(config)
+    source, shapes = source_view(reader, config, dequant_dtype)
+    text_config = family.text_config(config)
+    shapes = {name: shape for name, shape in shapes.items() if name.startswith(prefix)}
+    return [_with_source(c, source) for c in
+            linear_candidates(shapes, text_config, family.moe_intermediate(text_config))]
+
+
+def read_linear_weight(reader: CheckpointReader, source: SourceFormat | None, module: str) -> torch.Tensor:
+    """``<module>.weight`` as the model sees it: dequantized in fp32 when SRC stores it quantized."""
+    quantized = source.linears.get(module) if source is not None else None
+    return dequantize(reader, quantized, torch.float32) if quantized else reader.read(f"{module}.weight")
+
+
+def refuse_calibration(plan: ModelPlan) -> None:
+    """W4A4 calibration (fp4kit.calibrate) loads the source's layers with their stored tensors: from a quantized
+    source it would run FP8 codes or packed integers as weights. Refuse until it dequantizes them."""
+    if plan.source is not None:
+        raise Fp4kitError(f"config.json: quantization_config: a {plan.source.name} source cannot be calibrated for "
+                          "W4A4 (--scheme nvfp4) yet; quantize it data-free with --scheme nvfp4a16")
+
+
+def _with_source(c: Candidate, source: SourceFormat) -> Candidate:
+    quantized = source.linears.get(c.linear.module)
+    if quantized is None or c.linear.source.tensor != f"{c.linear.module}.weight":
+        return c
+    return replace(c, linear=replace(c.linear, source=SourceRef(quantized.tensor, quantized=quantized)))
 
 
 def _merge_fused_experts(groups: list[list[Candidate]]) -> list[list[Candidate]]:
@@ -136,22 +217,56 @@ def _order_key(name: str) -> tuple[int, str]:
 
 
 def planned_passthrough(reader: CheckpointReader, name: str) -> PlannedTensor:
+    if isinstance(name, DequantizedWeight):
+        return PlannedTensor(name, name.dtype, (name.linear.out_features, name.linear.in_features))
     info = reader.info(name)
     return PlannedTensor(name, info.dtype, info.shape)
 
 
-def read_group_weights(reader: CheckpointReader, group: QuantGroup) -> list[torch.Tensor]:
-    """The [N, K] weights of a group's Linears; one fused expert row is read once for gate and up."""
+def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.device | str | None = None) -> object:
+    """A job's data: a group's weights (``read_group_weights``, quantized sources dequantized on ``device``) or a
+    passthrough tensor as the output holds it."""
+    if isinstance(job, QuantGroup):
+        return read_group_weights(reader, job, device)
+    if isinstance(job, DequantizedWeight):
+        return dequantize(reader, job.linear, torch.float32).to(job.dtype)
+    return reader.read(job)
+
+
+def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
+    """Bytes a job reads from SRC (for progress and for splitting work between ranks)."""
+    if isinstance(job, QuantGroup):
+        total = 0
+        for c in job.members:
+            src = c.linear.source
+            if src.quantized is not None:
+                total += sum(reader.info(t).nbytes for t in src.quantized.tensors)
+            else:
+                total += c.linear.out_features * c.linear.in_features * reader.info(src.tensor).dtype.itemsize
+        return total
+    if isinstance(job, DequantizedWeight):
+        return sum(reader.info(t).nbytes for t in job.linear.tensors)
+    return reader.info(job).nbytes
+
+
+def read_group_weights(reader: CheckpointReader, group: QuantGroup,
+                       device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """The [N, K] weights of a group's Linears; one fused expert row is read once for gate and up. Linears the
+    source stores quantized come dequantized (fp32 or bf16, as planned), on ``device`` when given (a GPU: the
+    stored bytes are copied there and dequantized there; other weights stay on the CPU)."""
     rows: dict[tuple[str, int], torch.Tensor] = {}
     weights = []
     for c in group.members:
         src = c.linear.source
+        if src.quantized is not None:
+            weights.append(dequantize(reader, src.quantized, device=device))
+            continue
         if src.expert is None:
-            weights.append(reader.read(src.tensor))
+            weights.append(reader.read(src.tensor, check_finite=False))  # quantizing checks them
             continue
         key = (src.tensor, src.expert)
         if key not in rows:
-            rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1)[0]
+            rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1, check_finite=False)[0]
         matrix = rows[key].t() if src.transposed else rows[key]  # [N_total, K]
         if src.span is not None:
             matrix = matrix[src.span[0] : src.span[1]]

@@ -22,11 +22,15 @@ from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.output import check_destination
-from fp4kit.plan import ModelPlan, QuantGroup, build_plan, planned_passthrough, read_group_weights
+from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job, refuse_calibration
+from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.streaming import BackgroundWriter, prefetched
 
 SCHEMES = ("nvfp4a16", "nvfp4")
+METHODS = ("rtn", "mse", "gptq")
+# where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
+# the source model's (a separate calibration pass first, as rtn does)
+INPUT_SCALE_SOURCES = ("source", "quantized")
 FORMATS = ("compressed-tensors", "modelopt")
 QUEUE_DEPTH = 3
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
@@ -53,6 +57,16 @@ class QuantizeOptions:
     seq_len: int = 512
     batch_size: int = 8
     moe_input_scales: str = "shared"
+    # quantized sources (FP8 block, INT pack-quantized): dequantize to fp32 (one rounding) or bf16 (the peers' two)
+    dequant_dtype: str = "fp32"
+    # rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (importance-weighted
+    # by calibration data when a calibration pass runs: scheme nvfp4, or calib given); gptq: GPTQ (calibrated)
+    method: str = "rtn"
+    gptq_damp: float = 0.01
+    gptq_block_size: int = 128
+    gptq_min_tokens: int = 32
+    gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
+    input_scales_from: str = "source"
 
 
 @dataclass
@@ -65,6 +79,8 @@ class QuantizeReport:
     output_bytes: int
     output_files: list[str]
     seconds: float
+    method: str = "rtn"
+    fallback_modules: list[str] = field(default_factory=list)  # gptq / weighted mse: quantized by data-free mse
 
 
 def _validate(options: QuantizeOptions) -> None:
@@ -72,21 +88,35 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"unknown scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}")
     if options.moe_input_scales not in POLICIES:
         raise Fp4kitError(f"unknown --moe-input-scales {options.moe_input_scales!r}; choose {' or '.join(POLICIES)}")
+    if options.method not in METHODS:
+        raise Fp4kitError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")
+    if options.input_scales_from not in INPUT_SCALE_SOURCES:
+        raise Fp4kitError(f"unknown input scale source {options.input_scales_from!r}; choose "
+                          f"{' or '.join(INPUT_SCALE_SOURCES)}")
+    if (options.method != "rtn" and options.scheme == "nvfp4" and options.format == "modelopt"
+            and options.input_scales_from == "quantized"):
+        raise Fp4kitError("--input-scales-from quantized: ModelOpt output records its exact input scales before the "
+                          "weights are written, and that pass finds them only as it goes; use source")
+    if not options.gptq_damp > 0:
+        raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
+    if options.gptq_scales not in ("mse", "rtn"):
+        raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
+    if options.gptq_min_tokens < 1:
+        raise Fp4kitError(f"--gptq-min-tokens must be at least 1, got {options.gptq_min_tokens}")
+    if options.gptq_block_size < 16 or options.gptq_block_size % 16:
+        raise Fp4kitError(f"GPTQ block size must be a positive multiple of 16, got {options.gptq_block_size}")
     if options.format not in FORMATS:
         raise Fp4kitError(f"unknown format {options.format!r}; choose one of {', '.join(FORMATS)}")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise Fp4kitError(f"--device {options.device}: no CUDA device is available")
 
 
-def _read_job(reader: CheckpointReader, job: QuantGroup | str) -> object:
-    return read_group_weights(reader, job) if isinstance(job, QuantGroup) else reader.read(job)
+def _read_job(reader: CheckpointReader, job: QuantGroup | str, device: str = "cpu") -> object:
+    # a quantized source's stored bytes are dequantized on the GPU when quantizing there
+    return read_job(reader, job, device if device.startswith("cuda") else None)
 
 
-def _job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
-    if isinstance(job, QuantGroup):
-        return sum(c.linear.out_features * c.linear.in_features * reader.info(c.linear.source.tensor).dtype.itemsize
-                   for c in job.members)
-    return reader.info(job).nbytes
+_job_bytes = job_bytes
 
 
 def _format_module(options: QuantizeOptions):
@@ -100,6 +130,26 @@ def _fused_output(group: QuantGroup, options: QuantizeOptions) -> tuple[str, str
         return None
     experts, leaf = tensor.rsplit(".", 1)
     return experts, leaf
+
+
+def _exact_input_scales(plan: ModelPlan, options: QuantizeOptions, input_divs: dict[str, torch.Tensor]) -> dict:
+    """ModelOpt output: the safetensors metadata recording calibrated input divisors that no fp32 divisor holds
+    faithfully (fp4kit.formats.detect, ``EXACT_SCALES_KEY``), so converting to compressed-tensors restores the
+    multiplier that quantizing to compressed-tensors writes. Known before writing: calibration runs first."""
+    from fp4kit.formats.detect import EXACT_SCALES_KEY, MO, needs_exact_record
+
+    if options.format != "modelopt" or not input_divs:
+        return {}
+    exact = {}
+    for group in plan.groups:
+        fused = _fused_output(group, options)
+        for c in group.members:
+            divisor = input_divs.get(c.linear.module)
+            if divisor is None or not bool(needs_exact_record(MO, divisor.double())):
+                continue
+            name = mo.fused_names(*fused)[mo.INPUT_SCALE] if fused else f"{c.linear.module}.{mo.INPUT_SCALE}"
+            exact[name] = float(divisor).hex()
+    return {EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {}
 
 
 def _per_expert(group: QuantGroup, quantized: list[NVFP4Tensor]) -> list[NVFP4Tensor]:
@@ -145,9 +195,11 @@ def quantize_tensors(
 ) -> dict:
     device = torch.device(options.device)
     try:
-        quantized = quantize_group(
-            [w.to(device, non_blocking=True) for w in weights], options.exact_fp32_global_scale, options.native_cpu
-        )
+        on_device = [w.to(device, non_blocking=True) for w in weights]
+        if options.method == "mse":
+            quantized = quantize_group_mse(on_device, options.exact_fp32_global_scale, native=options.native_cpu)
+        else:
+            quantized = quantize_group(on_device, options.exact_fp32_global_scale, options.native_cpu)
     except NonFiniteError:
         raise _nonfinite_error([group], [weights]) from None
     quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
@@ -187,7 +239,10 @@ class GroupBatcher:
     def _quantize(self, groups: list[QuantGroup], rows: list[torch.Tensor]) -> None:
         try:
             stack = torch.stack(rows) if len(rows) > 1 else rows[0].unsqueeze(0)
-            stacked = quantize_stacked(stack, self.options.exact_fp32_global_scale, self.options.native_cpu)
+            if self.options.method == "mse":
+                stacked = quantize_stacked_mse(stack, self.options.exact_fp32_global_scale)
+            else:
+                stacked = quantize_stacked(stack, self.options.exact_fp32_global_scale, self.options.native_cpu)
         except NonFiniteError:
             members = [list(row.split([c.linear.out_features for c in g.members]))
                        for g, row in zip(groups, rows, strict=True)]
@@ -230,6 +285,7 @@ def _calibrate(
     share of the batches and the statistics are combined."""
     if options.scheme != "nvfp4":
         return {}, {}
+    refuse_calibration(plan)
     from fp4kit.calib_data import load_calibration
     from fp4kit.calibrate import calibrate
 
@@ -239,6 +295,85 @@ def _calibrate(
     result = calibrate(src, token_ids, options.device, options.batch_size, modules, batch_share=ranks.batch_share)
     result = ranks.combine_calibration(result, sorted(modules))
     return input_scale_divisors(plan, result.input_amax, options.moe_input_scales), result.routing_counts
+
+
+def calibrated_method(options: QuantizeOptions) -> bool:
+    """gptq, and mse where a calibration pass runs anyway (W4A4) or calibration text is given: the layer pass."""
+    return options.method == "gptq" or (options.method == "mse" and (options.scheme == "nvfp4" or
+                                                                      options.calib is not None))
+
+
+def _quantize_calibrated(
+    src: Path, reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions,
+    source_input_divs: dict[str, torch.Tensor] | None, put: Callable[[dict[str, torch.Tensor]], None],
+    progress: Callable[[int, int], None] | None,
+) -> tuple[list[str], dict[int, list[int]]]:
+    """The calibrated methods: passthrough tensors first, then layer by layer the calibration pass quantizes each
+    layer's groups (fp4kit.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are known;
+    groups outside the text model's decoder layers last, by data-free mse. Returns the modules that fell back to
+    data-free or weighted mse, and the routing counts."""
+    from fp4kit.calib_data import load_calibration
+    from fp4kit.calibrate import calibrate_quantized
+    from fp4kit.gptq import GptqOptions, LayerQuantizer
+
+    total = sum(_job_bytes(reader, job) for job in plan.jobs)
+    done = 0
+    for job in plan.jobs:
+        if not isinstance(job, QuantGroup):
+            put({job: _read_job(reader, job, options.device)})  # type: ignore[dict-item]
+            done += _job_bytes(reader, job)
+    by_layer: dict[int, list[QuantGroup]] = {}
+    for group in plan.groups:
+        if group.layer is not None:
+            by_layer.setdefault(group.layer, []).append(group)
+    pending: list[tuple[QuantGroup, list[NVFP4Tensor]]] = []
+    quantizer = LayerQuantizer(
+        reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
+        torch.device(options.device), options.exact_fp32_global_scale,
+        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens),
+        native=options.native_cpu,
+    )
+    with_input = options.scheme == "nvfp4"
+
+    def divisors(groups: list[QuantGroup], input_amax: dict[str, float]) -> dict[str, torch.Tensor]:
+        if not with_input:
+            return {}
+        if source_input_divs is not None:
+            return source_input_divs
+        return input_scale_divisors(replace(plan, groups=groups), input_amax, options.moe_input_scales)
+
+    def on_layer(index: int, result) -> None:
+        nonlocal done
+        divs = divisors([g for g, _ in pending], result.input_amax)
+        for group, quantized in pending:
+            put(encode_group(group, quantized, options, divs))
+            done += _job_bytes(reader, group)
+        pending.clear()
+        if progress:
+            progress(done, total)
+
+    vocab_size = int(plan.text_config["vocab_size"])
+    token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
+    modules = {c.linear.module for g in plan.groups for c in g.members}
+    result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
+                                 full_hessians=options.method == "gptq", on_layer=on_layer)
+    rest = [g for g in plan.groups if id(g) not in quantizer.done]
+    divs = divisors(rest, result.input_amax)
+    fallbacks = list(quantizer.fallbacks)
+    for group in rest:
+        weights = _read_job(reader, group, options.device)
+        try:
+            quantized = quantize_group_mse([w.to(options.device) for w in weights], options.exact_fp32_global_scale,
+                                           native=options.native_cpu)
+        except NonFiniteError:
+            raise _nonfinite_error([group], [weights]) from None
+        quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
+        put(encode_group(group, quantized, options, divs))
+        fallbacks.extend(c.linear.module for c in group.members)
+        done += _job_bytes(reader, group)
+        if progress:
+            progress(done, total)
+    return fallbacks, result.routing_counts
 
 
 def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
@@ -284,44 +419,58 @@ def _quantize_checkpoint(
     _validate(options)
     start = time.perf_counter()
     config = read_config(src)
-    check_destination(src, dst, options.overwrite)
-    with CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader:
+    with (ranks.output_directory(dst, src, options.overwrite) as work,
+          CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
-                          modelopt_layout=options.format == "modelopt")
+                          modelopt_layout=options.format == "modelopt", dequant_dtype=options.dequant_dtype)
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
             _fused_output(g, options) for g in plan.groups
         ):
             raise Fp4kitError(f"--moe-input-scales per-expert: ModelOpt's fused {plan.family.name} experts store one "
                               "input scale per layer; use shared")
         planned = output_plan(reader, plan, options)
+        calibrated = calibrated_method(options)
+        if calibrated and ranks.world > 1:
+            raise Fp4kitError(f"--method {options.method} runs in one process; start it without torchrun")
+        if calibrated and plan.source is not None:  # its layers would load FP8 codes or packed integers as weights
+            raise Fp4kitError(f"config.json: quantization_config: a {plan.source.name} source cannot be calibrated "
+                              f"(--method {options.method}) yet; use --method rtn, or mse without --calib")
         jobs = ranks.assign(plan.jobs, [_job_bytes(reader, job) for job in plan.jobs])
-        input_divs, routing_counts = _calibrate(src, plan, options, ranks)
+        source_scales = not calibrated or (options.scheme == "nvfp4" and options.input_scales_from == "source")
+        input_divs, routing_counts = _calibrate(src, plan, options, ranks) if source_scales else ({}, {})
+        fallbacks: list[str] = []
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
-        with ranks.output_directory(dst) as work:
-            writer = ranks.shard_writer(work, planned, options.max_shard_bytes, {"producer": "fp4kit"},
-                                        output_plan(reader, replace(plan, jobs=jobs), options))
-            background = BackgroundWriter(writer, QUEUE_DEPTH)
-            stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
-            batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
-            try:
-                for job, data in prefetched(jobs, lambda job: _read_job(reader, job), QUEUE_DEPTH):
-                    if isinstance(job, QuantGroup):
-                        batcher.add(job, data)  # type: ignore[arg-type]
-                        done += sum(w.numel() * w.element_size() for w in data)  # type: ignore[union-attr]
-                    else:
-                        background.put({job: data})  # type: ignore[dict-item]
-                        done += reader.info(job).nbytes
-                    if progress:
-                        progress(min(done, share_bytes), share_bytes)
-                batcher.flush()
-            finally:
-                background.close()
-            writer.finish()
-            ranks.sync()  # every rank's tensors are in place
-            if ranks.main:
-                _write_side_files(work, src, config, plan, options, routing_counts)
+        metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
+        writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
+                                    output_plan(reader, replace(plan, jobs=jobs), options))
+        background = BackgroundWriter(writer, QUEUE_DEPTH)
+        stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
+        batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
+        try:
+            if calibrated:
+                fallbacks, pass_counts = _quantize_calibrated(
+                    src, reader, plan, options, input_divs if source_scales else None, background.put, progress)
+                routing_counts = routing_counts or pass_counts
+            streamed = [] if calibrated else prefetched(
+                jobs, lambda job: _read_job(reader, job, options.device), QUEUE_DEPTH)
+            for job, data in streamed:
+                if isinstance(job, QuantGroup):
+                    batcher.add(job, data)  # type: ignore[arg-type]
+                    done += _job_bytes(reader, job)
+                else:
+                    background.put({job: data})  # type: ignore[dict-item]
+                    done += _job_bytes(reader, job)
+                if progress:
+                    progress(min(done, share_bytes), share_bytes)
+            batcher.flush()
+        finally:
+            background.close()
+        writer.finish()
+        ranks.sync()  # every rank's tensors are in place
+        if ranks.main:
+            _write_side_files(work, src, config, plan, options, routing_counts)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),
@@ -331,5 +480,7 @@ def _quantize_checkpoint(
         output_bytes=writer.total_bytes,
         output_files=writer.files,
         seconds=time.perf_counter() - start,
+        method=options.method,
+        fallback_modules=fallbacks,
     )
 

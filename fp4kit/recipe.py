@@ -12,6 +12,7 @@ family against the model's config.json, and each backend's shape and expert-para
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +24,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from fp4kit.errors import Fp4kitError
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
-CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales")
+CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales", "method", "gptq_damp",
+                       "gptq_min_tokens", "gptq_scales", "input_scales_from")
 KeyPath = tuple[str | int, ...]
+# A recipe is a few dozen keys. YAML aliases may repeat a value, not multiply the recipe: a few hundred bytes of
+# nested anchors would otherwise expand to billions of values before any check could look at them.
+MAX_RECIPE_BYTES = 1 << 20
+MAX_VALUES = 10_000  # scalars, lists and mappings after alias expansion
+MAX_SHOWN = 60  # characters of a value or key quoted in an error line
+MAX_PROBLEMS = 50  # problems listed for one recipe
 
 
 class _Options(BaseModel):
@@ -48,6 +56,11 @@ class QuantizeStep(_Options):
     seq_len: int | None = Field(default=None, ge=1)
     batch_size: int | None = Field(default=None, ge=1)
     moe_input_scales: Literal["shared", "per-expert"] | None = None
+    method: Literal["rtn", "mse", "gptq"] | None = None  # None: fp4kit quantize's default (rtn)
+    gptq_damp: float | None = Field(default=None, gt=0)
+    gptq_min_tokens: int | None = Field(default=None, ge=1)
+    gptq_scales: Literal["mse", "rtn"] | None = None
+    input_scales_from: Literal["source", "quantized"] | None = None
 
 
 class RepairStep(_Options):
@@ -149,9 +162,35 @@ class Origins:
                 return f"{self.file}:{self.lines[key[:end]]}"
         return self.file
 
+    def problem(self, key: KeyPath, message: str) -> str:
+        name = _clip(".".join(str(k) for k in key))
+        return f"{self.where(key)}: {name + ': ' if name else ''}{message}"
+
     def error(self, key: KeyPath, message: str) -> Fp4kitError:
-        name = ".".join(str(k) for k in key)
-        return Fp4kitError(f"{self.where(key)}: {name + ': ' if name else ''}{message}")
+        return Fp4kitError(self.problem(key, message))
+
+
+class RecipeError(Fp4kitError):
+    """Every problem schema validation found, one line each (the CLI prints one ``error:`` line per problem)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+_shown = reprlib.Repr()
+_shown.maxstring = _shown.maxother = MAX_SHOWN
+_shown.maxlist = _shown.maxdict = _shown.maxtuple = _shown.maxset = 4
+_shown.maxlevel = 2
+
+
+def _show(value: object) -> str:
+    """A value as an error line quotes it: short, whatever the recipe held."""
+    return _clip(_shown.repr(value))
+
+
+def _clip(text: str, limit: int = MAX_SHOWN) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 @dataclass
@@ -177,19 +216,61 @@ def _key_lines(node: yaml.Node, origins: Origins, prefix: KeyPath = ()) -> None:
             _key_lines(item, origins, (*prefix, index))
 
 
+def _check_expansion(node: yaml.Node, path: Path) -> None:
+    """Refuse a document whose aliases expand it beyond MAX_VALUES values, or refer back into themselves: counted on
+    the composed graph, where an alias is one shared node, in time linear in the file."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(n: yaml.Node) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if id(n) in open_nodes:
+            raise Fp4kitError(f"{path}:{n.start_mark.line + 1}: a YAML alias refers to the value that contains it")
+        open_nodes.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in n.value)
+        elif isinstance(n, yaml.SequenceNode):
+            total = 1 + sum(size(item) for item in n.value)
+        else:
+            total = 1
+        open_nodes.discard(id(n))
+        if total > MAX_VALUES:
+            raise Fp4kitError(f"{path}:{n.start_mark.line + 1}: YAML aliases expand this value to {total} values; a "
+                              f"recipe holds at most {MAX_VALUES}")
+        sizes[id(n)] = total
+        return total
+
+    size(node)
+
+
 def _read_yaml(path: Path, origins: Origins) -> dict:
     try:
-        text = path.read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError):
+        with open(path, "rb") as file:  # not a stat size: a recipe may come through a pipe, `run <(...)`
+            raw = file.read(MAX_RECIPE_BYTES + 1)
+    except FileNotFoundError:
         raise Fp4kitError(f"{path}: recipe file not found") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise Fp4kitError(f"{path}: over {MAX_RECIPE_BYTES >> 20} MB; a recipe is a short YAML file")
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Fp4kitError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expansion(node, path)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise Fp4kitError(f"{path}{line}: not valid YAML: {problem}") from None
+        raise Fp4kitError(f"{path}{line}: not valid YAML: {_clip(problem, 200)}") from None
+    except RecursionError:
+        raise Fp4kitError(f"{path}: nested too deeply for a recipe") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise Fp4kitError(f"{path}:1: a recipe is a mapping of keys (model, family, quantize, ...), got "
                           f"{type(data).__name__}")
@@ -227,24 +308,52 @@ def _normalize_steps(data: dict) -> None:
             data[step] = None
 
 
-def _first_error(exc: ValidationError, origins: Origins) -> Fp4kitError:
-    error = exc.errors()[0]
-    key: KeyPath = tuple(error["loc"])
-    more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-    context = error.get("ctx", {}).get("error")
-    if isinstance(context, _KeyError):
-        return origins.error((*key, *context.key), context.message + more)
-    if error["type"] == "extra_forbidden":
-        parent = _section_model(key[:-1])
-        known = list(parent.model_fields) if parent else []
-        close = difflib.get_close_matches(str(key[-1]), known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
-        return origins.error(key, f"unknown key{hint}{more}")
-    if error["type"] == "missing":
-        return origins.error(key, f"missing (required){more}")
-    if error["type"] == "model_type":
-        return origins.error(key, f"expected a mapping of options, got {error['input']!r}{more}")
-    return origins.error(key, f"{error['msg']}, got {error['input']!r}{more}")
+def _problems(exc: ValidationError, origins: Origins) -> list[str]:
+    """One line per validation problem, in the recipe's order. A required key reported missing next to an unknown
+    key that looks like it (``shard.epp`` for ``shard.ep``) is one typo: only the unknown key is reported."""
+    errors = exc.errors()
+    suggested: set[KeyPath] = set()
+    problems: list[tuple[int, str]] = []
+    for error in errors:
+        key: KeyPath = tuple(error["loc"])
+        if error["type"] == "extra_forbidden":
+            parent = _section_model(key[:-1])
+            known = list(parent.model_fields) if parent else []
+            close = difflib.get_close_matches(str(key[-1]), known, n=1)
+            if close:
+                suggested.add((*key[:-1], close[0]))
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+            problems.append((_line(key, origins), origins.problem(key, f"unknown key{hint}")))
+    for error in errors:
+        key = tuple(error["loc"])
+        context = error.get("ctx", {}).get("error")
+        if isinstance(context, _KeyError):
+            line, text = _line((*key, *context.key), origins), origins.problem((*key, *context.key), context.message)
+        elif error["type"] == "extra_forbidden" or (error["type"] == "missing" and key in suggested):
+            continue
+        elif error["type"] == "missing":
+            line, text = _line(key, origins), origins.problem(key, "missing (required)")
+        elif error["type"] == "model_type":
+            line, text = _line(key, origins), origins.problem(key, f"expected a mapping of options, got "
+                                                                   f"{_show(error['input'])}")
+        else:
+            line, text = _line(key, origins), origins.problem(key, f"{error['msg']}, got {_show(error['input'])}")
+        problems.append((line, text))
+    problems.sort(key=lambda p: p[0])  # stable: one line's problems keep pydantic's order
+    lines = [text for _, text in problems]
+    if len(lines) > MAX_PROBLEMS:
+        lines = [*lines[:MAX_PROBLEMS], f"{origins.file}: {len(lines) - MAX_PROBLEMS} more problems not shown"]
+    return lines
+
+
+def _line(key: KeyPath, origins: Origins) -> int:
+    """Where a key's problem sorts: its line, or its section's; --set overrides after the file."""
+    for end in range(len(key), -1, -1):
+        if key[:end] in origins.overrides:
+            return 1 << 30
+        if key[:end] in origins.lines:
+            return origins.lines[key[:end]]
+    return 0
 
 
 def _section_model(key: KeyPath) -> type[BaseModel] | None:
@@ -268,7 +377,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
-        raise _first_error(exc, origins) from None
+        raise RecipeError(_problems(exc, origins)) from None
     return LoadedRecipe(recipe, origins, path)
 
 

@@ -10,15 +10,13 @@ divisor of their set (the largest calibrated amax, so nothing clips), which also
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
-from fp4kit.families.base import FUSED_SIBLINGS
+from fp4kit.families.base import input_scale_group, weight_scale_group
 from fp4kit.nvfp4 import BLOCK, FP8_MAX, NVFP4Tensor, e2m1_codes, pack_codes, unpack_codes, unpack_e2m1
 
-_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.(?P<proj>[^.]+)$")
 _SMALLEST_FP8 = 2.0**-9
 
 
@@ -30,27 +28,12 @@ class RepairReport:
     max_abs_change: float = 0.0  # largest change of a dequantized weight value
 
 
-def _weight_group(name: str) -> str:
-    parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-    for i, members in enumerate(FUSED_SIBLINGS):
-        if leaf in members:
-            return f"{parent}#{i}"
-    return name
-
-
-def _input_group(name: str) -> str:
-    match = _EXPERT.match(name)
-    if match:
-        return f"{match['experts']}#{'w13' if match['proj'] in ('gate_proj', 'up_proj') else match['proj']}"
-    return _weight_group(name)
-
-
 def unified_scales(
     scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]], report: RepairReport
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Per-module (weight divisor, input divisor) -> the repaired ones (largest of each group)."""
     out = dict(scales)
-    for index, grouping in ((0, _weight_group), (1, _input_group)):
+    for index, grouping in ((0, weight_scale_group), (1, input_scale_group)):
         groups: dict[str, list[str]] = {}
         for name, pair in scales.items():
             if pair[index] is not None:

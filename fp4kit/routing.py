@@ -1,10 +1,11 @@
-"""MoE routing: router logits -> (weights, expert ids), one function for every supported family (DESIGN.md §4, §7).
+"""MoE routing: router logits -> (weights, expert ids), one function for every supported family.
 
-Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,llama4}/modeling_*.py`):
+Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,deepseek_v3,llama4}/modeling_*.py`):
 
 - ``softmax_topk`` (Qwen3-MoE, Qwen3-VL-MoE; `Qwen3MoeTopKRouter`): softmax over all experts in fp32, top-k,
   divide by the sum of the k probabilities when ``renormalize`` (config ``norm_topk_prob``).
-- ``sigmoid_grouped_topk`` (GLM-4.5; `Glm4MoeTopkRouter`): scores = sigmoid(fp32 logits); selection uses
+- ``sigmoid_grouped_topk`` (GLM-4.5, `Glm4MoeTopkRouter`; DeepSeek-V3 and Kimi-K2, `DeepseekV3TopkRouter`, the same
+  computation): scores = sigmoid(fp32 logits); selection uses
   scores + ``e_score_correction_bias``; experts are split into ``n_group`` groups, a group's score is the sum of its
   two best biased scores, only the ``topk_group`` best groups compete; the weights are the *unbiased* scores of the
   chosen experts, divided by (their sum + 1e-20) when ``renormalize``, then times ``routed_scaling_factor``.
@@ -12,7 +13,7 @@ Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,llama4}/m
   = sigmoid(logit); never renormalized (``renormalize`` is ignored). The weight scales the expert *input*
   (`fp4kit.verify.reference.moe_reference` does that), not the output.
 
-Robustness (DESIGN.md §7, vLLM's topk_softmax fix): non-finite selection scores are replaced by 0 before selection,
+Robustness (as vLLM's topk_softmax fix): non-finite selection scores are replaced by 0 before selection,
 and ties are broken towards the lowest expert id, so a row of NaN/±Inf logits still yields k distinct ids in [0, E)
 and finite weights; a renormalization over a zero sum gives zero weights instead of NaN.
 ``routed_scaling_factor`` multiplies the weights of every kind (1.0 unless a config says otherwise).
@@ -39,10 +40,10 @@ class RoutingSpec:
     kind: RoutingKind
     num_experts: int
     top_k: int
-    renormalize: bool = True  # Qwen3: config norm_topk_prob; GLM: norm_topk_prob
-    n_group: int = 1  # GLM
-    topk_group: int = 1  # GLM
-    routed_scaling_factor: float = 1.0  # GLM
+    renormalize: bool = True  # Qwen3: config norm_topk_prob; GLM, DeepSeek: norm_topk_prob
+    n_group: int = 1  # GLM, DeepSeek
+    topk_group: int = 1  # GLM, DeepSeek
+    routed_scaling_factor: float = 1.0  # GLM, DeepSeek
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:

@@ -1,4 +1,4 @@
-"""`fp4kit shard`: one checkpoint directory per expert-parallel rank, each loadable on its own (DESIGN.md §6).
+"""`fp4kit shard`: one checkpoint directory per expert-parallel rank, each loadable on its own (docs/formats.md).
 
 On-disk layout of DST for ``--ep N`` (format ``fp4kit-ep``, version 1)::
 
@@ -34,13 +34,13 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.output import atomic_directory
 from fp4kit.placement import LayerPlacement, check_ep, imbalance, load_stats, place
 from fp4kit.shard_copy import FileEntry, ShardCopier, file_jobs, sha256_file
 from fp4kit.shard_io import (
@@ -102,6 +102,24 @@ class ShardReport:
     input_scales_changed: int
     input_bytes: int
     seconds: float
+    stats: str | None = None  # the routing statistics used (--stats, or the file found in SRC)
+    warnings: list[str] = field(default_factory=list)
+
+
+# backends that hold E / ep experts on every rank (the expert at global id g lives on rank g // (E / ep)):
+# vLLM's TRT-LLM-gen NVFP4 MoE (fused_moe/experts/trtllm_nvfp4_moe.py: local_expert_offset = ep_rank *
+# local_num_experts) and FlashInfer's CUTLASS fused MoE (flashinfer/fused_moe/core.py refuses E % ep_size != 0)
+EVEN_SPLIT_BACKENDS = "TRT-LLM-gen and FlashInfer CUTLASS MoE"
+
+
+def uneven_split_warning(num_experts: int, ep: int) -> str | None:
+    """The warning for an EP size that does not divide the expert count (None when it does)."""
+    if num_experts % ep == 0:
+        return None
+    counts = [num_experts // ep + (rank < num_experts % ep) for rank in range(ep)]
+    return (f"{num_experts} experts over {ep} ranks is uneven ({'/'.join(map(str, counts))} per rank): vLLM's "
+            f"Triton and Marlin MoE run it, {EVEN_SPLIT_BACKENDS} need E % ep == 0 (an EP size dividing "
+            f"{num_experts})")
 
 
 def rank_dir_name(rank: int) -> str:
@@ -160,15 +178,30 @@ def _refuse_layout(src: Path, num_experts: int, ep: int) -> None:
                       f"it came from")
 
 
-def _placements(options: ShardOptions, config: dict, num_experts: int, layers: list[int]) -> dict[int, LayerPlacement]:
-    counts = None
+def routing_stats(src: Path, options: ShardOptions) -> Path | None:
+    """The routing statistics to use: --stats, else for --placement balanced the file a calibrated `fp4kit
+    quantize` wrote into SRC."""
     if options.stats is not None:
+        return Path(options.stats)
+    if options.placement != "balanced":
+        return None
+    from fp4kit.input_scales import ROUTING_STATS_NAME
+
+    found = src / ROUTING_STATS_NAME
+    if not found.is_file():
+        raise Fp4kitError(f"--placement balanced needs routing statistics: --stats ROUTING_STATS.json, or the "
+                          f"{ROUTING_STATS_NAME} that a calibrated `fp4kit quantize` writes into SRC (not in {src})")
+    return found
+
+
+def _placements(options: ShardOptions, stats: Path | None, config: dict, num_experts: int,
+                layers: list[int]) -> dict[int, LayerPlacement]:
+    counts = None
+    if stats is not None:
         text_config = config.get("text_config") or config
         decoder_layers = int(text_config.get("num_hidden_layers", max(layers) + 1))
-        counts = load_stats(options.stats, config.get("model_type"), num_experts, layers,
+        counts = load_stats(stats, config.get("model_type"), num_experts, layers,
                             unrouted_layers=[layer for layer in layers if layer >= decoder_layers])
-    elif options.placement == "balanced":
-        raise Fp4kitError("--placement balanced needs routing statistics (--stats ROUTING_STATS.json)")
     return {layer: place(options.placement, num_experts, options.ep, counts and counts[layer]) for layer in layers}
 
 
@@ -187,12 +220,12 @@ def shard_checkpoint(
     check_ep(num_experts, options.ep)
     if (src / LAYOUT_MANIFEST).exists():
         _refuse_layout(src, num_experts, options.ep)
-    check_destination(src, dst, options.overwrite)
     tensors = read_tensors(src)
     inventory = scan_experts(list(tensors), num_experts)
     if not inventory.modules:
         raise Fp4kitError(f"{src}: no routed expert tensors (`...experts.E.{{gate,up,down}}_proj.*`) found")
-    placements = _placements(options, config, num_experts, inventory.layers)
+    stats = routing_stats(src, options)
+    placements = _placements(options, stats, config, num_experts, inventory.layers)
     scales, scale_record, changed = unify_input_scales(tensors, inventory)
     by_owner: dict[int | None, list[SourceTensor]] = {rank: [] for rank in [None, *range(options.ep)]}
     for t in sorted(tensors.values(), key=lambda t: (str(t.file), t.begin)):  # source order: sequential reads
@@ -206,7 +239,7 @@ def shard_checkpoint(
         if progress:
             progress(done, input_bytes)
 
-    with atomic_directory(dst) as work:
+    with atomic_directory(dst, src, options.overwrite) as work:
         layouts = {rank: ShardLayout(work / (SHARED_DIR if rank is None else rank_dir_name(rank)), owned,
                                      options.max_shard_bytes, "shared" if rank is None else "experts")
                    for rank, owned in by_owner.items()}
@@ -232,6 +265,8 @@ def shard_checkpoint(
         imbalance={layer: (imbalance(p.loads_before), imbalance(p.loads_after))
                    for layer, p in placements.items() if p.loads_before is not None and p.loads_after is not None},
         input_scales_changed=changed, input_bytes=input_bytes, seconds=time.perf_counter() - start,
+        stats=None if stats is None else str(stats),
+        warnings=[w for w in [uneven_split_warning(num_experts, options.ep)] if w],
     )
 
 

@@ -1,70 +1,35 @@
-"""safetensors checkpoint directories read and laid out from their headers alone, without importing torch.
-
-`fp4kit shard` moves bytes and never does tensor math, so it works on header metadata (names, dtype strings,
-shapes, byte ranges) and raw bytes. This mirrors fp4kit.checkpoint's CheckpointReader / ShardWriter layout (same
-validation, same shard split and header format) minus the torch import, which costs seconds of start-up.
+"""`fp4kit shard`'s side of safetensors directories, without importing torch: tensors as their validated headers
+describe them (fp4kit.safetensors_files, the same reader fp4kit.checkpoint uses), raw byte reads, and output
+shards laid out like fp4kit.checkpoint.ShardWriter's (same split, same header format). `fp4kit shard` moves bytes
+and never does tensor math, and the torch import would cost seconds of start-up.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for shard's callers)
     INDEX_NAME,
     WEIGHT_SUFFIXES,
+    HeaderEntry,
+    checkpoint_files,
     parse_size,
     read_config,
-    read_header,
-    shard_files,
     shard_layout,
 )
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2,
-            "I8": 1, "U8": 1, "BOOL": 1}
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    name: str
-    file: Path
-    dtype: str  # safetensors dtype string: F32, BF16, U8, F8_E4M3, ...
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offset in the file
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
+# a tensor of a source checkpoint, as its validated header describes it
+SourceTensor = HeaderEntry
 
 
 def read_tensors(root: Path) -> dict[str, SourceTensor]:
-    """Every tensor of checkpoint directory ``root``, from the shard headers, checked against the file sizes."""
-    tensors: dict[str, SourceTensor] = {}
-    for path in shard_files(root):
-        header, data_start = read_header(path)
-        size = path.stat().st_size
-        header.pop("__metadata__", None)
-        for name, entry in header.items():
-            try:
-                dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise Fp4kitError(f"{path}: tensor {name} has a malformed header entry") from None
-            if dtype not in ITEMSIZE:
-                raise Fp4kitError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-            if data_start + end > size:
-                raise Fp4kitError(f"{path}: truncated shard (tensor {name} ends past the end of the file)")
-            if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
-                raise Fp4kitError(f"{path}: tensor {name} has {end - begin} bytes, its shape needs "
-                                  f"{math.prod(shape) * ITEMSIZE[dtype]}")
-            tensors[name] = SourceTensor(name, path, dtype, shape, data_start + begin, data_start + end)
-    return tensors
+    """Every tensor of checkpoint directory ``root`` (fp4kit.safetensors_files.checkpoint_files)."""
+    return checkpoint_files(root).tensors
 
 
 def read_bytes(tensor: SourceTensor) -> bytes:

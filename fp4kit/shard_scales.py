@@ -1,4 +1,4 @@
-"""EP-invariant activation scales for `fp4kit shard` (DESIGN.md §1, §6).
+"""EP-invariant activation scales for `fp4kit shard`.
 
 Engines that reduce an MoE layer's activation global scale over the experts one rank holds (compressed-tensors
 checkpoints on FlashInfer backends, without EPLB) compute different numbers at different EP sizes. Giving every

@@ -1,7 +1,7 @@
-"""Benchmark W4A4 NVFP4 with calibration: `fp4kit quantize --scheme nvfp4 --calib` against llm-compressor `oneshot`.
+"""Benchmark calibrated NVFP4: `fp4kit quantize --calib` against llm-compressor `oneshot`, RTN or GPTQ.
 
     python scripts/bench_calibrate.py --layers 2 [--samples 8] [--seq-len 128] [--device cpu|cuda] [--repeats 3]
-                                      [--nproc N]
+                                      [--nproc N] [--method rtn|gptq] [--scheme nvfp4|nvfp4a16]
 
 Source: the synthetic Qwen3-30B-A3B-shaped bf16 checkpoint of scripts/bench_quantize.py (fp4kit.synthetic).
 Calibration data: ``samples`` x ``seq-len`` seeded random token ids, written once to an ``input_ids`` jsonl that both
@@ -12,11 +12,14 @@ tools read, so both see exactly the same tokens:
   oneshot  AutoModelForCausalLM (bf16) + oneshot(QuantizationModifier(scheme="NVFP4"), dataset = the same ids,
            moe_calibrate_all_experts=True, its default), save_pretrained(save_compressed=True)
 
+``--method gptq`` runs `fp4kit quantize --method gptq` against llm-compressor's GPTQModifier (same scheme, same
+ids); ``--scheme nvfp4a16`` compares weight-only quantization (RTN weight-only needs no calibration: use gptq).
+
 Both are whole processes timed the way bench_quantize.py times them (median wall time incl. fsync of the output,
 peak RSS from `/usr/bin/time -v`, CPU seconds of the child); ``--nproc N`` starts fp4kit under torchrun with N
-ranks, as in bench_quantize.py. The targets of issue 3: fp4kit >= 3x faster than
+ranks, as in bench_quantize.py. The targets: fp4kit >= 3x faster than
 oneshot with <= 1/3 of its peak RSS. The report also prints, for layer 0, the ratio of the two tools' input global
-scales for o_proj (llm-compressor's attention statistics lack the causal mask, DESIGN.md §11, so they differ) and
+scales for o_proj (llm-compressor's attention statistics lack the causal mask, so they differ) and
 for an expert's gate_proj (same function before the attention output matters, so close).
 """
 
@@ -45,18 +48,19 @@ def _bench_quantize():
     return module
 
 
-def child_oneshot(src: Path, dst: Path, calib: Path, device: str) -> None:
+def child_oneshot(src: Path, dst: Path, calib: Path, device: str, method: str = "rtn", scheme: str = "nvfp4") -> None:
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM
 
     ids = [json.loads(line)["input_ids"] for line in calib.read_text().splitlines() if line.strip()]
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]})
     device_map = None if device == "cpu" else device
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, device_map=device_map)
-    recipe = QuantizationModifier(targets="Linear", scheme="NVFP4", ignore=LLMC_IGNORE)
+    modifier = GPTQModifier if method == "gptq" else QuantizationModifier
+    recipe = modifier(targets="Linear", scheme=scheme.upper(), ignore=LLMC_IGNORE)
     oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(ids),
             max_seq_length=len(ids[0]), moe_calibrate_all_experts=True)
     model.save_pretrained(str(dst), save_compressed=True)
@@ -64,12 +68,13 @@ def child_oneshot(src: Path, dst: Path, calib: Path, device: str) -> None:
 
 def tool_command(bq, tool: str, src: Path, dst: Path, calib: Path, args: argparse.Namespace) -> list[str]:
     if tool == "fp4kit":
-        return [*bq.fp4kit_launcher(args.nproc), "quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib",
+        return [*bq.fp4kit_launcher(args.nproc), "quantize", str(src), str(dst), "--scheme", args.scheme,
+                "--method", args.method, "--calib",
                 str(calib), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--batch-size",
                 str(args.batch_size), "--device", args.device, "--quiet",
                 *(["--no-native"] if args.no_native else [])]
     return [sys.executable, str(Path(__file__).resolve()), "--child", "--src", str(src), "--dst", str(dst),
-            "--calib", str(calib), "--device", args.device]
+            "--calib", str(calib), "--device", args.device, "--method", args.method, "--scheme", args.scheme]
 
 
 def write_calibration(path: Path, samples: int, seq_len: int, vocab_size: int) -> None:
@@ -96,7 +101,7 @@ def scale_ratios(ours: Path, theirs: Path) -> dict[str, float]:
 
 def bench_tool(bq, tool: str, src: Path, calib: Path, args: argparse.Namespace):
     result = bq.ToolResult(tool)
-    dst = args.workdir / f"out-calib-{tool}"
+    dst = args.workdir / f"out-calib-{tool}-{args.method}-{args.scheme}"
     for attempt in range(args.repeats):
         shutil.rmtree(dst, ignore_errors=True)
         bq.warm_page_cache(src)
@@ -141,6 +146,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=0, help="run fp4kit under torchrun with N ranks (0: plain)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench-calib"))
     parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--method", choices=("rtn", "gptq"), default="rtn")
+    parser.add_argument("--scheme", choices=("nvfp4", "nvfp4a16"), default="nvfp4")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
@@ -151,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        child_oneshot(args.src, args.dst, args.calib, args.device)
+        child_oneshot(args.src, args.dst, args.calib, args.device, args.method, args.scheme)
         return
     bq = _bench_quantize()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -167,16 +174,19 @@ def main(argv: list[str] | None = None) -> None:
     tools = [t for t in TOOLS if t in args.tools.split(",")]
     results = [bench_tool(bq, tool, src, calib, args) for tool in tools]
     ok = {r.tool for r in results if r.ok}
-    ratios = scale_ratios(args.workdir / "out-calib-fp4kit", args.workdir / "out-calib-oneshot") if (
-        set(TOOLS) <= ok) else {}
+    tag = f"{args.method}-{args.scheme}"
+    ratios = scale_ratios(args.workdir / f"out-calib-fp4kit-{tag}", args.workdir / f"out-calib-oneshot-{tag}") if (
+        set(TOOLS) <= ok and args.scheme == "nvfp4") else {}
     report = {"args": {k: str(v) for k, v in vars(args).items() if k not in ("child", "src", "dst", "calib")},
               "environment": bq.environment(), "input_bytes": input_bytes, "input_scale_ratio_fp4kit_over_oneshot":
               ratios, "results": [asdict(r) for r in results]}
     suffix = f"-nproc{args.nproc}" if args.nproc else ""
-    out = args.workdir / f"calib-results-{args.layers}L-{args.samples}x{args.seq_len}-{args.device}{suffix}.json"
+    out = args.workdir / (f"calib-results-{args.layers}L-{args.samples}x{args.seq_len}-{args.device}-{tag}"
+                          f"{suffix}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\ninput_global_scale fp4kit / oneshot, layer 0: {json.dumps(ratios)}")
-    print(f"\n{args.layers} layers, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x {args.seq_len} calibration "
+    print(f"\n{args.method} {args.scheme}: {args.layers} layers, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x "
+          f"{args.seq_len} calibration "
           f"tokens, device {args.device}, median of {args.repeats} (wall incl. fsync; load = 1-min load average):")
     print(table(results))
     print(f"\nresults: {out}")

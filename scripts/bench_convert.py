@@ -17,7 +17,7 @@ Speed, on the --layers checkpoints, interleaved so that load on the machine hits
   ct->mo      fp4kit convert --to modelopt
   mo->ct      fp4kit convert --to compressed-tensors
 
-One run = process wall time (DESIGN.md §10) plus an fsync of every file it wrote. The source is read once into the
+One run = process wall time (docs/BENCHMARKS.md) plus an fsync of every file it wrote. The source is read once into the
 page cache before each run (untimed); the previous output is deleted. CPU seconds (user + system) and peak RSS come
 from /usr/bin/time -v (getrusage where it is missing). `work_s` is the time each tool reports for itself (fp4kit
 convert's "in X s", which excludes the Python/torch start-up; the copy child's likewise excludes imports).

@@ -8,7 +8,7 @@ Input: a synthetic bf16 Qwen3-MoE (fp4kit.synthetic, Qwen3-30B-A3B's MoE shapes 
 kernels are W4A4; the values are arbitrary, the bytes and shapes are what matter here). Both are built once and
 reused when --workdir already holds them.
 
-Each run is a whole process timed from start to exit (DESIGN.md §10):
+Each run is a whole process timed from start to exit (docs/BENCHMARKS.md):
   copy     safetensors safe_open/get_tensor of every tensor, written to shards of the same layout with
            fp4kit.checkpoint.ShardWriter (which fsyncs, as `fp4kit layout` does), config and side files copied
   layout   python -m fp4kit layout SRC DST --backend B (the W4A4 source for trtllm / cutlass, NVFP4A16 for marlin)

@@ -4,7 +4,7 @@
                                      [--nproc N]
 
 Builds a bf16 checkpoint with Qwen3-30B-A3B's MoE layer shapes (hidden 2048, moe_intermediate 768, 128 experts,
-32/4 heads of 128) and N layers, then times each tool as a whole subprocess (DESIGN.md §10):
+32/4 heads of 128) and N layers, then times each tool as a whole subprocess (docs/BENCHMARKS.md):
 
   copy            plain safetensors read (safe_open/get_tensor) + tensor-by-tensor write: the I/O floor
   fp4kit          fp4kit quantize --scheme nvfp4a16

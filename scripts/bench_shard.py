@@ -1,4 +1,4 @@
-"""Benchmark `fp4kit shard --ep N` against a plain copy of the same checkpoint (issue 6: target >= 0.8x a copy).
+"""Benchmark `fp4kit shard --ep N` against a plain copy of the same checkpoint (target: >= 0.8x a copy).
 
     python scripts/bench_shard.py --layers 4 [--ep 8] [--placement linear] [--repeats 3] [--workdir DIR] [--bf16]
 
@@ -6,7 +6,7 @@ Builds an NVFP4A16 compressed-tensors checkpoint laid out exactly as `fp4kit qua
 Qwen3-30B-A3B's shapes (fp4kit.synthetic's tensor plan: hidden 2048, moe_intermediate 768, 128 experts, 32/4 heads of
 128) and N layers: the same names, dtypes, shapes and 4 GB shards, filled with random bytes instead of quantized
 weights, because quantizing on a small CPU box takes minutes and sharding never looks at the values. --bf16 shards
-fp4kit.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses (DESIGN.md §10):
+fp4kit.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses (docs/BENCHMARKS.md):
 
   copy         cp -r SRC DST: the I/O floor for writing the same bytes (the anchor of the >= 0.8x target)
   copy+sha256  cp -r SRC DST, then sha256sum of every copied file: a copy with the integrity record shard writes

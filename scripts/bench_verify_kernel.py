@@ -1,4 +1,4 @@
-"""Benchmark fp4kit's Triton fused NVFP4 MoE on one GPU against a torch reference (DESIGN.md §11 roofline).
+"""Benchmark fp4kit's Triton fused NVFP4 MoE on one GPU against a torch reference (roofline: docs/BENCHMARKS.md).
 
 For Qwen3-30B-A3B and Qwen3-235B-A22B MoE layer shapes with random NVFP4 experts and softmax top-8 routing:
 correctness of W4A16 and W4A4-emulated against `moe_reference` (fp32, dequantized weights), then times

@@ -1,4 +1,4 @@
-"""GPU memory of `fp4kit quantize --scheme nvfp4 --device cuda` against what issue 3 allows: one decoder layer's
+"""GPU memory of `fp4kit quantize --scheme nvfp4 --device cuda` against what streaming allows: one decoder layer's
 weights plus the calibration activations, whatever the number of layers.
 
     python scripts/device_calibrate_memory.py --layers 2,4 --samples 64 --seq-len 512 [--workdir DIR]

@@ -5,7 +5,7 @@
 Quantizes the stand-in with calibration (fp4kit quantize --scheme nvfp4 on the device), then for every MoE layer and
 token count prints, per kernel config, the relative error and the rows whose error exceeds 1e-3 with their expert
 ids, and the tokens routed to each expert. Rows off under every config point at the reference or the data; rows off
-under some configs only, at the kernel. (Session 3 found the GLM-4.5-Air W4A4 rows this way: docs/BENCHMARKS.md.)
+under some configs only, at the kernel. (The GLM-4.5-Air W4A4 rows were found this way: docs/benchmarks_history.md.)
 """
 
 from __future__ import annotations

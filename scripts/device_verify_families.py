@@ -43,16 +43,17 @@ def main() -> None:
             start = time.perf_counter()
             summary = run_recipe(path, overrides, Path(tmp) / f"work-{path.stem}")
             results = summary.verify["results"] if summary.verify else []
-            bad = [r for r in results if not r["passed"]]
+            bad = [r for r in results if r["status"] == "failed"]
             failed += len(bad)
             for r in bad:
                 print(f"FAIL {path.stem}: {r}")
             rows.append({"recipe": path.stem, "family": family, "seconds": round(time.perf_counter() - start, 1),
-                         "passed": sum(r["passed"] for r in results), "checks": len(results),
+                         "passed": sum(r["status"] == "passed" for r in results), "checks": len(results),
+                         "skipped": sum(r["status"] == "skipped" for r in results),
                          "notes": summary.verify.get("notes", []) if summary.verify else [],
                          "results": results})
-    print("| recipe | family | checks passed | worst error per check kind | s |")
-    print("|---|---|---|---|---|")
+    print("| recipe | family | checks passed | skipped | worst error per check kind | s |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         worst: dict[str, float] = {}
         for r in row["results"]:
@@ -60,7 +61,8 @@ def main() -> None:
                 kind = f"{r['check']}/{Path(r['target']).name}"
                 worst[kind] = max(worst.get(kind, 0.0), float(r["error"]))
         kinds = ", ".join(f"{k} {v:.2e}" for k, v in sorted(worst.items()))
-        print(f"| {row['recipe']} | {row['family']} | {row['passed']}/{row['checks']} | {kinds} | {row['seconds']} |")
+        print(f"| {row['recipe']} | {row['family']} | {row['passed']}/{row['checks']} | {row['skipped']} | {kinds} "
+              f"| {row['seconds']} |")
     for row in rows:
         for note in row["notes"]:
             print(f"note ({row['recipe']}): {note}")

@@ -1,4 +1,4 @@
-"""`fp4kit inspect --source`: input scales audited against the BF16 model's own causal forward (DESIGN.md §11)."""
+"""`fp4kit inspect --source`: input scales audited against the BF16 model's own causal forward."""
 
 import pytest
 import torch

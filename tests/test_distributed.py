@@ -1,4 +1,4 @@
-"""Issue 8: `torchrun --nproc-per-node 2` (gloo, CPU) writes byte-identical output to a single process, for data-free
+"""`torchrun --nproc-per-node 2` (gloo, CPU) writes byte-identical output to a single process, for data-free
 and calibrated quantization in both dialects and for `fp4kit run`; a failure on one rank is one line, exit 2 on every
 rank, and no output."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from fp4kit.distributed import assign_jobs
 from fp4kit.errors import Fp4kitError
-from fp4kit.output import partial_dir
+from fp4kit.output import leftovers
 
 # calibrated W4A4 (4 batches: 2 per rank) in ModelOpt's dialect, in several shards and an index, then EP 2
 RECIPE = """\
@@ -33,13 +33,19 @@ shard:
   placement: round-robin
 """
 # Several fp4kit commands in one torchrun launch: each launch costs seconds of process start and imports.
+# Then leave the process group as the exit does and name the threads still running: gloo's must be gone, or they
+# run into the interpreter's finalization, which sometimes aborts ("terminate called without an active exception").
 RUN_COMMANDS = """\
-import json, sys
+import json, os, sys
+from fp4kit import distributed
 from fp4kit.cli import main
 
 for argv in json.loads(sys.argv[1]):
     sys.argv = ["fp4kit", *argv, "-q"]
     main()
+distributed._leave()
+threads = [open(f"/proc/self/task/{task}/comm").read().strip() for task in os.listdir("/proc/self/task")]
+print(f"rank {distributed.rank()} threads after leaving:", *sorted(threads))
 """
 
 
@@ -100,6 +106,8 @@ def test_torchrun_output_is_byte_identical_to_one_process(tiny, tmp_path) -> Non
     script.write_text(RUN_COMMANDS)
     launched = torchrun([str(script), json.dumps(commands)], tmp_path)
     assert launched.returncode == 0, launched.stderr[-3000:]
+    left = [line for line in launched.stdout.splitlines() if "threads after leaving:" in line]
+    assert len(left) == 2 and not any("gloo" in line for line in left), left  # calibration loaded transformers
 
     single = quantize_checkpoint(src, tmp_path / "one" / "weight-only", QuantizeOptions(max_shard_bytes=100_000))
     assert len(single.output_files) > 1
@@ -110,6 +118,18 @@ def test_torchrun_output_is_byte_identical_to_one_process(tiny, tmp_path) -> Non
         assert files(tmp_path / "ranks" / "run" / step) == files(tmp_path / "one" / "run" / step), step
     steps = json.loads((tmp_path / "ranks" / "run" / "summary.json").read_text())["steps"]
     assert [(s["name"], s["status"]) for s in steps] == [("quantize", "ran"), ("shard", "ran")]
+
+
+def test_w4a4_quantize_exits_0_every_time(tiny, tmp_path) -> None:
+    """The process group is left before the interpreter's finalization, so the exit never aborts: five launches."""
+    src = tiny("glm4_moe")
+    for attempt in range(5):
+        dst = tmp_path / f"out-{attempt}"
+        launched = torchrun(["-m", "fp4kit", "quantize", str(src), str(dst), "--scheme", "nvfp4", "--samples", "2",
+                             "--seq-len", "16", "-q"], tmp_path)
+        assert launched.returncode == 0 and "terminate called" not in launched.stderr, \
+            f"launch {attempt}: {launched.stderr[-3000:]}"
+        assert (dst / "config.json").is_file()
 
 
 def test_failure_on_one_rank_is_one_line_exit_2_and_no_output(tiny, tmp_path) -> None:
@@ -143,7 +163,7 @@ def test_failure_on_one_rank_is_one_line_exit_2_and_no_output(tiny, tmp_path) ->
     assert launched.returncode == 1
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", launched.stderr)
     assert "2" in codes and set(codes) <= {"2", "-15"}, launched.stderr[-3000:]
-    assert not dst.exists() and not partial_dir(dst).exists()
+    assert not dst.exists() and not leftovers(dst)
 
 
 def test_commands_that_do_not_split_refuse_torchrun(monkeypatch) -> None:

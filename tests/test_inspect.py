@@ -9,6 +9,7 @@ import torch
 from test_convert import EXPERT0, rewrite, run_cli, with_input_scales
 
 from fp4kit.convert import convert_checkpoint
+from fp4kit.errors import Fp4kitError
 from fp4kit.fixtures import FIXTURES
 from fp4kit.inspect import inspect_checkpoint
 from fp4kit.nvfp4 import quantize_group
@@ -77,6 +78,10 @@ CASES = {
 }
 
 
+REFUSED_BY_CONVERT = {"missing_input_scale": "missing input scale", "nan_weight_scale": "is NaN",
+                      "nan_block_scale": "NaN or Inf", "nan_weight": "NaN or Inf"}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_each_defect_is_found(case, tiny_nvfp4a16, tmp_path):
     w4a4, edit, check, module = CASES[case]
@@ -89,8 +94,11 @@ def test_each_defect_is_found(case, tiny_nvfp4a16, tmp_path):
     assert module in {p.module for p in found}
     if case == "gate_up_mismatch":
         assert found[0].ratio == pytest.approx(2.0)
-    # in ModelOpt form the same defect is found too
-    if case != "missing_input_scale":  # convert refuses that one (exit 2)
+    # in ModelOpt form the same defect is found too; convert refuses a missing scale and NaN anywhere (exit 2)
+    if case in REFUSED_BY_CONVERT:
+        with pytest.raises(Fp4kitError, match=REFUSED_BY_CONVERT[case]):
+            convert_checkpoint(tmp_path / "bad", tmp_path / "bad_mo", "modelopt")
+    else:
         convert_checkpoint(tmp_path / "bad", tmp_path / "bad_mo", "modelopt")
         assert check in {p.check for p in inspect_checkpoint(tmp_path / "bad_mo").problems}
 

@@ -73,9 +73,16 @@ def reference_scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) ->
         return 1.0
     scaled = block_scale.to(act_dtype).float() * 2**7
     nonzero = scaled[scaled > 0]
-    if nonzero.numel() and nonzero.min() < 2:
-        return (2 / nonzero.min()).log2().ceil().exp2().item()
+    if nonzero.numel() and nonzero.max() < 448 * 2**7:
+        return (448 * 2**7 / nonzero.max()).log2().floor().exp2().item()
     return 1.0
+
+
+def visible_scales(block_scale: torch.Tensor, factor: float) -> torch.Tensor:
+    """The block scales the Marlin kernel sees: those with s * f * 2^7 < 2 are stored as 0."""
+    small = block_scale.to(torch.float64) * factor * 2**7 < 2
+    return torch.where(small, torch.zeros_like(block_scale.view(torch.uint8)), block_scale.view(torch.uint8)).view(
+        torch.float8_e4m3fn)
 
 
 def reference_marlin_scales(block_scale: torch.Tensor, factor: float, act_dtype: torch.dtype) -> torch.Tensor:
@@ -87,20 +94,23 @@ def reference_marlin_scales(block_scale: torch.Tensor, factor: float, act_dtype:
     scales = scales.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(scales.shape[0], -1)
     if factor > 1:
         scales = (scales.float() * factor).to(torch.half)
-    shifted = (scales * 2**7).view(torch.int16) << 1
+    scales = scales * 2**7
+    scales[scales < 2] = 0
+    shifted = scales.view(torch.int16) << 1
     return shifted.view(torch.float8_e4m3fn)[:, 1::2].contiguous()
 
 
 @pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("experts, hidden, intermediate", SHAPES)
 def test_equals_vllm_reference(experts: int, hidden: int, intermediate: int, act_dtype: torch.dtype) -> None:
-    # scale bytes 1..0x30: subnormals down to 2^-9, so bf16 needs a factor f = 8 and f * 448 would not fit
+    # scale bytes 1..0x30: subnormals down to 2^-9 and a largest scale of 0.5, so bf16 lifts it by f = 2^9 (nothing
+    # zeroed) while fp16 keeps f = 1 and zeroes the scales below 2^-6
     w13, w2, _, _ = random_layer(experts, hidden, intermediate, seed=hidden + intermediate, scale_bytes=(1, 0x30))
     ours = marlin.transform(w13, w2, None, None, act_dtype=act_dtype)
     exponent = 119 if act_dtype == torch.bfloat16 else 7
     for name, tensor, index in (("w1", w13, "1"), ("w2", w2, "2")):
         factor = reference_scale_factor(tensor.block_scale, act_dtype)
-        assert factor == (8.0 if act_dtype == torch.bfloat16 else 1.0)
+        assert factor == (512.0 if act_dtype == torch.bfloat16 else 1.0)
         for e in range(experts):
             assert torch.equal(ours[name][e], reference_marlin_weights(tensor.packed[e]))
             assert same_bytes(ours[f"{name}_scale"][e], reference_marlin_scales(tensor.block_scale[e], factor,
@@ -119,9 +129,14 @@ def test_round_trip(experts: int, hidden: int, intermediate: int, act_dtype: tor
             w13.packed.fill_(0x88)
         s13 = torch.rand(experts, dtype=torch.float64)
         tensors = marlin.transform(w13, w2, s13, None, act_dtype=act_dtype)
-        back13, back2, back_s13, back_s2 = marlin.undo(tensors, marlin.describe(w13, w2, s13, None, act_dtype))
-        for ours, theirs in ((back13, w13), (back2, w2)):
-            assert same_bytes(ours.packed, theirs.packed) and same_bytes(ours.block_scale, theirs.block_scale)
+        meta = marlin.describe(w13, w2, s13, None, act_dtype)
+        back13, back2, back_s13, back_s2 = marlin.undo(tensors, meta)
+        for ours, theirs, key in ((back13, w13, "w13"), (back2, w2, "w2")):
+            factor = meta.options[f"{key}_scale_factor"]
+            expected = visible_scales(theirs.block_scale, factor)
+            zeroed = int((expected.view(torch.uint8) != theirs.block_scale.view(torch.uint8)).sum())
+            assert meta.options[f"{key}_zeroed_scales"] == zeroed
+            assert same_bytes(ours.packed, theirs.packed) and same_bytes(ours.block_scale, expected)
             assert same_bytes(ours.global_scale_div, theirs.global_scale_div)
         assert same_bytes(back_s13, s13) and back_s2 is None
 
@@ -143,12 +158,15 @@ def test_round_trip_real_quantized_weights() -> None:
     assert same_bytes(back2.packed, w2.packed) and same_bytes(back2.block_scale, w2.block_scale)
 
 
-def test_unrepresentable_scales_raise() -> None:
+def test_wide_scale_range_zeroes_the_smallest_and_counts_them() -> None:
     w13, w2, _, _ = random_layer(1, 128, 64, seed=1, scale_bytes=(1, 0x30))
-    w13.block_scale.view(torch.uint8)[0, 0, 0] = 0x7E  # 448 next to 2^-9: f = 8 and 448 * 8 * 2^7 > fp16 max
-    with pytest.raises(Fp4kitError, match="too wide"):
-        marlin.transform(w13, w2, None, None, act_dtype=torch.bfloat16)
-    marlin.transform(w13, w2, None, None, act_dtype=torch.float16)  # fp16 keeps f = 1: it fits
+    w13.block_scale.view(torch.uint8)[0, 0, 0] = 0x7E  # 448 next to 2^-9: f = 1, scales below 2^-6 become 0
+    meta = marlin.describe(w13, w2, None, None, act_dtype=torch.bfloat16)
+    assert meta.options["w13_scale_factor"] == 1.0 and meta.options["w2_scale_factor"] == 512.0
+    below = int((w13.block_scale.to(torch.float64) * 2**7 < 2).sum() - (w13.block_scale.to(torch.float64) == 0).sum())
+    assert meta.options["w13_zeroed_scales"] == below > 0 and meta.options["w2_zeroed_scales"] == 0
+    back13, _, _, _ = marlin.undo(marlin.transform(w13, w2, None, None), meta)
+    assert same_bytes(back13.block_scale, visible_scales(w13.block_scale, 1.0))
     w2.block_scale.view(torch.uint8)[0, 0, 0] = 0x80  # -0
     with pytest.raises(Fp4kitError, match="sign"):
         marlin.transform(w13, w2, None, None, act_dtype=torch.float16)

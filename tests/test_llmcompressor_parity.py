@@ -1,16 +1,34 @@
-"""fp4kit's NVFP4A16 output equals llm-compressor's `oneshot` output byte for byte on tiny fixtures.
+"""fp4kit's NVFP4A16 output equals llm-compressor's `oneshot` output on tiny fixtures of all five families: every
+tensor byte for byte (quantized and kept), and config.json's `quantization_config`.
 
 llm-compressor 0.14.0.1 (`oneshot` + QuantizationModifier scheme NVFP4A16) is the producer vLLM users run today;
-its per-expert names for fused Llama-4 experts are the names fp4kit writes.
+its per-expert names for fused Llama-4 and Qwen3-VL experts are the names fp4kit writes.
+
+Deliberate differences, each checked for exactly what it is:
+
+- GLM's router weight (`mlp.gate.weight`) keeps the source's fp32, as real GLM-4.5/4.5V checkpoints store it;
+  `oneshot` runs on the model loaded in bf16 and saves it bf16. The values are the same.
+- GLM-4.5's MTP layer (`model.layers.<num_hidden_layers>.*`), which transformers does not instantiate, is kept
+  unquantized (the source's bytes) and its Linear modules are listed in `ignore`; llm-compressor drops it.
+- `quantization_config`: `weights.observer` is the observer llm-compressor calibrated with (memoryless_minmax),
+  fp4kit writes compressed-tensors' preset (null): no loader reads it. llm-compressor also writes empty
+  `sparsity_config` and `transform_config` (none of either). `ignore` is compared as a set.
+- The rest of config.json is the source's; `save_pretrained` adds a `dtype` to each sub-config.
 """
+
+import json
 
 import pytest
 import torch
 
 from fp4kit.checkpoint import CheckpointReader
 
+FAMILIES = ["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4"]
 LLMC_IGNORE = ["re:.*lm_head", "re:.*mlp.gate$", "re:.*router", "re:.*vision_model.*", "re:.*visual.*",
                "re:.*multi_modal_projector.*"]
+QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale")
+GLM_FP32_ROUTER = "mlp.gate.weight"
+LLMC_ONLY_CONFIG = {"sparsity_config": {}, "transform_config": {}}
 
 
 def run_oneshot(src, dst, model_class: str) -> None:
@@ -23,16 +41,61 @@ def run_oneshot(src, dst, model_class: str) -> None:
     model.save_pretrained(dst, save_compressed=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "llama4"])
-def test_bytes_equal_llm_compressor_oneshot(family, tiny, tiny_nvfp4a16, tmp_path):
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+
+
+def _without_sub_config_dtype(config: dict) -> dict:
+    return {k: ({s: w for s, w in v.items() if s != "dtype"} if k.endswith("_config") and isinstance(v, dict) else v)
+            for k, v in config.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_equal_to_llm_compressor_oneshot(family, tiny, tiny_nvfp4a16, tmp_path):
     pytest.importorskip("llmcompressor")
     from fp4kit.fixtures import fixture_spec
 
     run_oneshot(tiny(family), tmp_path / "llmc", fixture_spec(family)["model_class"])
-    ours, theirs = CheckpointReader(tiny_nvfp4a16(family)), CheckpointReader(tmp_path / "llmc")
-    suffixes = (".weight_packed", ".weight_scale", ".weight_global_scale")
-    our_q = {n for n in ours.names() if n.endswith(suffixes)}
-    their_q = {n for n in theirs.names() if n.endswith(suffixes)}
-    assert our_q == their_q and len(our_q) > 30
-    for name in sorted(our_q):
-        assert torch.equal(ours.read(name).view(torch.uint8), theirs.read(name).view(torch.uint8)), name
+    src, ours, theirs = CheckpointReader(tiny(family)), CheckpointReader(tiny_nvfp4a16(family)), \
+        CheckpointReader(tmp_path / "llmc")
+    source_config = json.loads((tiny(family) / "config.json").read_text())
+    mtp = f"model.layers.{source_config['num_hidden_layers']}." if family == "glm4_moe" else None
+
+    our_names, their_names = set(ours.names()), set(theirs.names())
+    assert len({n for n in our_names if n.endswith(QUANTIZED_SUFFIXES)}) > 30
+    assert their_names <= our_names
+    only_ours = our_names - their_names
+    assert all(mtp and n.startswith(mtp) for n in only_ours), sorted(only_ours)[:5]
+    assert bool(only_ours) == (mtp is not None)
+    for name in sorted(our_names):
+        if name.endswith(QUANTIZED_SUFFIXES):
+            assert _same(ours.read(name), theirs.read(name)), name
+            continue
+        kept = ours.read(name)
+        assert _same(kept, src.read(name)), f"{name}: not the source's tensor"  # kept tensors: the source's bytes
+        if name in only_ours:
+            continue
+        if family.startswith("glm4") and name.endswith(GLM_FP32_ROUTER):
+            assert kept.dtype == torch.float32 and theirs.read(name).dtype == torch.bfloat16, name
+            kept = kept.to(torch.bfloat16)
+            assert torch.equal(kept.float(), ours.read(name)), f"{name}: fp32 router not bf16-exact"
+        assert _same(kept, theirs.read(name)), name
+
+    our_config = json.loads((tiny_nvfp4a16(family) / "config.json").read_text())
+    their_config = json.loads((tmp_path / "llmc" / "config.json").read_text())
+    our_q, their_q = our_config.pop("quantization_config"), their_config.pop("quantization_config")
+    assert _without_sub_config_dtype(our_config) == _without_sub_config_dtype(their_config)
+    assert our_config == source_config
+    assert {k: their_q.pop(k) for k in LLMC_ONLY_CONFIG} == LLMC_ONLY_CONFIG
+    our_weights, their_weights = our_q["config_groups"]["group_0"]["weights"], \
+        their_q["config_groups"]["group_0"]["weights"]
+    assert (our_weights.pop("observer"), their_weights.pop("observer")) == (None, "memoryless_minmax")
+    our_ignore, their_ignore = our_q.pop("ignore"), their_q.pop("ignore")
+    assert len(our_ignore) == len(set(our_ignore))
+    mtp_modules = {n.removesuffix(".weight") for n in only_ours if len(ours.info(n).shape) == 2}
+    assert set(our_ignore) == set(their_ignore) | mtp_modules
+    assert our_q == their_q

@@ -1,6 +1,7 @@
 """The ModelOpt NVFP4 dialect (fp4kit/formats/modelopt.py): fp32 divisor rule, encode/decode, fused Llama-4 layout,
 and agreement with a real nvidia-modelopt 0.47 export (modelopt/torch/export/unified_export_hf.py and
-convert_hf_config.py) of the tiny fixtures, skipped where nvidia-modelopt is not importable.
+convert_hf_config.py) of the tiny fixtures (nvidia-modelopt 0.47.0 comes with the test extra; without it those tests
+skip, and pytest's -ra summary says so).
 """
 
 from __future__ import annotations

@@ -109,3 +109,85 @@ def test_without_a_compiler_quantize_falls_back_to_the_same_bytes(tmp_path):
     q = quantize_group([w])[0]
     assert out.split() == ["False", str(q.packed.sum().item()), str(q.block_scale.view(torch.uint8).sum().item())]
     assert not any((tmp_path / "cache").glob("*.so"))
+
+
+# a library with the loop's symbols that leaves a file behind as soon as anything loads it
+FOREIGN_C = """
+#include <stdio.h>
+#include <stdint.h>
+__attribute__((constructor)) static void loaded(void) { FILE *f = fopen(MARKER, "w"); if (f) fclose(f); }
+int fp4kit_block_amax_bf16(const void *w, int64_t n, void *amax, void *tensor_amax) { return 0; }
+int fp4kit_encode_bf16(const void *w, const void *amax, int64_t n, float g, void *packed, void *scale) { return 0; }
+"""
+
+
+def build_foreign(tmp_path, marker) -> bytes:
+    source = tmp_path / "foreign.c"
+    source.write_text(FOREIGN_C)
+    out = tmp_path / "foreign.so"
+    subprocess.run([nvfp4_cpu._compiler(), "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(out), str(source)],
+                   check=True, capture_output=True)
+    return out.read_bytes()
+
+
+def test_cache_is_keyed_by_source_compiler_and_flags(tmp_path, monkeypatch):
+    compiler = nvfp4_cpu._compiler()
+    key = nvfp4_cpu.build_key(compiler)
+    assert nvfp4_cpu.build_key(compiler) == key
+    edited = tmp_path / "nvfp4_cpu.c"
+    edited.write_bytes(nvfp4_cpu.SOURCE.read_bytes() + b"\n/* edited */\n")
+    monkeypatch.setattr(nvfp4_cpu, "SOURCE", edited)
+    assert nvfp4_cpu.build_key(compiler) != key
+    monkeypatch.undo()
+    monkeypatch.setattr(nvfp4_cpu, "CFLAGS", [*nvfp4_cpu.CFLAGS, "-ffast-math"])
+    assert nvfp4_cpu.build_key(compiler) != key
+    monkeypatch.undo()
+    other = tmp_path / "other-cc"  # same compiler under another name that reports another version
+    other.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'other 1.0' && exit 0\nexec {compiler} \"$@\"\n")
+    other.chmod(0o755)
+    assert nvfp4_cpu.build_key(str(other)) != key
+
+
+def test_a_tampered_or_foreign_cached_library_is_never_loaded(tmp_path, monkeypatch):
+    """A library in the cache under the right name that this build did not write is rebuilt before any load. A
+    fresh process proves the end to end: the foreign library would leave its marker file the moment it was loaded."""
+    cache, marker = tmp_path / "cache", tmp_path / "loaded-the-foreign-library"
+    monkeypatch.setenv("FP4KIT_CACHE_DIR", str(cache))
+    compiler = nvfp4_cpu._compiler()
+    library = nvfp4_cpu._build(compiler)
+    built = library.read_bytes()
+    foreign = build_foreign(tmp_path, marker)
+    for tamper in ("replaced", "no digest", "writable by others"):
+        if tamper == "replaced":
+            library.write_bytes(foreign)
+        elif tamper == "no digest":
+            library.write_bytes(foreign)
+            library.with_suffix(".sha256").unlink()
+        else:  # the right bytes, but anyone could have swapped them before this load
+            library.chmod(0o777)
+        assert nvfp4_cpu._build(compiler) == library, tamper
+        assert library.read_bytes() == built and (library.stat().st_mode & 0o022) == 0, tamper
+
+    library.write_bytes(foreign)
+    code = ("from fp4kit.native import nvfp4_cpu\n"
+            "from fp4kit.nvfp4 import quantize_group\n"
+            "import torch\n"
+            "w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()\n"
+            "q = quantize_group([w], native=True)[0]\n"
+            "print(nvfp4_cpu.available(), q.packed.sum().item())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True,
+                         check=True).stdout
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    assert out.split() == ["True", str(quantize_group([w])[0].packed.sum().item())]
+    assert not marker.exists() and library.read_bytes() == built
+
+
+def test_the_foreign_library_would_leave_its_marker(tmp_path):
+    """The marker of the test above works: loading the foreign library does leave it."""
+    import ctypes
+
+    marker = tmp_path / "loaded"
+    path = tmp_path / "load-me.so"
+    path.write_bytes(build_foreign(tmp_path, marker))
+    ctypes.CDLL(str(path))
+    assert marker.exists()

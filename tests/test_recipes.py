@@ -1,8 +1,9 @@
-"""Issue 8: every recipe in recipes/ runs on a tiny stand-in of its family; invalid recipes fail with one line that
+"""Every recipe in recipes/ runs on a tiny stand-in of its family; invalid recipes fail with one line that
 names the key and where it was set, exit 2."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,11 +12,11 @@ import pytest
 from fp4kit.errors import Fp4kitError
 from fp4kit.fixtures import RECIPE_STAND_INS
 from fp4kit.pipeline import run_recipe
-from fp4kit.recipe import STEP_ORDER, check_against_model, load_recipe
+from fp4kit.recipe import MAX_VALUES, STEP_ORDER, RecipeError, check_against_model, load_recipe
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4.5-air", "glm-4.5v", "llama-4-scout",
-                "llama-4-maverick", "demo"}
+                "llama-4-maverick", "demo", "deepseek-v3", "kimi-k2"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -139,6 +140,72 @@ def test_cli_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {path}:5: shard.placment: unknown key; did you mean 'placement'?"]
     assert not (tmp_path / "w").exists()
+
+
+def problems(tmp_path: Path, text: str, overrides: list[str] | None = None) -> list[str]:
+    with pytest.raises(RecipeError) as error:
+        load_recipe(write(tmp_path, text.format(model=tmp_path)), overrides or [])
+    prefix = f"{tmp_path}{os.sep}"
+    return [p.removeprefix(prefix) for p in error.value.problems]
+
+
+def test_a_typo_is_an_unknown_key_not_a_missing_one(tmp_path):
+    assert problems(tmp_path, BASE + "shard:\n  epp: 4\n") == ["r.yaml:4: shard.epp: unknown key; did you mean 'ep'?"]
+
+
+def test_every_problem_is_reported_in_file_order(tmp_path, monkeypatch, capsys):
+    text = BASE + "shard:\n  epp: 4\n  placment: x\nquantize:\n  scheme: nvfp5\n  samples: 0\nname: [1, 2]\n"
+    expected = ["r.yaml:4: shard.epp: unknown key; did you mean 'ep'?",
+                "r.yaml:5: shard.placment: unknown key; did you mean 'placement'?",
+                "r.yaml:7: quantize.scheme: Input should be 'nvfp4' or 'nvfp4a16', got 'nvfp5'",
+                "r.yaml:8: quantize.samples: Input should be greater than or equal to 1, got 0",
+                "r.yaml:9: name: Input should be a valid string, got [1, 2]",
+                "--set verify.seed=x: verify.seed: Input should be a valid integer, got 'x'"]
+    assert problems(tmp_path, text, ["verify.seed=x"]) == expected
+
+    from fp4kit.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fp4kit", "run", str(tmp_path / "r.yaml"), "--set", "verify.seed=x"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path}{os.sep}{line}" if line.startswith("r.yaml")
+                                                    else f"error: {line}" for line in expected]
+
+
+def nested_anchors(levels: int, at: str) -> str:
+    """Each anchor a list of nine aliases of the one before: 9**levels strings from a few hundred bytes."""
+    lines = ['a0: &a0 ["xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx", '
+             '"xxxxxxxx"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\n{at}: *a{levels - 1}\n"
+
+
+def test_alias_expansion_is_bounded(tmp_path):
+    """Unbounded, this recipe is 9**6 strings and its error line 6.5 MB (one more level: seconds and GB)."""
+    with pytest.raises(Fp4kitError) as error:
+        load_recipe(write(tmp_path, BASE.format(model=tmp_path) + nested_anchors(6, "name")))
+    assert str(error.value) == (f"{tmp_path / 'r.yaml'}:7: YAML aliases expand this value to 66430 values; a recipe "
+                                f"holds at most {MAX_VALUES}")
+    with pytest.raises(Fp4kitError, match=r"r.yaml:3: a YAML alias refers to the value that contains it"):
+        load_recipe(write(tmp_path, BASE.format(model=tmp_path) + "a: &a [1, *a]\n"))
+    shared = "quantize:\n  ignore: &keep [lm_head, 'mlp\\.gate$']\n  targets: *keep\nshard: {ep: 2}\n"
+    recipe = load_recipe(write(tmp_path, BASE.format(model=tmp_path) + shared)).recipe
+    assert recipe.quantize and recipe.quantize.ignore == recipe.quantize.targets == ["lm_head", "mlp\\.gate$"]
+
+
+@pytest.mark.parametrize("case", ["long value", "long key", "deep", "huge file"])
+def test_error_lines_stay_short(tmp_path, case):
+    text = {"long value": BASE + "shard:\n  ep: " + "x" * 100_000 + "\n",
+            "long key": BASE + "shard:\n  ep: 2\n  " + "k" * 1000 + ": 1\n",  # YAML allows 1024
+            "deep": BASE + "name: " + "[" * 5000 + "\n",
+            "huge file": BASE + "shard:\n  ep: 2\n" + "# filler\n" * 200_000}[case]
+    with pytest.raises(Fp4kitError) as error:
+        load_recipe(write(tmp_path, text.format(model=tmp_path)))
+    message = str(error.value)
+    assert "\n" not in message and len(message) < len(str(tmp_path)) + 200, message[:300]
+    assert {"long value": "shard.ep: Input should be a valid integer, got 'xxxx", "long key": "shard.kkkk",
+            "deep": "nested too deeply", "huge file": "over 1 MB"}[case] in message
 
 
 def test_set_values_are_yaml_and_steps_toggle(tmp_path):

@@ -1,4 +1,4 @@
-"""`fp4kit.routing.route` against the routers of transformers 5.17 and on non-finite logits (DESIGN.md §4, §7).
+"""`fp4kit.routing.route` against the routers of transformers 5.17 and on non-finite logits.
 
 Oracles: `transformers/models/qwen3_moe/modeling_qwen3_moe.py` (Qwen3MoeTopKRouter),
 `transformers/models/glm4_moe/modeling_glm4_moe.py` (Glm4MoeTopkRouter),

@@ -1,5 +1,5 @@
 """Streaming: the peak resident memory of quantize, convert and inspect does not grow with the number of layers
-(DESIGN.md §10).
+(docs/BENCHMARKS.md).
 
 Each run is its own process; it reports its peak RSS (ru_maxrss / VmHWM, which count mapped file pages too) minus
 its RSS before the work, so the number is what the command itself added.

@@ -59,7 +59,7 @@ def square(tmp_path_factory) -> dict[str, Path]:
 
 
 def _failures(report) -> list[str]:
-    return [f"layer {r.layer} {r.check} {r.target}: {r.error} {r.detail}" for r in report.results if not r.passed]
+    return [f"layer {r.layer} {r.check} {r.target}: {r.error} {r.detail}" for r in report.results if r.failed]
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -131,11 +131,51 @@ def test_cli_passes_writes_json_and_reports_skipped_backends(monkeypatch, capsys
         assert "no GPU" in backends["marlin"]["reason"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON, reason="needs the Triton interpreter on a CPU")
+def test_a_check_that_cannot_run_is_skipped_not_passed(monkeypatch, capsys, tiny_nvfp4a16, tmp_path) -> None:
+    """The interpreter takes at most 64 (token, expert) pairs: at 64 tokens (top-2) the Triton kernel check is
+    skipped. It is reported as skipped in the JSON, the table and the summary, not counted as passed; the exit code
+    stays 0 (1 only when a check fails)."""
+    out = tmp_path / "report.json"
+    code, stdout, err = run_cli(monkeypatch, capsys, "verify", tiny_nvfp4a16("qwen3_moe"), "--tokens", "1,64",
+                                "--layers", "1", "--backend", "triton", "--device", "cpu", "--json", out)
+    assert code == 0, stdout + err
+    document = json.loads(out.read_text())
+    triton = {r["tokens"]: r for r in document["results"] if r["check"] == "kernel" and r["target"] == "triton"}
+    assert triton[1]["status"] == "passed" and triton[1]["passed"] is True
+    assert triton[64]["status"] == "skipped" and triton[64]["passed"] is False
+    assert "Triton interpreter" in triton[64]["detail"] and triton[64]["error"] is None
+    statuses = [r["status"] for r in document["results"]]
+    assert document["counts"] == {s: statuses.count(s) for s in ("passed", "failed", "skipped")}
+    assert document["counts"]["skipped"] == 1 and document["counts"]["failed"] == 0 and document["passed"] is True
+    assert f"PASS: {document['counts']['passed']} passed, 1 skipped in" in " ".join(stdout.split())
+
+
+def test_run_summary_has_one_row_per_check_with_its_worst_layer_and_reads_version_1_reports() -> None:
+    from fp4kit.pipeline import _verify_row, _verify_rows
+
+    def result(layer: int, error: float, **fields: object) -> dict:
+        return {"layer": layer, "check": "kernel", "target": "triton", "tokens": 16, "error": error,
+                "tolerance": 0.01, "detail": "", "status": "passed", "passed": True} | fields
+
+    rows = _verify_rows([result(layer, error) for layer, error in enumerate([1e-4, 5e-3, 2e-4])]
+                        + [result(3, None, tokens=64, status="skipped", passed=False, detail="too large")])
+    assert len(rows) == 1
+    row = _verify_row(rows[0])
+    assert row.startswith("| kernel | triton | 0,1,2,3 | 0.005 (≤ 0.01) | pass |"), row
+    assert "worst: layer 1, 16 tokens" in row and "1 skipped (too large)" in row
+    assert "| skip |" in _verify_row(_verify_rows([result(1, None, status="skipped", passed=False)])[0])
+    assert "| **FAIL** |" in _verify_row(_verify_rows([result(1, 0.5, status="failed", passed=False)])[0])
+    assert "| pass |" in _verify_row(_verify_rows([result(1, 1e-3, status=None)])[0])  # version 1: no status
+    failed_v1 = _verify_row(_verify_rows([result(1, 0.5, status=None, passed=False)])[0])
+    assert "| **FAIL** |" in failed_v1 and "1 failed; first: layer 1, 16 tokens" in failed_v1
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--mode", "w4a4"], "weight-only"),
     (["--layers", "7"], "not an NVFP4 MoE layer"),
     (["--backend", "flashinfer-trtllm"], "cannot run here"),
-    (["--backend", "nope"], "unknown backend"),
+    (["--backend", "nope"], "'nope' is not one of"),
     (["--tokens", "0"], "--tokens"),
 ])
 def test_cli_unusable_input_exits_2(monkeypatch, capsys, tiny_nvfp4a16, extra: list[str], message: str) -> None:
@@ -170,9 +210,34 @@ def test_cli_plot(monkeypatch, capsys, tiny_nvfp4a16, tmp_path) -> None:
     code, _, err = run_cli(monkeypatch, capsys, "verify", tiny_nvfp4a16("qwen3_moe"), "--device", "cpu", "--tokens",
                            "4", "--backend", "reference", "--plot", plot, "--quiet")
     if importlib.util.find_spec("matplotlib") is None:
-        assert code == 2 and "matplotlib" in err and not plot.exists()
+        assert code == 2 and "matplotlib" in err and "fp4kit[plot]" in err and not plot.exists()
     else:
-        assert code == 0 and plot.stat().st_size > 0
+        assert code == 0 and plot.read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="the plot extra is not installed")
+def test_plot_has_integer_layer_ticks_labelled_tolerances_and_a_note_for_exact_zeros() -> None:
+    import matplotlib.pyplot as plt
+
+    from fp4kit.verify.checks import CheckResult
+    from fp4kit.verify.report import VerifyReport, plot_figure, plot_floor, plot_series
+
+    report = VerifyReport("ckpt", "compressed-tensors (nvfp4)", "qwen3_moe", "w4a4", "cpu", [], 0.01, 0.35)
+    for layer in (1, 2, 3):
+        report.results += [CheckResult(layer, "kernel", "triton", "passed", 1e-6 * layer, 0.01, 16),
+                           CheckResult(layer, "source", "bf16", "passed", 0.2, 0.35, 16),
+                           CheckResult(layer, "ep-sum", "ep", "passed", 0.0 if layer != 2 else 1e-7, 1e-5, 16)]
+    series, tolerances = plot_series(report)
+    assert tolerances == {0.01: ["kernel"], 0.35: ["source"], 1e-5: ["ep-sum"]}
+    assert plot_floor(series) == pytest.approx(1e-8)  # a decade below the smallest non-zero error
+    figure = plot_figure(report)
+    axes = figure.axes[0]
+    labels = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert "tolerance 0.01 (kernel)" in labels and "tolerance 0.35 (source)" in labels
+    assert "error exactly 0 (bit exact), drawn at 1e-08" in labels
+    ticks = [t for t in axes.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    plt.close(figure)
 
 
 NO_FP4 = "sm90: no NVFP4 tensor cores"

@@ -16,6 +16,7 @@ from test_verify import _one_thread, square  # noqa: F401  (shared fixtures)
 from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
 from fp4kit.layouts.trtllm import shuffle_rows
 from fp4kit.quantize import quantize_checkpoint
+from fp4kit.safetensors_files import INDEX_NAME
 from fp4kit.shard import EXPERT_MAP, rank_dir_name
 from fp4kit.verify.checks import VerifyOptions
 from fp4kit.verify.runner import verify_checkpoint
@@ -26,7 +27,7 @@ TOKENS = [16, 256]
 def _failed(report) -> dict[str, list]:
     found: dict[str, list] = {}
     for r in report.results:
-        if not r.passed:
+        if r.failed:
             found.setdefault(r.check, []).append(r)
     return found
 
@@ -104,6 +105,12 @@ def _drop_expert(shards: Path, dst: Path, rank: int, also_from_map: bool) -> tup
         tensors = load_file(path)
         path.unlink()  # a private copy: never write through a hard link
         save_file({n: t for n, t in tensors.items() if not n.startswith(prefix)}, path, metadata={"format": "pt"})
+    index_path = rank_dir / INDEX_NAME  # a rank that is consistent in itself, only without the expert
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        index["weight_map"] = {n: f for n, f in index["weight_map"].items() if not n.startswith(prefix)}
+        index_path.unlink()
+        index_path.write_text(json.dumps(index))
     if also_from_map:
         expert_map["layers"]["1"][expert] = -1
         (rank_dir / EXPERT_MAP).unlink()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,14 +13,14 @@ from fp4kit.commands._common import human_bytes, with_progress
 def convert(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    to: Annotated[str, typer.Option("--to", help="target dialect: compressed-tensors or modelopt; bf16: a dense "
-                                                 "dequantized checkpoint (weight-only emulation)")],
+    to: Annotated[Literal["compressed-tensors", "modelopt", "bf16"], typer.Option(
+        "--to", help="target dialect, or bf16: a dense dequantized checkpoint (weight-only emulation)")],
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     repair: Annotated[bool, typer.Option(
         help="one weight global scale per fused group (q/k/v, gate/up) and one input scale per expert projection; "
              "moves values by at most half an FP8 block-scale step")] = False,
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Rewrite an NVFP4 checkpoint in another dialect (packed weights and block scales byte for byte) or as a dense
     BF16 checkpoint (--to bf16)."""

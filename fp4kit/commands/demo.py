@@ -3,19 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
+Family = Literal["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4"]
+
 
 def demo(
-    workdir: Annotated[Path | None, typer.Option(help="keep the demo files here (default: a temp dir)")] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    family: Annotated[Family, typer.Option(help="the model family of the demo model")] = "qwen3_moe",
+    keep: Annotated[Path | None, typer.Option(
+        "--keep", "--workdir", help="keep the model, every step's output and the summary in this directory "
+                                   "(default: a temporary directory, removed at the end)")] = None,
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="where quantize and verify run")] = "cpu",
 ) -> None:
-    """Build a tiny Qwen3-MoE checkpoint offline, quantize it, and summarize the result."""
+    """Build a small model of the --family offline (seeded random weights, 8 experts, sized so that the TRT-LLM, CUTLASS
+    and Marlin layouts all accept it) and run the demo recipe on it: calibrated W4A4 quantize to compressed-tensors,
+    TRT-LLM layout, EP=2 shard, verify. Prints the run's summary. Exit 0 verified, 1 a check failed."""
     from fp4kit.demo import run_demo
 
-    for line in run_demo(workdir, device):
+    for line in run_demo(keep, device, family):
         typer.echo(line)
 
 

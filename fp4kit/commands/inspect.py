@@ -21,6 +21,9 @@ def inspect(
                                             "trtllm (repeatable)")
     ] = None,
     ep: Annotated[int | None, typer.Option(help="count E % ep != 0 as a problem")] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="also check what this engine loads but serves wrongly: vllm")
+    ] = None,
     source: Annotated[
         Path | None, typer.Option(help="BF16 source: audit input scales against its own causal forward")
     ] = None,
@@ -31,7 +34,7 @@ def inspect(
     """Dialect, scheme, family, per-layer summary and health checks. Exit 0 clean, 1 problems, 2 unusable."""
     from fp4kit.inspect import inspect_checkpoint
 
-    report = inspect_checkpoint(ckpt, backend or [], ep)
+    report = inspect_checkpoint(ckpt, backend or [], ep, engine)
     if source is not None:
         from fp4kit.audit import audit_input_scales
 
@@ -42,7 +45,6 @@ def inspect(
         for line in _text(report):
             typer.echo(line)
     if not report.clean:
-        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
         sys.exit(1)
 
 
@@ -60,11 +62,15 @@ def _text(report) -> list[str]:
                      f"{human_bytes(s.other_bytes):>11}  {shapes}")
     lines.append("backends: " + "; ".join(f"{b}: {why}" for b, why in report.backends.items()))
     lines.append(f"even EP splits: {report.even_ep_sizes or 'none'}")
+    if report.marlin_zeroed_scales:
+        lines.append("marlin (vLLM, bf16) stores these block scales as 0 (near-dead 16-weight blocks): " + ", ".join(
+            f"{key} {count}" for key, count in report.marlin_zeroed_scales.items()))
     if report.clean:
         lines.append("no problems found")
     else:
         lines.append(f"{len(report.problems)} problems:")
-        lines.extend(f"  [{p.check}] {p.module}: {p.detail}" for p in report.problems)
+        lines.extend(f"  [{p.check}] {p.module}: {p.detail}" + (f" ({p.source})" if p.source else "")
+                     for p in report.problems)
     return lines
 
 

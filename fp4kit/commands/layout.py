@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,12 +13,14 @@ from fp4kit.commands._common import human_bytes, with_progress
 def layout(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    backend: Annotated[str, typer.Option(help="trtllm, cutlass or marlin")],
-    act_dtype: Annotated[str, typer.Option(help="activation dtype the kernel runs with: bf16 or fp16")] = "bf16",
-    cutlass_flavor: Annotated[str, typer.Option(help="cutlass only: flashinfer or vllm")] = "flashinfer",
+    backend: Annotated[Literal["trtllm", "cutlass", "marlin"], typer.Option(help="the MoE kernel to lay out for")],
+    act_dtype: Annotated[Literal["bf16", "fp16"], typer.Option(
+        help="activation dtype the kernel runs with")] = "bf16",
+    cutlass_flavor: Annotated[Literal["flashinfer", "vllm"], typer.Option(
+        help="cutlass only: whose CUTLASS kernel")] = "flashinfer",
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Pre-build every MoE layer's fused-kernel layout (TRT-LLM, CUTLASS or Marlin), one layer at a time."""
     import gc
@@ -39,6 +41,11 @@ def layout(
             f"{report.passthrough_tensors} tensors copied, {human_bytes(report.input_bytes)} -> "
             f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
         )
+    if report.collapsed_input_scales:  # said even with --quiet: the kernel runs those experts on another scale
+        typer.echo(f"note: {len(report.collapsed_input_scales)} MoE layers have per-expert gate/up input scales; "
+                   f"{report.backend} quantizes the hidden states once for all experts, so each of those layers "
+                   f"uses its largest (as vLLM does; recorded in fp4kit_layout.json): "
+                   f"{', '.join(report.collapsed_input_scales)}", err=True)
 
 
 def register(app: typer.Typer) -> None:

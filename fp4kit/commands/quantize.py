@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,14 +13,17 @@ from fp4kit.commands._common import human_bytes, with_progress
 def quantize(
     src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    scheme: Annotated[str, typer.Option(help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
-    format: Annotated[str, typer.Option("--format", help="checkpoint dialect")] = "compressed-tensors",
+    scheme: Annotated[Literal["nvfp4a16", "nvfp4"], typer.Option(
+        help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
+    format: Annotated[Literal["compressed-tensors", "modelopt"], typer.Option(
+        "--format", help="checkpoint dialect")] = "compressed-tensors",
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     ignore: Annotated[list[str] | None, typer.Option(help="regex on module names to keep in bf16 (repeatable)")] = None,
     targets: Annotated[
         list[str] | None, typer.Option(help="regex: quantize only matching modules, e.g. 'experts\\.' (repeatable)")
     ] = None,
-    no_default_ignore: Annotated[bool, typer.Option(help="drop the family's default ignore list")] = False,
+    no_default_ignore: Annotated[bool, typer.Option(
+        "--no-default-ignore", help="drop the family's default ignore list")] = False,
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     exact_fp32_global_scale: Annotated[
@@ -33,14 +36,33 @@ def quantize(
     seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
     moe_input_scales: Annotated[
-        str, typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
-                               "per-expert: each expert's own")
+        Literal["shared", "per-expert"],
+        typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
+                          "per-expert: each expert's own")
     ] = "shared",
+    method: Annotated[
+        str, typer.Option(help="rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error "
+                               "search (weighted by calibration activations when calibrating: scheme nvfp4 or "
+                               "--calib); gptq: GPTQ on calibration data")
+    ] = "rtn",
+    gptq_damp: Annotated[float, typer.Option(help="GPTQ damping, a fraction of the Hessian's mean diagonal")] = 0.01,
+    gptq_min_tokens: Annotated[
+        int, typer.Option(help="GPTQ: routed experts with fewer calibration tokens fall back to mse")
+    ] = 32,
+    gptq_scales: Annotated[
+        str, typer.Option(help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")
+    ] = "mse",
+    input_scales_from: Annotated[
+        str, typer.Option(help="gptq/mse W4A4 input scales from the source model's forward (a pass of its own, "
+                               "as rtn) or from the calibrated pass's forward of the quantized model (no extra pass)")
+    ] = "source",
     native: Annotated[
         bool, typer.Option("--native/--no-native",
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
     ] = True,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    dequant_dtype: Annotated[Literal["fp32", "bf16"], typer.Option(
+        help="FP8-block / INT4 sources: dequantize to fp32 (one rounding) or bf16 (the peers' two)")] = "fp32",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
     from fp4kit import distributed
@@ -53,7 +75,9 @@ def quantize(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
-        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales,
+        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
+        method=method, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_scales=gptq_scales,
+        input_scales_from=input_scales_from,
     )
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
     if not quiet:
@@ -63,6 +87,10 @@ def quantize(
             f"kept, {human_bytes(report.input_bytes)} -> {human_bytes(report.output_bytes)} in {report.seconds:.1f} s "
             f"({human_bytes(rate)}/s) -> {dst}"
         )
+        if report.fallback_modules:
+            shown = ", ".join(report.fallback_modules[:8]) + (" ..." if len(report.fallback_modules) > 8 else "")
+            typer.echo(f"{report.method}: {len(report.fallback_modules)} Linears fell back to mse (too few "
+                       f"calibration tokens, or outside the calibrated layers): {shown}")
 
 
 def register(app: typer.Typer) -> None:

@@ -19,13 +19,15 @@ def run(
 ) -> None:
     """Run a recipe's steps (quantize, repair, layout, shard, verify) in order; finished steps are skipped on rerun.
     Exit 0 done, 1 a verify check failed, 2 invalid recipe or input."""
+    from fp4kit.recipe import load_recipe
+
+    loaded = load_recipe(recipe, set_ or [])  # before torch's import: a bad recipe is refused at once
+
     from rich.console import Console
 
     from fp4kit import distributed
     from fp4kit.pipeline import run_loaded
-    from fp4kit.recipe import load_recipe
 
-    loaded = load_recipe(recipe, set_ or [])
     console = Console(stderr=True, quiet=quiet)
     summary = run_loaded(loaded, workdir, console)
     if not distributed.is_main():  # under torchrun, rank 0 reports for all
@@ -35,7 +37,6 @@ def run(
     typer.echo(f"summary: {Path(summary.workdir) / 'summary.md'} and summary.json")
     verify = loaded.recipe.verify
     if summary.passed is False and verify is not None and verify.fail_run:
-        # not typer.Exit: under cli.main's standalone_mode=False click returns its code instead of exiting
         raise SystemExit(1)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -20,26 +23,60 @@ def _ints(text: str | None, what: str) -> list[int] | None:
         raise Fp4kitError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
+STDOUT = Path("-")
+
+
+@contextlib.contextmanager
+def verify_progress(quiet: bool) -> Iterator[tuple[Callable[[int, int], None] | None, Callable[[str], None] | None]]:
+    """(progress, notify) for `verify_checkpoint`: a bar of layers x checks on a terminal, else a line per layer on
+    stderr; warnings are lines in both cases; nothing with ``quiet``."""
+    if quiet:
+        yield None, None
+        return
+    if not sys.stderr.isatty():
+        yield None, lambda text: typer.echo(f"verify: {text}", err=True)
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), "checks",
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("verify", total=None)
+
+        def notify(text: str) -> None:
+            if text.startswith("warning: "):
+                bar.console.print(f"verify: {text}", markup=False, highlight=False)
+            else:
+                bar.update(task, description=f"verify {text}")
+
+        yield (lambda done, total: bar.update(task, completed=done, total=total)), notify
+
+
 def verify(
     ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint (compressed-tensors, ModelOpt or `fp4kit layout`)")],
     source: Annotated[Path | None, typer.Option(help="the BF16 checkpoint CKPT was made from")] = None,
     layers: Annotated[str | None, typer.Option(help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
     tokens: Annotated[str, typer.Option(help="batch sizes of random hidden states")] = "1,16,256,4096",
-    backend: Annotated[str, typer.Option(
-        help="auto, reference, triton, flashinfer-cutlass, flashinfer-trtllm or marlin")] = "auto",
+    backend: Annotated[Literal["auto", "reference", "triton", "flashinfer-cutlass", "flashinfer-trtllm", "marlin"],
+                       typer.Option(help="the MoE kernel to check against the reference")] = "auto",
     ep_shards: Annotated[Path | None, typer.Option(help="output of `fp4kit shard` made from CKPT")] = None,
     layout: Annotated[list[Path] | None, typer.Option(
         help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")] = None,
-    mode: Annotated[str | None, typer.Option(
-        help="w4a16 or w4a4 (default: w4a4 when CKPT has activation scales)")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
-    plot: Annotated[Path | None, typer.Option(help="write a per-layer error plot (PNG, needs matplotlib)")] = None,
+    mode: Annotated[Literal["w4a16", "w4a4"] | None, typer.Option(
+        help="default: w4a4 when CKPT has activation scales")] = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", help="write the JSON report to this file (`--json -`: print it on stdout, instead of the table)")
+    ] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="write a per-layer error plot (PNG; needs matplotlib: pip install 'fp4kit[plot]')")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     seed: Annotated[int, typer.Option(help="seed of the random hidden states")] = 0,
     tol_kernel: Annotated[float, typer.Option(help="kernel vs reference, relative error")] = 1e-2,
     tol_source: Annotated[float | None, typer.Option(
         help="quantized vs BF16 source, relative error (default 0.25 for w4a16, 0.35 for w4a4)")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="no progress and no table: the exit code (and `--json -`) say pass or fail")] = False,
 ) -> None:
     """Check that CKPT's MoE layers compute what the source model computes: kernels vs reference, quantized vs
     BF16, layout outputs, EP splits, NaN/Inf routing rows. Exit 0 pass, 1 fail, 2 unusable input."""
@@ -57,15 +94,17 @@ def verify(
         device=device or ("cuda" if torch.cuda.is_available() else "cpu"), seed=seed, tol_kernel=tol_kernel,
         tol_source=tol_source,
     )
-    report = verify_checkpoint(ckpt, options)
-    if json_path is not None:
+    with verify_progress(quiet) as (progress, notify):
+        report = verify_checkpoint(ckpt, options, progress, notify)
+    if json_path == STDOUT:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+    elif json_path is not None:
         report.write_json(json_path)
     if plot is not None:
         plot_report(report, plot)
-    if not quiet:
+    if not quiet and json_path != STDOUT:
         print_report(report)
     if not report.passed:
-        # not typer.Exit(1): under standalone_mode=False click returns its code, and cli.main drops return values
         sys.exit(1)
 
 

@@ -1,10 +1,11 @@
 """Model families, detected from config.json."""
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families import glm4_moe, glm4v_moe, llama4, qwen3_moe, qwen3_vl_moe
+from fp4kit.families import deepseek_v3, glm4_moe, glm4v_moe, llama4, qwen3_moe, qwen3_vl_moe
 from fp4kit.families.base import Family
 
-FAMILIES: tuple[Family, ...] = tuple(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, glm4_moe, glm4v_moe, llama4))
+FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, glm4_moe, glm4v_moe, llama4)),
+                                 llama4.TEXT_FAMILY, deepseek_v3.FAMILY)
 
 
 def detect(config: dict) -> Family:

@@ -15,9 +15,11 @@ from fp4kit.errors import Fp4kitError
 
 if TYPE_CHECKING:
     from fp4kit.routing import RoutingSpec
+    from fp4kit.sources import QuantizedLinear
 
-# Modules that a kernel fuses and that must therefore share one weight global scale.
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Modules that a kernel fuses and that must therefore share one weight global scale. MLA's q_a_proj and
+# kv_a_proj_with_mqa are vLLM's fused_qkv_a_proj (vllm/model_executor/models/deepseek_v2.py).
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
 EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
@@ -37,12 +39,85 @@ class Family:
     moe_intermediate: Callable[[dict], int] = field(default=lambda tc: int(tc["moe_intermediate_size"]))
     # ModelOpt's HF export keeps this family's fused experts fused, with one scale per layer and projection.
     modelopt_fused_experts: bool = False
+    # decoder layers on disk past num_hidden_layers (GLM's MTP layers)
+    extra_layers: Callable[[dict], int] = field(default=lambda tc: 0)
     # The family's HF checkpoints store routed experts fused and K-major: `experts.gate_up_proj` [E, H, 2I] (gate in
     # the first I columns) and `experts.down_proj` [E, I, H]; the others store one module per expert.
     hf_fused_experts: bool = False
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]
+
+    def check_config(self, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
+        """The text config, after checking the sizes fp4kit reads from it (positive integers) against the routed
+        experts on disk: their layers exist, each MoE layer has exactly the configured experts, of the configured
+        shapes. Returns the text config."""
+        text_config = self.text_config(config)
+        where = "config.json" + ("" if text_config is config else " text_config")
+        if not isinstance(text_config, dict):
+            raise Fp4kitError("config.json: text_config is not an object")
+        try:
+            sizes = {"hidden_size": text_config["hidden_size"], "num_hidden_layers": text_config["num_hidden_layers"],
+                     "vocab_size": text_config["vocab_size"], "num_experts_per_tok": text_config.get(
+                         "num_experts_per_tok", 1)}
+            experts, inter = self.num_experts(text_config), self.moe_intermediate(text_config)
+            extra = self.extra_layers(text_config)
+            routing = self.routing(text_config)
+        except KeyError as exc:
+            raise Fp4kitError(f"{where} lacks {exc.args[0]!r}, which {self.name} needs") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise Fp4kitError(f"{where}: a size {self.name} needs is not a number ({exc})") from None
+        except Fp4kitError as exc:  # the routing's own checks (top-k, groups)
+            raise Fp4kitError(f"{where}: {exc}") from None
+        for key, value in sizes.items():
+            _positive_int(where, key, value)
+        layers, hidden = sizes["num_hidden_layers"], sizes["hidden_size"]
+        if not 0 <= extra <= layers:
+            raise Fp4kitError(f"{where}: {extra} MTP layers for {layers} decoder layers")
+        _positive_int(where, "number of routed experts", experts)
+        _positive_int(where, "expert intermediate size", inter)
+        _positive_int(where, "num_experts_per_tok", routing.top_k)
+        if routing.top_k > experts or sizes["num_experts_per_tok"] > experts:
+            raise Fp4kitError(f"{where}: num_experts_per_tok {sizes['num_experts_per_tok']} exceeds the {experts} "
+                              "routed experts")
+        embeddings = [n for n in shapes if n.endswith("embed_tokens.weight") and "layers." not in n]
+        if len(embeddings) == 1 and shapes[embeddings[0]] != (sizes["vocab_size"], hidden):
+            raise Fp4kitError(f"{embeddings[0]}: shape {list(shapes[embeddings[0]])}, {where} implies "
+                              f"[{sizes['vocab_size']}, {hidden}] (vocab_size, hidden_size)")
+        found: dict[str, set[int]] = {}  # experts module -> expert indices on disk
+        for name, shape in shapes.items():
+            expert = expert_of(name)
+            leaf = name.rsplit(".", 1)[-1]
+            fused = leaf in FUSED_EXPERT_TENSORS and len(shape) == 3 and ".experts." in f".{name}"
+            if expert is None and not fused:
+                continue
+            layer = layer_of(name)
+            if layer is not None and layer >= layers + extra:
+                raise Fp4kitError(f"{name}: layer {layer}, but {where} has num_hidden_layers {layers}")
+            if fused:
+                if shape[0] != experts:
+                    raise Fp4kitError(f"{name}: {shape[0]} experts on disk, {where} says {experts}")
+                continue
+            head = name[: EXPERT_RE.search(name).start()]  # type: ignore[union-attr]
+            found.setdefault(head, set()).add(expert)
+            proj = name.rsplit(".", 2)[-2]
+            expected = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+            if leaf == "weight" and proj in expected and len(shape) == 2 and shape != expected[proj]:
+                raise Fp4kitError(f"{name}: shape {list(shape)}, {where} implies {list(expected[proj])} "
+                                  f"(hidden_size {hidden}, intermediate {inter})")
+        for head, indices in found.items():
+            if max(indices) >= experts:
+                raise Fp4kitError(f"{head}.experts: expert {max(indices)} on disk, {where} says {experts} experts")
+            if len(indices) != experts:
+                missing = next(i for i in range(experts) if i not in indices)
+                raise Fp4kitError(f"{head}.experts: {len(indices)} experts on disk (expert {missing} missing), "
+                                  f"{where} says {experts}")
+        return text_config
+
+
+def _positive_int(where: str, key: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise Fp4kitError(f"{where}: {key} is {value!r}, not a positive integer")
 
 
 @dataclass(frozen=True)
@@ -53,6 +128,7 @@ class SourceRef:
     expert: int | None = None
     span: tuple[int, int] | None = None  # range of output features (gate or up) inside the fused matrix
     transposed: bool = False  # the expert's matrix is stored [K, N] rather than [N, K]
+    quantized: QuantizedLinear | None = None  # the source stores it quantized (FP8 block, packed INT): dequantize
 
 
 @dataclass(frozen=True)
@@ -69,6 +145,47 @@ class Candidate:
     layer: int | None
     expert: int | None
     parent: str  # module path without the last component: siblings share it
+
+
+@dataclass(frozen=True)
+class ExpertModule:
+    """A routed expert's Linear, ``{experts}.{expert}.{proj}`` (e.g. model.layers.3.mlp.experts.7.gate_proj)."""
+
+    experts: str  # the experts container: model.layers.3.mlp.experts
+    expert: int
+    proj: str  # gate_proj, up_proj or down_proj
+
+    @property
+    def fused(self) -> str:
+        """The kernels' name of the projection: gate and up form w13 (one input, one weight scale), down is w2."""
+        return "w13" if self.proj in FUSED_SIBLINGS[1] else "w2"
+
+
+_EXPERT_MODULE = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
+
+
+def expert_module(module: str) -> ExpertModule | None:
+    """The routed expert a module name (without a tensor suffix) belongs to, or None."""
+    m = _EXPERT_MODULE.match(module)
+    return ExpertModule(m["experts"], int(m["expert"]), m["proj"]) if m else None
+
+
+def weight_scale_group(module: str) -> str:
+    """Modules whose weights a kernel fuses share this key, and must share one weight global scale: q/k/v of one
+    attention, gate/up of one MLP or expert; any other module is a group of its own."""
+    parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
+    for i, members in enumerate(FUSED_SIBLINGS):
+        if leaf in members:
+            return f"{parent}#{i}"
+    return module
+
+
+def input_scale_group(module: str) -> str:
+    """Modules that read one activation and so share one input scale: a layer's routed experts per projection (w13
+    or w2: the kernels quantize the hidden states once for every expert, and EP then needs no all-reduce), and the
+    fused groups of ``weight_scale_group``."""
+    expert = expert_module(module)
+    return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module)
 
 
 def layer_of(name: str) -> int | None:

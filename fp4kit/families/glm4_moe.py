@@ -17,11 +17,15 @@ def routing(tc: dict):
     )
 
 
+def mtp_layers(tc: dict) -> int:
+    return max(1, int(tc.get("num_nextn_predict_layers") or 1))
+
+
 def ignore(config: dict) -> list[str]:
     tc = config.get("text_config") or config
     # The MTP (next-token prediction) layers sit after the decoder layers: indices num_hidden_layers and up.
     first_mtp = int(tc["num_hidden_layers"])
-    mtp = "|".join(str(first_mtp + i) for i in range(max(1, int(tc.get("num_nextn_predict_layers") or 1))))
+    mtp = "|".join(str(first_mtp + i) for i in range(mtp_layers(tc)))
     return [r"mlp\.gate$", rf"layers\.({mtp})\."]
 
 
@@ -32,4 +36,5 @@ FAMILY = Family(
     num_experts=lambda tc: int(tc["n_routed_experts"]),
     routing=routing,
     ignore=ignore,
+    extra_layers=mtp_layers,
 )

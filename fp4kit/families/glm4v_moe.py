@@ -10,4 +10,5 @@ FAMILY = Family(
     num_experts=lambda tc: int(tc["n_routed_experts"]),
     routing=glm4_moe.routing,
     ignore=lambda config: [*glm4_moe.ignore(config), r"(^|\.)visual\."],
+    extra_layers=glm4_moe.mtp_layers,
 )

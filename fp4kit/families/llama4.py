@@ -1,6 +1,8 @@
 """Llama-4 (Scout, Maverick; multimodal and text-only): fused BMM experts [E, H, 2I], top-1 sigmoid router whose
 score scales the expert input, shared expert, vision tower and projector kept in bf16."""
 
+import dataclasses
+
 from fp4kit.families.base import Family, sub_config
 
 
@@ -12,7 +14,7 @@ def routing(tc: dict):
 
 FAMILY = Family(
     name="llama4",
-    model_types=("llama4", "llama4_text"),
+    model_types=("llama4",),
     text_config=sub_config,
     num_experts=lambda tc: int(tc["num_local_experts"]),
     routing=routing,
@@ -21,3 +23,8 @@ FAMILY = Family(
     modelopt_fused_experts=True,
     hf_fused_experts=True,
 )
+
+# Llama4ForCausalLM: vLLM 0.33's text-only loader (models/llama4.py, Llama4Model.load_moe_expert_weights) maps fused
+# expert tensors only onto `w13_weight` / `w2_weight`, so a fused ModelOpt scale name raises KeyError there; it reads
+# per-expert `experts.{e}.{gate,up,down}_proj.*` tensors, which the ModelOpt dialect then writes.
+TEXT_FAMILY = dataclasses.replace(FAMILY, model_types=("llama4_text",), modelopt_fused_experts=False)

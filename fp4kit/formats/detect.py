@@ -14,7 +14,6 @@ it encodes to the fp32 value actually stored, so a tool that edits the tensor wi
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from fp4kit.families.base import Family
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.safetensors_files import loads, read_json
 
 CT, MO = "compressed-tensors", "modelopt"
 DIALECTS = (CT, MO)
@@ -93,8 +93,16 @@ class QuantizedCheckpoint:
     def divisor(self, name: str) -> torch.Tensor:
         """The canonical float64 divisor held by scale tensor ``name``."""
         if name not in self._divisors:
-            stored = self.reader.read(name).reshape(())
+            # a compressed-tensors multiplier of Inf (divisor 0: an expert that saw no calibration token) is a known
+            # producer defect that inspect reports and repair and shard replace; NaN never is
+            stored = self.reader.read(name, check_finite=False).reshape(())
+            if self.reader.check_finite and bool(stored.isnan()):
+                raise Fp4kitError(f"{self.reader.info(name).file}: scale tensor {name} is NaN")
             value = decoded_scale(self.dialect, stored)
+            if self.dialect == MO and self.reader.metadata.get("producer") == "fp4kit":
+                multiplier = mo.multiplier_behind(stored)  # the multiplier fp4kit wrote this divisor for
+                if multiplier is not None:
+                    value = 1.0 / multiplier.double()
             exact = self.exact_scales.get(name)
             if exact is not None:
                 candidate = torch.tensor(exact, dtype=torch.float64)
@@ -151,14 +159,15 @@ class QuantizedCheckpoint:
 
 def _declared(root: Path, config: dict) -> tuple[str | None, dict]:
     qconfig = config.get("quantization_config") or {}
+    if not isinstance(qconfig, dict):
+        raise Fp4kitError(f"{root / 'config.json'}: quantization_config is not an object")
     method = str(qconfig.get("quant_method", "")).lower()
     hf_path = root / HF_QUANT_CONFIG
     hf_quant = {}
     if hf_path.exists():
-        try:
-            hf_quant = json.loads(hf_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise Fp4kitError(f"{hf_path}: not valid JSON ({exc.msg})") from None
+        hf_quant = read_json(hf_path, HF_QUANT_CONFIG)
+        if not isinstance(hf_quant, dict):
+            raise Fp4kitError(f"{hf_path}: not a JSON object")
     if method == CT and hf_quant:
         raise Fp4kitError(f"{root}: mixed dialects: config.json says compressed-tensors but {HF_QUANT_CONFIG} exists")
     if method == CT:
@@ -265,12 +274,13 @@ def _fused_modules(reader: CheckpointReader) -> list[QuantModule]:
     return modules
 
 
-def open_checkpoint(root: str | Path) -> QuantizedCheckpoint:
-    """Open an NVFP4 checkpoint directory of either dialect (raises Fp4kitError when it is not usable)."""
+def open_checkpoint(root: str | Path, strict: bool = True) -> QuantizedCheckpoint:
+    """Open an NVFP4 checkpoint directory of either dialect (raises Fp4kitError when it is not usable).
+    ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False."""
     root = Path(root)
     config = read_config(root)
     declared, qconfig = _declared(root, config)
-    reader = CheckpointReader(root)
+    reader = CheckpointReader(root, check_finite=strict)
     try:
         names = reader.names()
         evidence = _evidence(names)
@@ -298,10 +308,19 @@ def open_checkpoint(root: str | Path) -> QuantizedCheckpoint:
             family: Family | None = detect_family(config)
         except Fp4kitError:
             family = None
-        exact = json.loads(reader.metadata.get(EXACT_SCALES_KEY, "{}"))
+        exact = _exact_scales(root, reader.metadata.get(EXACT_SCALES_KEY, "{}"))
         return QuantizedCheckpoint(root, config, dialect, scheme, family, modules,
                                    [n for n in names if n not in used], ignore, reader,
-                                   {k: float.fromhex(v) for k, v in exact.items()})
+                                   exact)
     except BaseException:
         reader.close()
         raise
+
+
+def _exact_scales(root: Path, text: str) -> dict[str, float]:
+    document = loads(text, root, f"safetensors metadata {EXACT_SCALES_KEY}")
+    try:
+        assert isinstance(document, dict)
+        return {str(k): float.fromhex(v) for k, v in document.items()}
+    except (AssertionError, TypeError, ValueError):
+        raise Fp4kitError(f"{root}: safetensors metadata {EXACT_SCALES_KEY} is not a map of hex floats") from None

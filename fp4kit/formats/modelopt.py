@@ -16,8 +16,10 @@ Writing fp32 divisors (``fp32_divisor``): a canonical divisor that is exactly fp
 written as is. One that came from a compressed-tensors multiplier G is 1/G in float64, usually not an fp32 value;
 we write the fp32 D closest to 1/G among those whose reciprocal, rounded to fp32, is G again (searching
 ``DIVISOR_SEARCH_ULPS`` fp32 steps either side of the nearest). Reading D back and converting to compressed-tensors
-then restores G bit for bit. Such a D exists for every bf16-valued G (llm-compressor's and fp4kit's default; tested
-exhaustively); for other fp32 G, where none exists, the nearest fp32 value is written and G may come back one ulp off.
+then restores G bit for bit. Where no such D exists (the upper part of a binade of G, where the divisors are
+sparser than the multipliers), the nearest D is written, and G is restored by ``multiplier_behind`` when it is
+bf16-valued (fp4kit's and llm-compressor's weight global scales), or by the exact-scales metadata record the writer
+adds (fp4kit.formats.detect; quantize does so for calibrated input scales, convert for any scale).
 """
 
 from __future__ import annotations
@@ -58,6 +60,35 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
     distance = torch.where(keeps_multiplier, (stacked.double() - divisor).abs(), torch.inf)
     best = stacked.gather(0, distance.argmin(0, keepdim=True)).squeeze(0)
     return torch.where(keeps_multiplier.any(0), best, nearest)
+
+
+def _bf16_valued(values: torch.Tensor) -> torch.Tensor:
+    return (values.view(torch.int32) & 0xFFFF) == 0
+
+
+def multiplier_behind(stored: torch.Tensor) -> torch.Tensor | None:
+    """The compressed-tensors multiplier G that fp4kit's writer turned into the stored fp32 divisor D, or None.
+
+    fp4kit writes ``fp32_divisor(1/G)``. Not every fp32 G is the rounded reciprocal of some fp32 D (near a power of
+    two the divisors are twice as sparse as the multipliers), and then D is the nearest divisor and fp32(1/D) is
+    G's neighbour: reading 1/D back would move G by one ulp. The multipliers that map to D are at most a few ulps
+    from fp32(1/D); when exactly one of them is bf16-valued (fp4kit's and llm-compressor's weight global scales are:
+    448*6 / amax in bf16), that is the one; else None (read D as it is).
+    """
+    stored = stored.reshape(()).float()
+    if not bool(torch.isfinite(stored)) or float(stored) <= 0:
+        return None
+    nearest = (1.0 / stored.double()).float()
+    candidates = [nearest]
+    up = down = nearest
+    for _ in range(DIVISOR_SEARCH_ULPS):
+        up = torch.nextafter(up, torch.tensor(float("inf")))
+        down = torch.nextafter(down, torch.tensor(0.0))
+        candidates += [up, down]
+    behind = [g for g in candidates if bool(torch.isfinite(g)) and torch.equal(fp32_divisor(1.0 / g.double()), stored)
+              and torch.equal((1.0 / g.double()).float(), stored)]
+    preferred = [g for g in behind if bool(_bf16_valued(g))]
+    return preferred[0] if len(preferred) == 1 else None
 
 
 def planned(module: str, out_features: int, in_features: int, with_input_scale: bool) -> list[PlannedTensor]:

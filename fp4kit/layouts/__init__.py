@@ -1,5 +1,5 @@
 """Backend layouts: pure functions from one MoE layer's canonical NVFP4 weights to the tensors a kernel reads,
-each with an exact inverse (DESIGN.md §5).
+each with an exact inverse (docs/layouts.md).
 
 Every backend module (``cutlass``, ``trtllm``, ``marlin``) exposes the same four functions:
 
@@ -86,6 +86,21 @@ def check_expert_parallel(num_experts: int, ep: int, kernel: str) -> None:
 def fp32(scale: torch.Tensor) -> torch.Tensor:
     """A float64 divisor rounded once to fp32, as engines hold it (ModelOpt's weight_scale_2 / input_scale)."""
     return scale.to(torch.float32)
+
+
+def shared_input_divisor(input_scale_div13: torch.Tensor) -> torch.Tensor:
+    """The gate/up input divisor a FlashInfer kernel (TRT-LLM-gen, CUTLASS) applies to every expert: it quantizes the
+    hidden states once, before routing, so one scale serves all experts. Like vLLM 0.33
+    (``flashinfer_fp4_moe.py::prepare_nvfp4_moe_layer_for_fi_or_cutlass``, ``amax_for_moe_activation_quant``), the
+    layer's largest divisor (largest calibrated amax: nothing clips), repeated over the experts."""
+    return input_scale_div13.max().expand_as(input_scale_div13).clone()
+
+
+def collapsed_input_scales(input_scale_div13: torch.Tensor | None) -> int:
+    """How many experts' own gate/up input scales :func:`shared_input_divisor` replaces (0 when they agree)."""
+    if input_scale_div13 is None:
+        return 0
+    return int((input_scale_div13 != input_scale_div13.max()).sum())
 
 
 def describe(backend: str, w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,

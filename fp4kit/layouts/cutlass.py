@@ -1,6 +1,6 @@
 """CUTLASS NVFP4 grouped-GEMM layout (W4A4, sm100/sm120): FlashInfer ``cutlass_fused_moe`` or vLLM ``cutlass_moe_fp4``.
 
-Facts (DESIGN.md §5; checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_cutlass_nvfp4_weights``,
+Facts (checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_cutlass_nvfp4_weights``,
 ``data/csrc/fused_moe/cutlass_backend/flashinfer_cutlass_fused_moe_binding.cu`` and vLLM's
 ``flashinfer_cutlass_moe.py`` / ``cutlass_moe.py``):
 
@@ -11,7 +11,10 @@ Facts (DESIGN.md §5; checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepa
 - Gated GEMM1 needs I % 64 == 0 (its scale rows are alignToSfDim(I, 64) * 2); the expand kernel reads the
   activation scales with rows padded to 64, so H % 64 == 0.
 - Per-expert fp32 scalars, as vLLM computes them: g1_alpha = D_w13 * D_a13, g2_alpha = D_w2 * D_a2,
-  a1_gscale = 1 / D_a13, a2_gscale = 1 / D_a2 (each divisor first rounded to fp32).
+  a1_gscale = 1 / D_a13, a2_gscale = 1 / D_a2 (each divisor first rounded to fp32). FlashInfer's kernel quantizes
+  the hidden states once for all experts, so there D_a13 is the layer's largest gate/up input divisor (as vLLM
+  0.33's ``prepare_nvfp4_moe_layer_for_fi_or_cutlass``); vLLM's own ``cutlass_moe_fp4`` quantizes per expert and
+  keeps each expert's. D_a2 stays per expert in both (the down input is quantized per expert).
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from fp4kit.layouts import (
     check_divisible,
     check_expert_parallel,
     check_input_scales,
+    collapsed_input_scales,
     destination,
     fp32,
     moe_sizes,
     placed,
     require_equal,
     require_shape,
+    shared_input_divisor,
 )
 from fp4kit.layouts import describe as _describe
 from fp4kit.layouts.swizzle import swizzle_128x4, swizzle_padding_is_zero, swizzled_shape, unswizzle_128x4
@@ -81,14 +86,19 @@ def _swap_halves(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
 def _scalars(meta: LayoutMeta) -> tuple[torch.Tensor, ...]:
     if meta.input_scale_div13 is None or meta.input_scale_div2 is None:
         raise Fp4kitError("CUTLASS NVFP4 MoE is W4A4: it needs the gate/up and down input scales.")
-    return (fp32(meta.w13_global_scale_div) * fp32(meta.input_scale_div13), 1.0 / fp32(meta.input_scale_div13),
+    input13 = meta.input_scale_div13
+    if meta.options.get("flavor", "flashinfer") == "flashinfer":
+        input13 = shared_input_divisor(input13)
+    return (fp32(meta.w13_global_scale_div) * fp32(input13), 1.0 / fp32(input13),
             fp32(meta.w2_global_scale_div) * fp32(meta.input_scale_div2), 1.0 / fp32(meta.input_scale_div2))
 
 
 def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
              input_scale_div2: torch.Tensor | None, flavor: Flavor = "flashinfer") -> LayoutMeta:
     _check_flavor(flavor)
-    return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2, flavor=flavor)
+    collapsed = collapsed_input_scales(input_scale_div13) if flavor == "flashinfer" else 0
+    return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2, flavor=flavor,
+                     collapsed_input_scales13=collapsed)
 
 
 def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,

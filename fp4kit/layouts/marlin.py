@@ -1,6 +1,6 @@
 """Marlin layout for vLLM's ``fused_marlin_moe`` with NVFP4 weights (W4A16: dequantized in the kernel, sm75+).
 
-Facts (DESIGN.md §5; checked in vLLM ``marlin_utils_fp4.py`` (prepare_moe_fp4_layer_for_marlin,
+Facts (checked in vLLM 0.33.0 ``marlin_utils_fp4.py`` (prepare_nvfp4_moe_layer_for_marlin,
 nvfp4_marlin_process_scales, nvfp4_marlin_process_global_scale, _nvfp4_compute_scale_factor), ``marlin_utils.py``
 (get_scale_perms, marlin_permute_scales), ``marlin_utils_test.py`` (marlin_permute_weights, marlin_weights,
 get_weight_perm) and ``csrc/moe/marlin_moe_wna16/ops.cu``):
@@ -10,9 +10,11 @@ get_weight_perm) and ``csrc/moe/marlin_moe_wna16/ops.cu``):
   fixed permutation (``get_weight_perm(4)``, whose groups of 8 are interleaved [0, 2, 4, 6, 1, 3, 5, 7]), then
   packed 8 codes per int32, code i at bits 4i.
 - Block scales: transposed to [K/16, N], permuted in groups of 64 (an 8x8 transpose), every 4 swapped
-  [0, 2, 1, 3], times 2^7 (times a power-of-two factor f shared by all experts of the projection for bf16 so that
-  every non-zero scale * 2^7 >= 2), re-encoded as the high byte of (fp16 bits << 1): sign dropped, 5-bit exponent,
-  3-bit mantissa. Exact for non-negative FP8 scales as long as scale * f * 2^7 < 65536.
+  [0, 2, 1, 3], times 2^7 and, for bf16, a power-of-two factor f shared by all experts of the projection that lifts
+  the largest non-zero scale to <= 448 (f = 2^floor(log2(448 / max)), 1 when max = 448; fp16: f = 1), re-encoded
+  as the high byte of (fp16 bits << 1): sign dropped, 5-bit exponent, 3-bit mantissa. Scaled values below 2 (their
+  top exponent bit would be lost) are stored as 0: such a block dequantizes to zero. ``describe`` counts them
+  (``w13_zeroed_scales`` / ``w2_zeroed_scales``), and ``undo`` gives them back as 0.
 - Global scale: fp32 divisor D times 2^119 (bf16 activations) or 2^7 (fp16), divided by f; fp32 [E].
 - The MoE kernel's thread tiles need n % 128 == 0 and k % 64 == 0 for every GEMM (vLLM
   ``check_moe_marlin_supports_layer``; ``ops.cu`` thread configs): H % 128 == 0 and I % 64 == 0.
@@ -48,6 +50,8 @@ K_ALIGNMENT = 64
 # exponent bias of the activation dtype minus FP4's (2^(e-1) - 2^1), minus the 2^7 folded into the scales
 _GLOBAL_EXPONENT = {torch.bfloat16: 126 - 7, torch.float16: 14 - 7}
 _ENCODING_LIMIT = 65536.0  # first scale * f * 2^7 that fp16 cannot hold
+_LARGEST_SCALED = 448.0 * 2**7  # the largest FP8 scale times 2^7: what vLLM lifts the largest scale to
+_SMALLEST_ENCODED = 2.0  # scaled values below this are stored as 0 (their S0E5M3 byte would lose its top bit)
 _CHUNK_BYTES = 1 << 21  # experts repacked / encoded per step: the working set stays in cache
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)  # every FP8 byte
 
@@ -132,18 +136,38 @@ def unpack_weights(marlin: torch.Tensor, size_n: int, size_k: int) -> torch.Tens
     return pack_codes(tiled.reshape(experts, size_k, size_n).transpose(1, 2).contiguous())
 
 
+def scale_histogram(block_scale: torch.Tensor) -> torch.Tensor:
+    """int64 [256]: how often each FP8 byte value occurs in ``block_scale`` (the rules below need only this)."""
+    return torch.bincount(block_scale.view(torch.uint8).reshape(-1), minlength=256)
+
+
 def _present(block_scale: torch.Tensor) -> torch.Tensor:
-    """bool [256]: which FP8 byte values occur in ``block_scale`` (the checks below need each value once)."""
-    return torch.bincount(block_scale.view(torch.uint8).reshape(-1), minlength=256) > 0
+    return scale_histogram(block_scale) > 0
+
+
+def factor_from_histogram(histogram: torch.Tensor, act_dtype: torch.dtype) -> float:
+    """vLLM 0.33's ``_nvfp4_compute_scale_factor``: the power of two f that lifts the *largest* non-zero scale * 2^7
+    to at most 448 * 2^7, f = 2^floor(log2(448 * 2^7 / max)) when max < 448 * 2^7, else 1; fp16 keeps f = 1."""
+    values = _FP8_VALUES.to(torch.float64) * 2**7
+    nonzero = values[(histogram > 0) & (values > 0)]
+    if act_dtype == torch.float16 or nonzero.numel() == 0 or float(nonzero.max()) >= _LARGEST_SCALED:
+        return 1.0
+    return 2.0 ** math.floor(math.log2(_LARGEST_SCALED / float(nonzero.max())))
+
+
+def zeroed_from_histogram(histogram: torch.Tensor, factor: float) -> int:
+    """How many non-zero scales vLLM's ``nvfp4_marlin_process_scales`` sets to 0 (those with s * f * 2^7 < 2)."""
+    values = _FP8_VALUES.to(torch.float64) * (factor * 2**7)
+    return int(histogram[(values > 0) & (values < _SMALLEST_ENCODED)].sum())
 
 
 def scale_factor(block_scale: torch.Tensor, act_dtype: torch.dtype) -> float:
-    """vLLM's power of two f: every non-zero scale * 2^7 * f >= 2 (bf16 only; fp16 keeps f = 1)."""
-    scales = _FP8_VALUES[_present(block_scale)].to(torch.float64) * 2**7
-    nonzero = scales[scales > 0]
-    if act_dtype == torch.float16 or nonzero.numel() == 0 or nonzero.min() >= 2:
-        return 1.0
-    return 2.0 ** math.ceil(math.log2(2.0 / float(nonzero.min())))
+    """The factor f of one projection (all experts together), as vLLM chooses it."""
+    return factor_from_histogram(scale_histogram(block_scale), act_dtype)
+
+
+def zeroed_scales(block_scale: torch.Tensor, factor: float) -> int:
+    return zeroed_from_histogram(scale_histogram(block_scale), factor)
 
 
 def encode_scales(block_scale: torch.Tensor, factor: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,6 +188,7 @@ def encode_scales(block_scale: torch.Tensor, factor: float, out: torch.Tensor | 
     if bool((values[present] >= _ENCODING_LIMIT).any()):
         raise Fp4kitError(f"block scales span too wide a range for Marlin: scale * {factor:g} * 2^7 overflows fp16.")
     table = (values.to(torch.float16).view(torch.int16).to(torch.int32) >> 7).to(torch.uint8)
+    table[values < _SMALLEST_ENCODED] = 0  # as vLLM: marlin_scales[marlin_scales < 2] = 0
     experts, size_n, groups = block_scale.shape
     source = block_scale.view(torch.uint8).reshape(experts, size_n // 64, 8, 8, groups)  # e, q, (j, m0, m1), i, g
     if out is None:
@@ -212,9 +237,12 @@ def _act_dtype(name: object) -> torch.dtype:
 def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
              input_scale_div2: torch.Tensor | None, act_dtype: torch.dtype = torch.bfloat16) -> LayoutMeta:
     dtype = _act_dtype(act_dtype)
+    histogram13, histogram2 = scale_histogram(w13.block_scale), scale_histogram(w2.block_scale)
+    factor13, factor2 = factor_from_histogram(histogram13, dtype), factor_from_histogram(histogram2, dtype)
     return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2, act_dtype=str(dtype).removeprefix("torch."),
-                     w13_scale_factor=scale_factor(w13.block_scale, dtype),
-                     w2_scale_factor=scale_factor(w2.block_scale, dtype))
+                     w13_scale_factor=factor13, w2_scale_factor=factor2,
+                     w13_zeroed_scales=zeroed_from_histogram(histogram13, factor13),
+                     w2_zeroed_scales=zeroed_from_histogram(histogram2, factor2))
 
 
 def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,

@@ -1,4 +1,4 @@
-"""The 128x4 block-scale swizzle that CUTLASS and TRT-LLM NVFP4 kernels read (DESIGN.md §5), and its inverse.
+"""The 128x4 block-scale swizzle that CUTLASS and TRT-LLM NVFP4 kernels read (docs/layouts.md), and its inverse.
 
 A scale grid [..., M, S] (one FP8 scale per 16 K-elements) is padded with zero bytes to M % 128 == 0 and
 S % 4 == 0, then each 128-row x 4-column tile is stored so that the four 32-row groups of one row sit next to

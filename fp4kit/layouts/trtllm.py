@@ -1,6 +1,6 @@
 """TRT-LLM-gen shuffled layout for FlashInfer's ``trtllm_fp4_block_scale_moe`` (NVFP4 W4A4, sm100 family).
 
-Facts (DESIGN.md §5; checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_trtllm_fp4_weights``,
+Facts (checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_trtllm_fp4_weights``,
 ``fused_moe/core.py``, ``utils.py::get_shuffle_matrix_a_row_indices`` and vLLM's
 ``flashinfer_fp4_moe.py::prepare_static_weights_for_trtllm_fp4_moe``):
 
@@ -18,7 +18,10 @@ Facts (DESIGN.md §5; checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepa
 - Block scales get the same row permutation, then the 128x4 swizzle; they are handed over as float8_e4m3fn
   reshaped to [E, rows, K/16] (the swizzled buffer has exactly that many bytes once padded).
 - Per local expert fp32 scalars, as vLLM computes them: output1_scale_gate_scalar = D_w13 * D_a13,
-  output1_scale_scalar = that * (1 / D_a2), output2_scale_scalar = D_w2 * D_a2.
+  output1_scale_scalar = that * (1 / D_a2), output2_scale_scalar = D_w2 * D_a2. The kernel quantizes the hidden
+  states once for all experts, so D_a13 is the layer's largest gate/up input divisor (as vLLM 0.33 does;
+  ``describe`` counts the experts whose own scale that replaces); the down projection's input is quantized per
+  expert inside the kernel (with output1_scale_scalar), so D_a2 stays per expert.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from fp4kit.layouts import (
     check_divisible,
     check_expert_parallel,
     check_input_scales,
+    collapsed_input_scales,
     destination,
     fp32,
     moe_sizes,
@@ -39,6 +43,7 @@ from fp4kit.layouts import (
     require_equal,
     require_shape,
     require_zero,
+    shared_input_divisor,
 )
 from fp4kit.layouts import describe as _describe
 from fp4kit.layouts.swizzle import round_up, swizzle_128x4, unswizzle_128x4
@@ -133,7 +138,7 @@ def _padded(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def _scalars(meta: LayoutMeta) -> dict[str, torch.Tensor]:
     if meta.input_scale_div13 is None or meta.input_scale_div2 is None:
         raise Fp4kitError("trtllm_fp4_block_scale_moe is W4A4: it needs the gate/up and down input scales.")
-    gate_scalar = fp32(meta.w13_global_scale_div) * fp32(meta.input_scale_div13)
+    gate_scalar = fp32(meta.w13_global_scale_div) * fp32(shared_input_divisor(meta.input_scale_div13))
     return {
         "output1_scale_scalar": gate_scalar * (1.0 / fp32(meta.input_scale_div2)),
         "output1_scale_gate_scalar": gate_scalar,
@@ -143,7 +148,8 @@ def _scalars(meta: LayoutMeta) -> dict[str, torch.Tensor]:
 
 def describe(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,
              input_scale_div2: torch.Tensor | None) -> LayoutMeta:
-    return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2)
+    return _describe(BACKEND, w13, w2, input_scale_div13, input_scale_div2,
+                     collapsed_input_scales13=collapsed_input_scales(input_scale_div13))
 
 
 def transform(w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,

@@ -152,3 +152,109 @@ VECTOR_CLONES int fp4kit_encode_bf16(const uint16_t *x, const uint16_t *amax, in
     free(t);
     return 0;
 }
+
+/* A block's 16 lanes (GCC/clang vector extensions: one AVX2 register of 16-bit lanes, two of fp32 ones, in the avx2
+ * clone; SSE registers else) */
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
+
+/* Weighted squared error of one block under a block-scale code, computed as fp4kit.scale_search.block_errors does:
+ * (E2M1 value * divisor - |x|)^2, times the channel's importance, summed as the halving tree e[i] + e[i + n/2].
+ * The code is counted with the encode's threshold compares on the bf16 bit patterns; its value c/2 + max(c-4, 0)/2
+ * + max(c-6, 0) (0, .5, ..., 2, 3, 4, 6) is exact, so the product with the divisor is torch's. */
+static inline float block_error(v16s magnitude, v16f x, const v16s *th, float divisor, const v16f *weights) {
+    v16s c = {0};
+    for (int k = 0; k < 7; k++) c -= (v16s)(magnitude >= th[k]); /* a true compare is -1 in every bit */
+    v16s twice = c + ((c - 4) & (v16s)(c > 4)), above6 = (c - 6) & (v16s)(c > 6);
+    v16f value = __builtin_convertvector(twice, v16f) * 0.5f + __builtin_convertvector(above6, v16f);
+    v16f d = value * divisor - x;
+    v16f e = d * d;
+    if (weights != NULL) e = e * *weights;
+#ifdef HAVE_SHUFFLEVECTOR
+    v8f s8 = __builtin_shufflevector(e, e, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(e, e, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+#else
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = e[i] + e[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+#endif
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+static inline const v16s *wide_thresholds(Tables *t, v16s (*wide)[7], uint8_t *wide_ready, uint8_t code8) {
+    if (!wide_ready[code8]) {
+        const uint16_t *th = thresholds_of(t, code8);
+        for (int k = 0; k < 7; k++)
+            for (int i = 0; i < BLOCK; i++) wide[code8][k][i] = (int16_t)th[k]; /* all below 0x7F81: no sign */
+        wide_ready[code8] = 1;
+    }
+    return wide[code8];
+}
+
+/* The mse block-scale search (fp4kit.scale_search.search_block_scales) and the encode with the chosen scales:
+ * per block, the RTN code, the codes offset by each of n_offsets offsets (clamped to [1, 0x7E]) and "max to 4"
+ * (fp8(G * amax / 4)); the first of the smallest errors wins. importance: fp32 weights per input channel of one
+ * row (k_blocks blocks), or NULL. */
+VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax, int64_t n_blocks, float global_mul,
+                                         const int32_t *offsets, int n_offsets, const float *importance,
+                                         int64_t k_blocks, uint8_t *packed, uint8_t *block_scale) {
+    Tables *t = malloc(sizeof *t);
+    if (t == NULL) return -1;
+    t->global_mul = global_mul;
+    memset(t->scale_of_amax, SCALE_UNSET, sizeof t->scale_of_amax);
+    memset(t->ready, 0, sizeof t->ready);
+    float divisors[128];
+    v16s (*wide)[7] = aligned_alloc(sizeof(v16s), 128 * sizeof *wide); /* vectors want their own alignment */
+    if (wide == NULL) {
+        free(t);
+        return -1;
+    }
+    uint8_t wide_ready[128] = {0};
+    for (int code = 0; code < 128; code++) divisors[code] = e4m3_to_f32((uint8_t)code) / global_mul;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint16_t *block = x + b * BLOCK;
+        v16s magnitude;
+        v16f xf, weights;
+        memcpy(&magnitude, block, sizeof magnitude);
+        magnitude &= 0x7FFF;
+        v16i widened = __builtin_convertvector(magnitude, v16i) << 16; /* bf16 bits -> fp32 bits */
+        memcpy(&xf, &widened, sizeof xf);
+        if (importance != NULL) memcpy(&weights, importance + (b % k_blocks) * BLOCK, sizeof weights);
+        const v16f *w = importance == NULL ? NULL : &weights;
+        uint8_t rtn = block_scale_code(t, amax[b]);
+        uint8_t best = rtn;
+        float best_error = block_error(magnitude, xf, wide_thresholds(t, wide, wide_ready, rtn), divisors[rtn], w);
+        for (int k = 0; k <= n_offsets; k++) {
+            int code;
+            if (k < n_offsets) {
+                code = (int)rtn + offsets[k];
+                code = code < 1 ? 1 : (code > 0x7E ? 0x7E : code);
+            } else {
+                float max_to_4 = global_mul * (bf16_to_f32(amax[b]) / 4.0f);
+                code = f32_to_e4m3(max_to_4 > 448.0f ? 448.0f : max_to_4);
+                if (code == 0) code = 0x20;
+            }
+            float error = block_error(magnitude, xf, wide_thresholds(t, wide, wide_ready, (uint8_t)code),
+                                      divisors[code], w);
+            if (error < best_error) {
+                best_error = error;
+                best = (uint8_t)code;
+            }
+        }
+        block_scale[b] = best;
+        encode_block(block, thresholds_of(t, best), packed + b * (BLOCK / 2));
+    }
+    free(wide);
+    free(t);
+    return 0;
+}

@@ -3,6 +3,11 @@
 The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
 with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
 no compiler works, ``available()`` is False and fp4kit.nvfp4 quantizes with torch ops: the same bytes, slower.
+
+A cached library is named by a hash of everything that decides its bytes (the shipped C source, the compiler's
+resolved path and ``--version``, the flags, the platform), so a changed source or compiler never finds a stale
+build. Beside it a ``.sha256`` file records the digest of what the build wrote; a library whose bytes do not match
+it, or either file owned by another user or writable by others, is rebuilt before anything loads it.
 """
 
 from __future__ import annotations
@@ -10,12 +15,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,23 +51,58 @@ def _compiler() -> str | None:
     return None
 
 
+def build_key(compiler: str) -> str:
+    """Hash of the inputs that decide the library's bytes: source, compiler (resolved path and version), flags."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=60).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), os.path.realpath(compiler).encode(), version, " ".join(CFLAGS).encode(),
+                 sys.platform.encode(), platform.machine().encode()):
+        digest.update(len(part).to_bytes(8, "little") + part)  # length-prefixed: no two inputs hash alike
+    return digest.hexdigest()[:32]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trusted(library: Path, recorded: Path) -> bool:
+    """Whether ``library`` is what this user's build wrote: both files ours, not writable by others, digest equal."""
+    try:
+        for path in (library, recorded):
+            info = path.stat()
+            if info.st_uid != os.getuid() or info.st_mode & 0o022:
+                return False
+        return recorded.read_text().strip() == _sha256(library)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *CFLAGS, sys.platform]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"nvfp4_cpu-{key}.so"
-    if target.exists():
+    target = cache_dir() / f"nvfp4_cpu-{build_key(compiler)}.so"
+    recorded = target.with_suffix(".sha256")
+    if _trusted(target, recorded):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: concurrent processes (torchrun ranks) never load a half-written file
+    # build beside the target and rename: concurrent processes (torchrun ranks) never load a half-written file; a
+    # reader that sees one process's digest beside another's library rebuilds rather than loading it
     fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+    os.close(fd)
+    fd, partial_digest = tempfile.mkstemp(prefix=target.stem, suffix=".sha256.partial", dir=target.parent)
     os.close(fd)
     try:
         subprocess.run([compiler, *CFLAGS, "-o", partial, str(SOURCE), "-lm"], check=True, capture_output=True,
                        timeout=120)
+        os.chmod(partial, 0o755)
+        Path(partial_digest).write_text(_sha256(Path(partial)) + "\n")
+        os.chmod(partial_digest, 0o644)
+        os.replace(partial_digest, recorded)
         os.replace(partial, target)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for path in (partial, partial_digest):
+            if os.path.exists(path):
+                os.unlink(path)
+    if not _trusted(target, recorded):  # another process replaced one of them meanwhile: load nothing
+        raise OSError(f"{target}: changed while it was being built")
     return target
 
 
@@ -82,6 +124,11 @@ def _load() -> ctypes.CDLL | None:
                     library.fp4kit_encode_bf16.argtypes = [
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                         ctypes.c_void_p,
+                    ]
+                    library.fp4kit_mse_encode_bf16.restype = ctypes.c_int
+                    library.fp4kit_mse_encode_bf16.argtypes = [
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ]
                     _library = library
         return _library or None
@@ -115,4 +162,47 @@ def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple
     block_scale = torch.empty(amax.shape, dtype=torch.uint8)
     _load().fp4kit_encode_bf16(weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul),
                                packed.data_ptr(), block_scale.data_ptr())
+    return packed, block_scale.view(torch.float8_e4m3fn)
+
+
+# the mse search costs ~10x the RTN encode per weight: large tensors are split by rows over a few threads (the C
+# call releases the GIL)
+MSE_THREADS = min(4, os.cpu_count() or 1)
+MSE_SPLIT_BLOCKS = 1 << 16
+_pool: ThreadPoolExecutor | None = None
+
+
+def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offsets: tuple[int, ...],
+               importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode() with block scales chosen by fp4kit.scale_search's search (same bytes): the RTN code, the codes
+    ``offsets`` away, and max-to-4, by squared error weighted by ``importance`` (fp32 [K], one per input channel)."""
+    global _pool
+    if not amax.is_contiguous() or amax.dtype != torch.bfloat16:
+        raise ValueError("amax must be the contiguous bf16 block amax of the weight")
+    packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
+    block_scale = torch.empty(amax.shape, dtype=torch.uint8)
+    offsets_c = (ctypes.c_int32 * len(offsets))(*offsets)
+    if importance is not None:
+        importance = importance.to(torch.float32).contiguous()
+        if importance.shape != (weight.shape[-1],):
+            raise ValueError(f"importance must be one fp32 weight per input channel, got {list(importance.shape)}")
+    k_blocks = weight.shape[-1] // BLOCK
+    rows = amax.numel() // k_blocks
+    parts = MSE_THREADS if amax.numel() >= MSE_SPLIT_BLOCKS else 1
+    bounds = [rows * i // parts for i in range(parts + 1)]
+
+    def run(first: int, last: int) -> None:
+        blocks = first * k_blocks
+        _load().fp4kit_mse_encode_bf16(
+            weight.data_ptr() + blocks * BLOCK * 2, amax.data_ptr() + blocks * 2, (last - first) * k_blocks,
+            ctypes.c_float(global_mul), offsets_c, len(offsets), None if importance is None else importance.data_ptr(),
+            k_blocks, packed.data_ptr() + blocks * (BLOCK // 2), block_scale.data_ptr() + blocks)
+
+    if parts == 1:
+        run(0, rows)
+    else:
+        with _lock:
+            _pool = _pool or ThreadPoolExecutor(MSE_THREADS, thread_name_prefix="fp4kit-mse")
+        for future in [_pool.submit(run, a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]:
+            future.result()
     return packed, block_scale.view(torch.float8_e4m3fn)

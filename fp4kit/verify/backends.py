@@ -1,4 +1,4 @@
-"""The MoE backends `fp4kit verify` can run, each dispatched by what the device can do (DESIGN.md §8).
+"""The MoE backends `fp4kit verify` can run, each dispatched by what the device can do (docs/verify.md).
 
 A backend is ``available(device) -> (ok, reason)`` plus ``prepare(moe, activation_div, device)``, which returns a
 runner ``(hidden, weights, ids, logits) -> fp32 [T, H]`` over one layer's weights (prepared once per layer). Routing

@@ -24,16 +24,17 @@ from torch import Tensor
 from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import Family, linear_candidates
+from fp4kit.families.base import Family
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layout import find_moe_layers
 from fp4kit.layout import read_layer as read_canonical_layer
 from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
-from fp4kit.plan import QuantGroup, read_group_weights
+from fp4kit.plan import QuantGroup, read_group_weights, read_linear_weight, source_candidates, source_view
 from fp4kit.routing import RoutingSpec
 from fp4kit.shard import EXPERT_MAP
 from fp4kit.shard import MANIFEST as SHARD_MANIFEST
+from fp4kit.sources import SourceFormat
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")  # GLM, Llama-4
@@ -95,20 +96,25 @@ def _router(reader: CheckpointReader, experts_module: str) -> Router:
 
 
 def _dense_or_quantized(
-    reader: CheckpointReader, quantized: dict[str, QuantModule], ckpt: QuantizedCheckpoint | None, module: str
+    reader: CheckpointReader, quantized: dict[str, QuantModule], ckpt: QuantizedCheckpoint | None, module: str,
+    source: SourceFormat | None = None,
 ) -> Tensor | None:
     if module in quantized and ckpt is not None:
         return ckpt.read_weight(quantized[module]).dequantize()
+    if source is not None and module in source.linears:  # a quantized --source: its dequantized weight
+        return read_linear_weight(reader, source, module)
     return reader.read(f"{module}.weight").float() if f"{module}.weight" in reader else None
 
 
 def _shared_expert(
-    reader: CheckpointReader, experts_module: str, ckpt: QuantizedCheckpoint | None
+    reader: CheckpointReader, experts_module: str, ckpt: QuantizedCheckpoint | None,
+    source: SourceFormat | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     parent = experts_module.removesuffix(".experts")
     quantized = {m.name: m for m in ckpt.modules} if ckpt is not None else {}
     for leaf in SHARED_EXPERT_MODULES:
-        gate, up, down = (_dense_or_quantized(reader, quantized, ckpt, f"{parent}.{leaf}.{p}") for p in PROJS)
+        gate, up, down = (_dense_or_quantized(reader, quantized, ckpt, f"{parent}.{leaf}.{p}", source)
+                          for p in PROJS)
         if gate is not None and up is not None and down is not None:
             return torch.cat([gate, up]), down
     return None
@@ -204,11 +210,8 @@ def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -
     """The BF16 source's routed experts of the layer whose quantized experts live at ``experts_module``."""
     root = Path(root)
     config = read_config(root)
-    family = detect(config)
-    text_config = family.text_config(config)
     with CheckpointReader(root) as reader:
-        shapes = {n: tuple(reader.info(n).shape) for n in reader.names() if n.startswith(experts_module + ".")}
-        candidates = linear_candidates(shapes, text_config, family.moe_intermediate(text_config))
+        candidates = source_candidates(reader, config, experts_module + ".")
         found = {c.linear.module: c for c in candidates}
         members = []
         for e in range(num_experts):
@@ -222,7 +225,8 @@ def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -
         weights = [w.float() for w in read_group_weights(reader, QuantGroup(members))]
         w13 = torch.stack([torch.cat(weights[3 * e : 3 * e + 2]) for e in range(num_experts)])
         w2 = torch.stack([weights[3 * e + 2] for e in range(num_experts)])
-        return SourceMoe(w13, w2, _router(reader, experts_module), _shared_expert(reader, experts_module, None))
+        source = source_view(reader, config)[0]
+        return SourceMoe(w13, w2, _router(reader, experts_module), _shared_expert(reader, experts_module, None, source))
 
 
 @dataclass

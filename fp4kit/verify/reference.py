@@ -4,7 +4,7 @@ Weights use the checkpoint/vLLM orientation: ``w13`` [E, 2I, H] with rows [w1 (g
 The expert is SwiGLU: w2 · (silu(w1 x) * (w3 x)). Routing weights multiply the expert output, except for Llama-4
 (`RoutingSpec.scales_input`), where they multiply the expert input (transformers' `Llama4TextMoe`).
 
-W4A4 emulation (DESIGN.md §2, §8): with ``activation_global_div`` = (D_a13 [E], D_a2 [E]) the input of each GEMM is
+W4A4 emulation (docs/verify.md): with ``activation_global_div`` = (D_a13 [E], D_a2 [E]) the input of each GEMM is
 quantized per 16-block the way NVFP4 kernels do at run time — block scale s = fp8(amax_blk / 6 · G_a) with the static
 per-expert multiplier G_a = fp32(1 / D_a), codes = rne_e2m1(x / (s / G_a)), an all-zero block gives zeros — and
 dequantized again, so the kernel's W4A4 arithmetic and this reference differ only in summation order.

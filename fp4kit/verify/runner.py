@@ -10,8 +10,15 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.verify.backends import BACKENDS, enable_triton_interpreter
-from fp4kit.verify.checks import DEFAULT_TOL_SOURCE, LayerVerifier, VerifyOptions, activation_divisors, load_source
-from fp4kit.verify.moe_layer import QuantizedModel
+from fp4kit.verify.checks import (
+    DEFAULT_TOL_SOURCE,
+    EXPERT_SAMPLE_TOKENS,
+    LayerVerifier,
+    VerifyOptions,
+    activation_divisors,
+    load_source,
+)
+from fp4kit.verify.moe_layer import QuantizedModel, QuantizedMoe
 from fp4kit.verify.output_checks import check_expert_parallel, check_layouts
 from fp4kit.verify.report import BackendStatus, VerifyReport
 
@@ -72,10 +79,53 @@ def _check_inputs(options: VerifyOptions) -> None:
             raise Fp4kitError(f"{path}: not a directory")
 
 
+def checks_per_layer(options: VerifyOptions) -> int:
+    """How many progress steps one layer takes: each token count, the per-expert source check, the routing rows,
+    each layout output and the EP split (the steps `LayerVerifier` and `fp4kit.verify.output_checks` report)."""
+    with_source, with_ep = options.source is not None, options.ep_shards is not None
+    return len(options.tokens) + with_source + 1 + len(options.layouts) + with_ep
+
+
+def layer_cost(moe: QuantizedMoe, options: VerifyOptions, top_k: int) -> tuple[float, float]:
+    """(fp32 bytes, multiply-adds) the checks of one layer need, roughly: the dequantized experts (and the source's),
+    every token count through the reference and each kernel, and the per-expert source check through every expert."""
+    num_experts, hidden = moe.num_experts, moe.w2.packed.shape[1]
+    intermediate = moe.w13.packed.shape[1] // 2
+    expert_macs = 3 * hidden * intermediate
+    copies = 2 + (options.source is not None)
+    macs = expert_macs * top_k * sum(options.tokens) * (1 + (options.source is not None))
+    if options.source is not None:
+        macs += 2 * EXPERT_SAMPLE_TOKENS * num_experts * expert_macs
+    return copies * num_experts * expert_macs * 4, float(macs)
+
+
+SLOW_LAYER_MACS = 2e10  # on the CPU: tens of seconds at least
+SLOW_LAYER_BYTES = 2e9
+
+
+def slow_layer_warning(moe: QuantizedMoe, options: VerifyOptions, top_k: int, device: torch.device) -> str | None:
+    """A warning before a layer whose checks will take long on the CPU (None when they will not)."""
+    if device.type != "cpu":
+        return None
+    nbytes, macs = layer_cost(moe, options, top_k)
+    if nbytes < SLOW_LAYER_BYTES and macs < SLOW_LAYER_MACS:
+        return None
+    hidden, intermediate = moe.w2.packed.shape[1], moe.w13.packed.shape[1] // 2
+    return (f"layer {moe.layer}: {moe.num_experts} experts of {hidden}x{intermediate} on the CPU need about "
+            f"{nbytes / 1e9:.1f} GB and {macs / 1e9:.0f} G multiply-adds: expect minutes per layer "
+            f"(--tokens 1,16 or --layers {moe.layer} check less; a GPU with --device cuda is much faster)")
+
+
 def verify_checkpoint(
-    ckpt: str | Path, options: VerifyOptions, progress: Callable[[int, int], None] | None = None
+    ckpt: str | Path,
+    options: VerifyOptions,
+    progress: Callable[[int, int], None] | None = None,
+    notify: Callable[[str], None] | None = None,
 ) -> VerifyReport:
-    """Run every check that ``options`` asks for on each selected MoE layer of ``ckpt``."""
+    """Run every check that ``options`` asks for on each selected MoE layer of ``ckpt``.
+
+    ``progress(done, total)`` counts checks, layers x `checks_per_layer` in all (called with 0 before the first);
+    ``notify(text)`` gets a line as each layer starts, and a warning before a layer that will be slow on the CPU."""
     start = time.perf_counter()
     _check_inputs(options)
     device = resolve_device(options.device)
@@ -108,16 +158,33 @@ def verify_checkpoint(
                 else "weights and activations NVFP4 (static activation scales)"
             )
         )
-        for done, index in enumerate(layers):
+        per_layer, done = checks_per_layer(options), 0
+        total = per_layer * len(layers)
+
+        def tick(steps: int = 1) -> None:
+            nonlocal done
+            done += steps
+            if progress:
+                progress(done, total)
+
+        tick(0)
+        for number, index in enumerate(layers, 1):
+            layer_start = done
             try:
                 moe = model.layer(index)
             except Fp4kitError as exc:
                 if model.layout is None:
                     raise
                 report.add_failure(index, "layout", model.root.name, f"undo failed: {exc}")
+                tick(per_layer)
                 continue
-            if done == 0:
+            if number == 1:
                 activation_divisors(moe, mode)  # unusable input (w4a4 without scales) stops here, exit 2
+            if notify:  # after the checks of the input: an unusable one gets its error line alone
+                notify(f"layer {index} ({number} of {len(layers)})")
+                warning = slow_layer_warning(moe, options, model.spec.top_k, device)
+                if warning:
+                    notify(f"warning: {warning}")
             runners = {}
             for name in ran:
                 try:
@@ -126,15 +193,17 @@ def verify_checkpoint(
                     if name == "reference":
                         raise
                     report.add_failure(index, "kernel", name, f"could not prepare: {exc!r}"[:300])
-            verifier = LayerVerifier(model, moe, options, mode, runners, device)
+            verifier = LayerVerifier(model, moe, options, mode, runners, device, tick)
             source = load_source(options, moe)
             verifier.kernels_and_source(source)
             verifier.routing_robustness()
+            tick()
             check_layouts(verifier, source)
+            tick(len(options.layouts))
             if options.ep_shards is not None:
                 check_expert_parallel(verifier, Path(options.ep_shards))
+                tick()
             report.results.extend(verifier.results)
-            if progress:
-                progress(done + 1, len(layers))
+            tick(layer_start + per_layer - done)  # exact even if a check above reported fewer steps
     report.seconds = time.perf_counter() - start
     return report

@@ -1,5 +1,5 @@
 """fp4kit's own fused NVFP4 MoE kernel in Triton: runs on any CUDA GPU Triton supports (sm80+, including the sm90
-H200, which has no FP4 tensor cores) and on a CPU under TRITON_INTERPRET=1 (DESIGN.md §8).
+H200, which has no FP4 tensor cores) and on a CPU under TRITON_INTERPRET=1 (docs/verify_kernel_notes.md).
 
 Two-GEMM path (the default but for 2-4 tokens): up to three launches and one reduction (one token: two launches).
 1. `align_kernel` (one program): groups the T·k (token, slot) pairs by expert into BLOCK_M-row blocks, padding each

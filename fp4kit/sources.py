@@ -1,0 +1,415 @@
+"""Source checkpoints that are already quantized, read as the dequantized Linears they encode.
+
+Two formats, detected from config.json ``quantization_config``:
+
+- FP8 block (``quant_method: fp8``, ``weight_block_size: [bm, bn]``; DeepSeek-V3/R1, MiniMax-M2, Qwen3 and GLM FP8
+  releases): ``<m>.weight`` F8_E4M3 [N, K] and ``<m>.weight_scale_inv`` F32 [ceil(N/bm), ceil(K/bn)], a dequant
+  multiplier per block; the last block of a row or column is partial (transformers' ``finegrained_fp8.py``,
+  compressed-tensors' ``FP8BlockDequantizer``).
+- compressed-tensors pack-quantized INT (``quant_method: compressed-tensors``, format ``pack-quantized``;
+  Kimi-K2-Thinking's INT4): ``<m>.weight_packed`` I32 [N, ceil(K*bits/32)] with the values offset by 2^(bits-1) and
+  packed densely from the low bits up, ``<m>.weight_scale`` [N, K/group] (or [N, 1] per channel) and
+  ``<m>.weight_shape`` [2] = (N, K) (compressed-tensors' ``compressors/pack_quantized``); symmetric only.
+
+Dequantization multiplies in fp32 (exact for INT, one fp32 rounding for FP8 x F32), then casts to the requested
+dtype: fp32 (NVFP4 then quantizes straight from it: one rounding) or bf16 (the peers' bf16 intermediate: two).
+Tensors the source kept unquantized are not touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+
+DEQUANT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP8_SCALE_SUFFIX = ".weight_scale_inv"
+PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
+
+
+@dataclass(frozen=True)
+class Fp8Block:
+    """FP8 E4M3 weight with one F32 dequant multiplier per (bm, bn) block."""
+
+    weight: str
+    scale: str
+    block: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PackQuantized:
+    """Symmetric INT weight packed into int32 words, one scale per group of ``group_size`` inputs (None: per row)."""
+
+    weight: str  # <m>.weight_packed
+    scale: str
+    shape: str
+    num_bits: int
+    group_size: int | None
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """One Linear of the source stored quantized: where its tensors are, and its dequantized [N, K]."""
+
+    module: str
+    encoding: Fp8Block | PackQuantized
+    out_features: int
+    in_features: int
+    dtype: torch.dtype  # what dequantize returns
+
+    @property
+    def tensor(self) -> str:
+        """The tensor that stands for the Linear in plans (exists on disk; its dtype is the stored one)."""
+        return self.encoding.weight
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        enc = self.encoding
+        return (enc.weight, enc.scale) if isinstance(enc, Fp8Block) else (enc.weight, enc.scale, enc.shape)
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    name: str  # "bf16" (or whatever unquantized dtype), "fp8-block", "int4-pack-quantized", ...
+    linears: dict[str, QuantizedLinear] = field(default_factory=dict)  # by module name
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.linears)
+
+    def consumed(self) -> set[str]:
+        return {name for linear in self.linears.values() for name in linear.tensors}
+
+
+def dequant_dtype_of(name: str) -> torch.dtype:
+    if name not in DEQUANT_DTYPES:
+        raise Fp4kitError(f"--dequant-dtype {name!r}: choose {' or '.join(DEQUANT_DTYPES)}")
+    return DEQUANT_DTYPES[name]
+
+
+def detect_source(config: dict, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                  dequant_dtype: str = "fp32") -> SourceFormat:
+    """The source's format from config.json and the tensor headers (name -> (dtype, shape)).
+
+    A config without ``quantization_config`` is a plain source; an FP8 or pack-quantized one must be consistent
+    with the headers: every quantized weight has its scales, of the shapes the format implies."""
+    dtype = dequant_dtype_of(dequant_dtype)
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return SourceFormat(_plain_name(tensors))
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _fp8_block_source(qc, tensors, dtype)
+    if method == "compressed-tensors" and _ct_format(qc) == "pack-quantized":
+        return _pack_quantized_source(qc, tensors, dtype)
+    return SourceFormat(_plain_name(tensors))  # other formats: the plan refuses their 1-byte or packed weights
+
+
+def _plain_name(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> str:
+    counts: dict[str, int] = {}
+    for dtype, shape in tensors.values():
+        if len(shape) == 2 and dtype.is_floating_point:
+            counts[str(dtype).removeprefix("torch.")] = counts.get(str(dtype).removeprefix("torch."), 0) + 1
+    return max(counts, key=counts.__getitem__) if counts else "unquantized"
+
+
+def _fp8_block_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                      dtype: torch.dtype) -> SourceFormat:
+    where = "config.json: quantization_config"
+    block = qc.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise Fp4kitError(f"{where}: quant_method fp8 with weight_block_size {block!r}; fp4kit reads block-scaled "
+                          "FP8 ([rows, cols] of positive integers)")
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt") not in (None, "float32"):
+        raise Fp4kitError(f"{where}: fmt {qc.get('fmt')!r} scale_fmt {qc.get('scale_fmt')!r}; fp4kit reads e4m3 "
+                          "weights with float32 block scales")
+    bm, bn = block
+    linears: dict[str, QuantizedLinear] = {}
+    for name, (sdtype, sshape) in tensors.items():
+        if not name.endswith(FP8_SCALE_SUFFIX):
+            continue
+        module = name[: -len(FP8_SCALE_SUFFIX)]
+        weight = f"{module}.weight"
+        if weight not in tensors:
+            raise Fp4kitError(f"{name}: a block scale without its weight {weight}")
+        wdtype, wshape = tensors[weight]
+        if wdtype != torch.float8_e4m3fn or len(wshape) != 2:
+            raise Fp4kitError(f"{weight}: {wdtype}{list(wshape)} beside {name}; FP8-block weights are float8_e4m3fn "
+                              "[N, K]")
+        grid = (math.ceil(wshape[0] / bm), math.ceil(wshape[1] / bn))
+        if sdtype != torch.float32 or tuple(sshape) != grid:
+            raise Fp4kitError(f"{name}: {sdtype}{list(sshape)}, the {list(wshape)} weight in {bm}x{bn} blocks needs "
+                              f"float32{list(grid)}")
+        linears[module] = QuantizedLinear(module, Fp8Block(weight, name, (bm, bn)), wshape[0], wshape[1], dtype)
+    for name, (sdtype, sshape) in tensors.items():
+        if sdtype == torch.float8_e4m3fn and name[: -len(".weight")] not in linears:
+            raise Fp4kitError(f"{name}: float8_e4m3fn{list(sshape)} without a {FP8_SCALE_SUFFIX[1:]}")
+    return SourceFormat(f"fp8-block {bm}x{bn}", linears)
+
+
+def _ct_format(qc: dict) -> str | None:
+    """"pack-quantized" when the config or one of its groups (a mixed-precision config) says so."""
+    groups = qc.get("config_groups") or {}
+    formats = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+    return "pack-quantized" if "pack-quantized" in formats else qc.get("format")
+
+
+@dataclass(frozen=True)
+class _PackScheme:
+    targets: tuple[str, ...]
+    num_bits: int
+    group_size: int | None
+
+
+def _pack_schemes(qc: dict) -> list[_PackScheme]:
+    where = "config.json: quantization_config.config_groups"
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise Fp4kitError(f"{where}: missing or empty")
+    schemes = []
+    for key, group in groups.items():
+        if isinstance(group, dict) and group.get("format") not in (None, "pack-quantized"):
+            continue  # another format of a mixed-precision config: its weights are not read as packed INT
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict):
+            raise Fp4kitError(f"{where}.{key}.weights: missing")
+        bits, strategy = weights.get("num_bits"), weights.get("strategy")
+        if weights.get("type", "int") != "int" or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise Fp4kitError(f"{where}.{key}.weights: type {weights.get('type')!r} num_bits {bits!r}; "
+                              "pack-quantized sources hold 1..8-bit integers")
+        if not weights.get("symmetric", True):
+            raise Fp4kitError(f"{where}.{key}.weights: asymmetric (zero points); fp4kit reads symmetric "
+                              "pack-quantized sources")
+        if strategy == "group":
+            size = weights.get("group_size")
+            if not isinstance(size, int) or size < 1:
+                raise Fp4kitError(f"{where}.{key}.weights.group_size: {size!r}")
+        elif strategy == "channel":
+            size = None
+        else:
+            raise Fp4kitError(f"{where}.{key}.weights.strategy: {strategy!r}; fp4kit reads group or channel")
+        schemes.append(_PackScheme(tuple(group.get("targets") or ("Linear",)), bits, size))
+    return schemes
+
+
+def _targets(scheme: _PackScheme, module: str) -> bool:
+    """compressed-tensors' matching of a module name: "Linear" (every weight_packed module is one), "re:<regex>"
+    (re.match) or the exact name."""
+    for target in scheme.targets:
+        if target == "Linear" or target == module:
+            return True
+        if target.startswith("re:") and re.match(target[3:], module):
+            return True
+    return False
+
+
+def _pack_quantized_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                           dtype: torch.dtype) -> SourceFormat:
+    schemes = _pack_schemes(qc)
+    linears: dict[str, QuantizedLinear] = {}
+    for name, (pdtype, pshape) in tensors.items():
+        if not name.endswith(".weight_packed"):
+            continue
+        module = name[: -len(".weight_packed")]
+        scheme = next((s for s in schemes if _targets(s, module)), None)
+        if scheme is None:
+            raise Fp4kitError(f"{name}: no config_groups entry of config.json targets {module}")
+        scale, shape = f"{module}.weight_scale", f"{module}.weight_shape"
+        for needed in (scale, shape):
+            if needed not in tensors:
+                raise Fp4kitError(f"{name}: {needed} is missing")
+        if f"{module}.weight_zero_point" in tensors:
+            raise Fp4kitError(f"{module}.weight_zero_point: asymmetric pack-quantized weights are not read")
+        sdtype, sshape = tensors[scale]
+        if pdtype != torch.int32 or len(pshape) != 2:
+            raise Fp4kitError(f"{name}: {pdtype}{list(pshape)}, pack-quantized weights are int32 [N, words]")
+        if not sdtype.is_floating_point or len(sshape) != 2 or sshape[0] != pshape[0]:
+            raise Fp4kitError(f"{scale}: {sdtype}{list(sshape)} does not fit {name} {list(pshape)}")
+        if tensors[shape][1] != (2,):
+            raise Fp4kitError(f"{shape}: shape {list(tensors[shape][1])}, expected [2]")
+        rows = pshape[0]
+        if scheme.group_size is None:
+            cols = pshape[1] * 32 // scheme.num_bits
+            if sshape[1] != 1 or cols * scheme.num_bits != pshape[1] * 32:
+                raise Fp4kitError(f"{scale}: per-channel scales {list(sshape)} for {name} {list(pshape)}")
+        else:
+            cols = sshape[1] * scheme.group_size
+            if math.ceil(cols * scheme.num_bits / 32) != pshape[1]:
+                raise Fp4kitError(f"{name}: {pshape[1]} words per row, {sshape[1]} groups of {scheme.group_size} "
+                                  f"{scheme.num_bits}-bit values need {math.ceil(cols * scheme.num_bits / 32)}")
+        encoding = PackQuantized(name, scale, shape, scheme.num_bits, scheme.group_size)
+        linears[module] = QuantizedLinear(module, encoding, rows, cols, dtype)
+    bits = sorted({lin.encoding.num_bits for lin in linears.values()})  # type: ignore[union-attr]
+    return SourceFormat(f"int{'/'.join(map(str, bits)) or '?'}-pack-quantized", linears)
+
+
+# --- dequantization -------------------------------------------------------------------------------------------
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[N, K] e4m3 times its [ceil(N/bm), ceil(K/bn)] block multipliers, in fp32, cast to ``dtype``."""
+    rows, cols = weight.shape
+    bm, bn = block
+    grid_rows, grid_cols = scale_inv.shape
+    if weight.is_cuda:
+        values = weight.to(torch.float32)
+    else:  # a table lookup is the same conversion (NaN included), and on the CPU twice as fast as .to()
+        values = torch.take(_E4M3.to(weight.device), weight.view(torch.uint8).long())
+    padded = (grid_rows * bm, grid_cols * bn) != (rows, cols)
+    if padded:  # the last block of a row or column is partial: zeros stand in for the missing elements
+        values = torch.nn.functional.pad(values, (0, grid_cols * bn - cols, 0, grid_rows * bm - rows))
+    blocks = values.view(grid_rows, bm, grid_cols, bn)
+    blocks.mul_(scale_inv.to(torch.float32)[:, None, :, None])
+    values = blocks.view(grid_rows * bm, grid_cols * bn)
+    if padded:
+        values = values[:rows, :cols].contiguous()
+    return values.to(dtype)
+
+
+_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
+    """[N, words] int32 -> [N, cols] int8: element i is bits [i*b, (i+1)*b) of the row's little-endian bit stream
+    of words, stored with an offset of 2^(b-1)."""
+    mask = (1 << num_bits) - 1
+    if 32 % num_bits == 0:  # no value spans two words: shift each word by every offset at once
+        shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=packed.device)
+        values = ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)[:, :cols]
+    else:
+        words = torch.nn.functional.pad(packed.to(torch.int64) & 0xFFFFFFFF, (0, 1))  # a value may spill over
+        start = torch.arange(cols, dtype=torch.int64, device=packed.device) * num_bits
+        index, shift = start // 32, start % 32
+        values = ((words[:, index] >> shift) | (words[:, index + 1] << (32 - shift))) & mask
+    return (values - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def _byte_table(num_bits: int) -> torch.Tensor:
+    """[256, 8/b] float32: the signed values of the 8/b elements a byte holds, lowest bits first."""
+    per_byte = 8 // num_bits
+    byte = torch.arange(256, dtype=torch.int32)
+    shifts = torch.arange(0, 8, num_bits, dtype=torch.int32)
+    return (((byte[:, None] >> shifts) & ((1 << num_bits) - 1)) - (1 << (num_bits - 1))).to(torch.float32).view(
+        256, per_byte)
+
+
+_BYTE_TABLES = {bits: _byte_table(bits) for bits in (1, 2, 4, 8)}
+
+
+def dequantize_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int], num_bits: int,
+                              group_size: int | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    rows, cols = shape
+    if num_bits in _BYTE_TABLES and sys.byteorder == "little":  # the words' bytes in stream order: a table lookup
+        table = _BYTE_TABLES[num_bits].to(packed.device)
+        codes = packed.contiguous().view(torch.uint8).reshape(-1).to(torch.int32)
+        values = torch.index_select(table, 0, codes).view(rows, -1)
+        values = values[:, :cols].contiguous() if values.shape[1] != cols else values
+    else:
+        values = unpack_int32(packed, num_bits, cols).to(torch.float32)
+    scale = scale.to(torch.float32)
+    if group_size is None:
+        values.mul_(scale)
+    elif cols % group_size == 0:
+        values.view(rows, cols // group_size, group_size).mul_(scale.unsqueeze(-1))
+    else:
+        values.mul_(scale.repeat_interleave(group_size, 1)[:, :cols])
+    return values.to(dtype)
+
+
+def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> torch.Tensor:
+    """The Linear's [N, K] weight, dequantized to ``dtype`` (default: the planned one) on ``device`` (default: the
+    CPU; on a GPU the stored bytes travel, not the fp32 result); non-finite values are kept (quantizing reports
+    them)."""
+    enc = linear.encoding
+    dtype = dtype or linear.dtype
+
+    def read(name: str, check_finite: bool = False) -> torch.Tensor:
+        tensor = reader.read(name, check_finite=check_finite)
+        return tensor if device is None else tensor.to(device, non_blocking=True)
+
+    if isinstance(enc, Fp8Block):
+        return dequantize_fp8_block(read(enc.weight), read(enc.scale), enc.block, dtype)
+    shape = tuple(int(v) for v in reader.read(enc.shape).tolist())
+    if shape != (linear.out_features, linear.in_features):
+        raise Fp4kitError(f"{enc.shape}: {list(shape)}, but {enc.weight} and {enc.scale} hold "
+                          f"[{linear.out_features}, {linear.in_features}]")
+    return dequantize_pack_quantized(read(enc.weight, True), read(enc.scale), shape, enc.num_bits, enc.group_size,
+                                     dtype)
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    """The dtype config.json names for the model (``dtype`` or ``torch_dtype``), bf16 when it names none."""
+    text = config.get("text_config") or config
+    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    dtype = getattr(torch, str(name), None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+
+
+# --- writing sources (fixtures, benchmarks) -------------------------------------------------------------------
+
+FP8_MAX = 448.0
+# Linears the published FP8 sources keep in bf16: lm_head and the routers (DeepSeek-V3's files, Qwen3's)
+KEPT_BY_FP8_SOURCES = re.compile(r"(^|\.)lm_head$|mlp\.gate$|shared_expert_gate$|(embed|norm)[^.]*$")
+
+
+def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block quantization: per block scale_inv = amax / 448 (1 for an all-zero block), q = e4m3(w /
+    scale_inv). Returns (e4m3 [N, K], float32 [ceil(N/bm), ceil(K/bn)])."""
+    rows, cols = weight.shape
+    bm, bn = block
+    grid = (math.ceil(rows / bm), math.ceil(cols / bn))
+    padded = torch.zeros(grid[0] * bm, grid[1] * bn, dtype=torch.float32)
+    padded[:rows, :cols] = weight.to(torch.float32)
+    blocks = padded.view(grid[0], bm, grid[1], bn)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(grid[0] * bm, grid[1] * bn)[:rows, :cols].contiguous(), scale_inv
+
+
+def write_fp8_block_copy(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128),
+                         max_shard_bytes: int = 5 * 10**9) -> Path:
+    """Write unquantized checkpoint SRC as DeepSeek-V3's FP8 release stores it, one tensor at a time: every 2-D
+    Linear weight but lm_head and the routers as float8_e4m3fn with ``weight_scale_inv`` float32 per block, config
+    ``quant_method: fp8`` with ``weight_block_size``; everything else as it is."""
+    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files, read_config
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    config = read_config(src)
+    if isinstance(config.get("quantization_config"), dict):
+        raise Fp4kitError(f"{src}/config.json: quantization_config: already quantized")
+    with CheckpointReader(src) as reader:
+        blocked = {name for name, info in reader.tensors.items() if name.endswith(".weight") and len(info.shape) == 2
+                   and info.dtype.is_floating_point and not KEPT_BY_FP8_SOURCES.search(name[: -len(".weight")])}
+        planned = []
+        for name, info in reader.tensors.items():
+            if name not in blocked:
+                planned.append(PlannedTensor(name, info.dtype, info.shape))
+                continue
+            grid = (math.ceil(info.shape[0] / block[0]), math.ceil(info.shape[1] / block[1]))
+            planned.append(PlannedTensor(name, torch.float8_e4m3fn, info.shape))
+            planned.append(PlannedTensor(name[: -len(".weight")] + FP8_SCALE_SUFFIX, torch.float32, grid))
+        writer = ShardWriter(dst, planned, max_shard_bytes, metadata={"format": "pt"})
+        for name in reader.names():
+            tensor = reader.read(name)
+            if name in blocked:
+                tensor, scale_inv = quantize_fp8_block(tensor, block)
+                writer.write(name[: -len(".weight")] + FP8_SCALE_SUFFIX, scale_inv)
+            writer.write(name, tensor)
+        writer.finish()
+    copy_side_files(src, dst)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst

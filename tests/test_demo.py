@@ -1,0 +1,55 @@
+"""`fp4kit demo --family NAME --keep DIR`: every family's demo model is accepted by every layout backend (the tiny
+test fixtures are not: their I is 16 or 32), and a demo run keeps what it made."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp4kit.demo import DEMO_FAMILIES, build_demo_model
+from fp4kit.fixtures import FIXTURES, fixture_spec
+from fp4kit.layout import LayoutOptions, layout_checkpoint
+from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+
+def test_every_family_but_the_text_only_llama4_has_a_demo() -> None:
+    assert set(DEMO_FAMILIES) == set(FIXTURES) - {"llama4_text"}
+
+
+@pytest.mark.parametrize("family", DEMO_FAMILIES)
+def test_demo_model_meets_every_backend_and_the_fixture_is_unchanged(family: str, tmp_path) -> None:
+    src = build_demo_model(family, tmp_path / "bf16")
+    config = json.loads((src / "config.json").read_text())
+    if "vision_config" in config and "out_hidden_size" in config["vision_config"]:  # projects into the text stream
+        assert config["vision_config"]["out_hidden_size"] == config["text_config"]["hidden_size"]
+    quantized = tmp_path / "nvfp4"  # W4A4: TRT-LLM-gen and CUTLASS run it, Marlin its weights
+    quantize_checkpoint(src, quantized, QuantizeOptions(scheme="nvfp4", samples=2, seq_len=16))
+    for backend in ("trtllm", "cutlass", "marlin"):  # each checks its kernel's shape rules first
+        layout_checkpoint(quantized, tmp_path / backend, LayoutOptions(backend=backend))
+    spec = fixture_spec(family)["config"]
+    assert spec.get("text_config", spec)["hidden_size"] == 64  # the test fixtures keep their own sizes
+
+
+def test_demo_keeps_every_output(monkeypatch, capsys, tmp_path) -> None:
+    from fp4kit import cli
+
+    keep = tmp_path / "kept"
+    monkeypatch.setattr("sys.argv", ["fp4kit", "demo", "--family", "glm4_moe", "--keep", str(keep)])
+    cli.main()  # exit 0: no SystemExit
+    out = capsys.readouterr().out
+    assert "## verify: PASS" in out and f"outputs: {keep / 'run'}" in out
+    assert (keep / "demo-glm4_moe-bf16" / "config.json").is_file()
+    for step in ("quantize", "layout", "shard", "verify"):
+        assert (keep / "run" / step).is_dir(), step
+    summary = json.loads((keep / "run" / "summary.json").read_text())
+    assert summary["family"] == "glm4_moe" and summary["passed"] is True
+
+
+def test_unknown_family_is_a_usage_error(monkeypatch, capsys) -> None:
+    from fp4kit import cli
+
+    cli._register_commands()
+    assert cli.run(["demo", "--family", "mixtral"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: fp4kit demo: ") and "mixtral" in err and len(err.splitlines()) == 1
