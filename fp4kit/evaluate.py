@@ -36,6 +36,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, open_checkpoint
 from fp4kit.verify.reference import fake_quantize_activation
 
+DTYPES = ("float32", "bfloat16")  # compute dtypes
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits per chunk of tokens (x2 models): bounded whatever the vocabulary
 _COMPATIBLE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
 

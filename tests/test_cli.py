@@ -30,7 +30,8 @@ ENTRY_POINTS = {"script": [str(SCRIPT)], "python -m": [sys.executable, "-m", "fp
 
 # argv -> what the one line must contain; none of these gets as far as importing torch
 USAGE_ERRORS = {
-    "no command": ([], "fp4kit: missing command: one of convert, demo, inspect, layout, quantize, run, shard, verify"),
+    "no command": ([], "fp4kit: missing command: one of convert, demo, eval, inspect, layout, quantize, run, shard, "
+                       "verify"),
     "unknown command": (["quantise", "A", "B"], "fp4kit: no such command 'quantise'"),
     "missing option": (["convert", "A", "B"], "fp4kit convert: missing option '--to'"),
     "missing argument": (["shard", "A", "--ep", "2"], "fp4kit shard: missing argument 'dst'"),
@@ -210,16 +211,17 @@ def choices(command: str, option: str) -> set[str]:
 
 def test_choices_are_the_librarys() -> None:
     """Choices the CLI lists (and checks while parsing) are exactly those the library accepts."""
-    from fp4kit import convert, input_scales, layout, placement, quantize
+    from fp4kit import convert, dense, evaluate, input_scales, layout, placement, quantize
     from fp4kit.layouts import cutlass
     from fp4kit.verify import backends, runner
 
     expected = {
         ("quantize", "scheme"): quantize.SCHEMES, ("quantize", "format"): quantize.FORMATS,
-        ("quantize", "moe_input_scales"): input_scales.POLICIES, ("convert", "to"): convert.DIALECTS,
+        ("quantize", "moe_input_scales"): input_scales.POLICIES, ("convert", "to"): (*convert.DIALECTS, dense.TARGET),
         ("layout", "backend"): layout.BACKENDS, ("layout", "act_dtype"): layout.ACT_DTYPES,
         ("layout", "cutlass_flavor"): cutlass.KERNEL, ("shard", "placement"): placement.PLACEMENTS,
         ("verify", "backend"): ("auto", *backends.BACKENDS), ("verify", "mode"): runner.MODES,
+        ("eval", "dtype"): evaluate.DTYPES,
     }
     for (command, option), library in expected.items():
         assert choices(command, option) == set(library), (command, option)

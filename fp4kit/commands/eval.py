@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
-
-DTYPES = ("float32", "bfloat16")
 
 
 def eval_command(
@@ -20,7 +18,7 @@ def eval_command(
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
     batch_size: Annotated[int, typer.Option(help="windows per forward")] = 8,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
-    dtype: Annotated[str, typer.Option(help="compute dtype: float32 or bfloat16")] = "float32",
+    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="compute dtype")] = "float32",
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print nothing (with --json)")] = False,
 ) -> None:
@@ -30,12 +28,9 @@ def eval_command(
 
     from fp4kit.calib_data import load_calibration
     from fp4kit.checkpoint import read_config
-    from fp4kit.errors import Fp4kitError
     from fp4kit.evaluate import evaluate
     from fp4kit.families import detect
 
-    if dtype not in DTYPES:
-        raise Fp4kitError(f"unknown --dtype {dtype!r}; choose {' or '.join(DTYPES)}")
     config = read_config(src)
     text_config = detect(config).text_config(config)
     vocab_size = int(text_config.get("vocab_size") or config["vocab_size"])
