@@ -198,7 +198,9 @@ class LayerQuantizer:
             self.emit(group, quantized)
             self.done.add(id(group))
             for c, q in zip(group.members, quantized, strict=True):
-                replacements[c.linear.module] = q.dequantize()
+                # dequantized where the layer runs: on a GPU the host neither computes nor holds fp32 weights
+                on_device = NVFP4Tensor(q.packed.to(self.device), q.block_scale.to(self.device), q.global_scale_div)
+                replacements[c.linear.module] = on_device.dequantize()
         return replacements
 
     def _min_tokens(self, group: QuantGroup, unit: _Unit) -> int:
