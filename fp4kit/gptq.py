@@ -165,6 +165,8 @@ class LayerQuantizer:
         weights_of: list[list[torch.Tensor]] = []
         for g, group in enumerate(groups):
             weights = read_group_weights(self.reader, group)
+            if self.device.type != "cpu":  # concatenated, stacked and searched there: the host holds one group
+                weights = [w.to(self.device) for w in weights]
             weights_of.append(weights)
             global_mul = group_global_mul(weights, self.exact_fp32_global_scale)
             units.extend(self._units(g, group, weights, global_mul, stats))
