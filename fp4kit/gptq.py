@@ -165,6 +165,8 @@ class LayerQuantizer:
         weights_of: list[list[torch.Tensor]] = []
         for g, group in enumerate(groups):
             weights = read_group_weights(self.reader, group)
+            if self.device.type != "cpu":  # concatenated, stacked and searched there: the host holds one group
+                weights = [w.to(self.device) for w in weights]
             weights_of.append(weights)
             global_mul = group_global_mul(weights, self.exact_fp32_global_scale)
             units.extend(self._units(g, group, weights, global_mul, stats))
@@ -198,7 +200,9 @@ class LayerQuantizer:
             self.emit(group, quantized)
             self.done.add(id(group))
             for c, q in zip(group.members, quantized, strict=True):
-                replacements[c.linear.module] = q.dequantize()
+                # dequantized where the layer runs: on a GPU the host neither computes nor holds fp32 weights
+                on_device = NVFP4Tensor(q.packed.to(self.device), q.block_scale.to(self.device), q.global_scale_div)
+                replacements[c.linear.module] = on_device.dequantize()
         return replacements
 
     def _min_tokens(self, group: QuantGroup, unit: _Unit) -> int:
