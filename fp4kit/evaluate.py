@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,8 +81,10 @@ def _linear_input_hook(divisor: torch.Tensor):
 
 def _routed_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
     """Qwen3 / GLM experts (forward(hidden [T, H], top_k_index, top_k_weights)), [E, 2I, H] / [E, H, I]."""
+    owner = weakref.ref(experts)  # the forward is stored on the module: a strong reference would be a cycle
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        experts = owner()
         out = torch.zeros_like(hidden_states)
         for e in torch.unique(top_k_index).tolist():
             token_idx, slot = torch.where(top_k_index == e)
@@ -96,8 +99,10 @@ def _routed_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: li
 
 def _bmm_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
     """Llama-4 experts (forward(routed_in [E * T, H]), every expert over all tokens), [E, H, 2I] / [E, I, H]."""
+    owner = weakref.ref(experts)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        experts = owner()
         per_expert = hidden_states.view(experts.gate_up_proj.shape[0], -1, hidden_states.shape[-1])
         outs = []
         for e in range(per_expert.shape[0]):

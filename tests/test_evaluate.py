@@ -230,3 +230,34 @@ def test_peak_memory_does_not_grow_with_layer_count(tmp_path):
     print(f"peak RSS added: 2 layers {added[2] / 1e6:.1f} MB, 8 layers {added[8] / 1e6:.1f} MB")
     assert added[8] - added[2] < 2 * layer_fp32
     assert added[2] > layer_fp32  # the measurement sees real work
+
+
+def test_an_emulated_layer_is_freed_without_the_garbage_collector():
+    """The W4A4 expert forward lives on the module: it must not hold the module strongly, or every layer's weights
+    would wait for a GC run (on a GPU, which the collector does not see filling, until memory runs out)."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from fp4kit.evaluate import emulate_w4a4
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.zeros(2, 4, 16))
+            self.down_proj = nn.Parameter(torch.zeros(2, 16, 2))
+            self.act_fn = nn.functional.silu
+
+    layer = nn.Module()
+    layer.experts = Experts()
+    divisors = {f"x.experts.{e}.{p}": torch.tensor(1.0, dtype=torch.float64)
+                for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
+    emulate_w4a4(layer, "x.", divisors, bmm_experts=False)
+    experts = weakref.ref(layer.experts)
+    gc.disable()
+    try:
+        del layer
+        assert experts() is None
+    finally:
+        gc.enable()
