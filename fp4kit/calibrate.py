@@ -150,6 +150,14 @@ def _load_layer(text: _TextModel, reader: CheckpointReader, index: int, dtype: t
     return layer.eval()
 
 
+def _router_choice(router_output: tuple, moe_block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(router logits [T, E], chosen expert ids [T, k]) from what transformers' router module returned."""
+    if len(router_output) == 3:  # Qwen3 / GLM / DeepSeek routers: (logits, top-k weights, top-k ids)
+        return router_output[0], router_output[2]
+    logits = router_output[1]  # Llama-4 router: (scores, logits), top-k on the logits
+    return logits, torch.topk(logits, moe_block.top_k, dim=1).indices
+
+
 class _AmaxRecorder:
     """Running input amax of every Linear and routed expert of one layer, kept on the device until ``flush``."""
 
@@ -192,11 +200,7 @@ class _AmaxRecorder:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             hidden = args[0].reshape(-1, args[0].shape[-1])
             assert self.router_output is not None
-            if len(self.router_output) == 3:  # Qwen3 / GLM routers: (logits, top-k weights, top-k ids)
-                logits, top_ids = self.router_output[0], self.router_output[2]
-            else:  # Llama-4 router: (scores, logits), top-k on the logits
-                logits = self.router_output[1]
-                top_ids = torch.topk(logits, module.top_k, dim=1).indices
+            logits, top_ids = _router_choice(self.router_output, module)
             counts = torch.bincount(top_ids.reshape(-1), minlength=logits.shape[-1])
             self.counts = counts if self.counts is None else self.counts + counts
             self._expert_amax(f"{block_name}.experts", experts, hidden, logits)
@@ -423,11 +427,7 @@ class _SecondMomentRecorder:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             hidden = args[0].reshape(-1, args[0].shape[-1])
             assert self.router_output is not None
-            if len(self.router_output) == 3:  # Qwen3 / GLM routers: (logits, top-k weights, top-k ids)
-                logits, top_ids = self.router_output[0], self.router_output[2]
-            else:  # Llama-4 router: (scores, logits), top-k on the logits
-                logits = self.router_output[1]
-                top_ids = torch.topk(logits, module.top_k, dim=1).indices
+            logits, top_ids = _router_choice(self.router_output, module)
             self._expert_moments(f"{block_name}.experts", experts, hidden, logits, top_ids)
 
         return hook

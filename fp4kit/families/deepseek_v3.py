@@ -9,25 +9,16 @@ load them as the source stores them; from a quantized source they are written de
 """
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families import glm4_moe
 from fp4kit.families.base import Family
 
 
 def routing(tc: dict):
-    from fp4kit.routing import RoutingSpec
-
     scoring = tc.get("scoring_func", "sigmoid")
     if scoring != "sigmoid":
         raise Fp4kitError(f"scoring_func {scoring!r}; the DeepSeek-V3 router fp4kit knows scores with sigmoid")
     # transformers' DeepseekV3TopkRouter: the routing of GLM-4.5 (sigmoid, bias to select, grouped top-k)
-    return RoutingSpec(
-        "sigmoid_grouped_topk",
-        int(tc["n_routed_experts"]),
-        int(tc["num_experts_per_tok"]),
-        renormalize=bool(tc.get("norm_topk_prob", True)),
-        n_group=int(tc.get("n_group") or 1),
-        topk_group=int(tc.get("topk_group") or 1),
-        routed_scaling_factor=float(tc.get("routed_scaling_factor") or 1.0),
-    )
+    return glm4_moe.routing(tc)
 
 
 def mtp_layers(tc: dict) -> int:
