@@ -123,8 +123,6 @@ def test_w4a4_emulation_moves_the_result(tiny, quantized, token_ids):
 def test_w4a4_experts_match_the_verify_reference():
     """The routed-experts emulation (transformers' eager loop with two quantization points) equals
     fp4kit/verify/reference.py's moe_reference, an independent loop over the same math."""
-    from types import SimpleNamespace
-
     from fp4kit.evaluate import _routed_experts_w4a4
     from fp4kit.routing import RoutingSpec
     from fp4kit.verify.reference import moe_reference
@@ -138,7 +136,8 @@ def test_w4a4_experts_match_the_verify_reference():
     weights = torch.rand(tokens, k, generator=generator)
     div13 = torch.rand(experts, generator=generator, dtype=torch.float64) * 0.01 + 1e-3
     div2 = torch.rand(experts, generator=generator, dtype=torch.float64) * 0.01 + 1e-3
-    module = SimpleNamespace(gate_up_proj=w13, down_proj=w2, act_fn=torch.nn.functional.silu)
+    module = torch.nn.Module()  # transformers' experts module: the W4A4 forward refers to it weakly
+    module.gate_up_proj, module.down_proj, module.act_fn = w13, w2, torch.nn.functional.silu
     ours = _routed_experts_w4a4(module, list(div13), list(div2))(x, ids, weights)
     spec = RoutingSpec("softmax_topk", experts, k)
     reference = moe_reference(x, weights, ids, w13, w2, spec, activation_global_div=(div13, div2))
