@@ -4,28 +4,15 @@ weights compressed-tensors' decompression gives, on every family; ModelOpt input
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
+from _verify_sources import run_cli
 
 from fp4kit.checkpoint import CheckpointReader
 from fp4kit.fixtures import FIXTURES, fixture_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    from fp4kit import cli
-
-    monkeypatch.setattr(sys, "argv", ["fp4kit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _load(path, family: str):

@@ -4,10 +4,10 @@ the same dequantized weights, with the same activation quantization for W4A4, on
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
+from _verify_sources import run_cli
 
 from fp4kit.fixtures import FIXTURES, fixture_spec
 
@@ -149,19 +149,6 @@ def test_source_against_itself(tiny, token_ids):
     assert result.scheme == "dense"
     assert result.kl == 0 and result.top1 == 1 and result.ce_source == result.ce_quantized
     assert result.layers == [0.0] * len(result.layers)
-
-
-def run_cli(monkeypatch, capsys, *args) -> tuple[int, str, str]:
-    from fp4kit import cli
-
-    monkeypatch.setattr(sys, "argv", ["fp4kit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_cli_json(monkeypatch, capsys, tiny, quantized, tmp_path):

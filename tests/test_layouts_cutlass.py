@@ -1,7 +1,7 @@
 """CUTLASS NVFP4 layout (FlashInfer ``cutlass_fused_moe`` and vLLM ``cutlass_moe_fp4``): exact inverse, row order,
 kernel dtypes, scalars.
 
-Sources: DESIGN.md §5; flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_cutlass_nvfp4_weights`` (H % 64,
+Sources: docs/layouts.md; flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_cutlass_nvfp4_weights`` (H % 64,
 swizzled [E, pad128(N), pad4(K/16)] scales), ``data/csrc/fused_moe/cutlass_backend/
 flashinfer_cutlass_fused_moe_binding.cu`` (quant_scales order and dtypes: fp32 act globals 0-d or [E], int32 block
 scales [E, alignToSfDim(I, 64) * 2, H / 64]); vLLM ``flashinfer_cutlass_moe.py`` (weights viewed as int64, [w3; w1]

@@ -1,6 +1,6 @@
 """Marlin NVFP4 layout: exact inverse, and equality with an independent implementation of vLLM's reference.
 
-Sources: DESIGN.md §5; vLLM ``model_executor/layers/quantization/utils/marlin_utils_test.py`` (get_weight_perm,
+Sources: docs/layouts.md; vLLM ``model_executor/layers/quantization/utils/marlin_utils_test.py`` (get_weight_perm,
 marlin_permute_weights, marlin_weights: the pure-python reference of ``gptq_marlin_repack``),
 ``marlin_utils.py`` (get_scale_perms, marlin_permute_scales), ``marlin_utils_fp4.py``
 (prepare_moe_fp4_layer_for_marlin: qweight = packed.view(int32).T; nvfp4_marlin_process_scales,

@@ -1,6 +1,6 @@
 """The 128x4 block-scale swizzle against an index formula and against FlashInfer's own pure-torch copies.
 
-Sources: DESIGN.md §5; flashinfer-python 0.7.2.post1 ``quantization/fp4_quantization.py::block_scale_interleave``
+Sources: docs/layouts.md; flashinfer-python 0.7.2.post1 ``quantization/fp4_quantization.py::block_scale_interleave``
 (CUDA only) and its CPU copies ``diffusion_ops/minimax_h3_fc1_swiglu.py::_swizzle_sf_128x4`` /
 ``_unswizzle_sf_128x4``, ``experimental/kimi_k3_fp8_projection/cake_backend.py::swizzle_sf_128x4``,
 ``trace/templates/gemm.py::_unswizzle_batched_sf_128x4``.

@@ -1,6 +1,6 @@
 """TRT-LLM-gen shuffled layout: exact inverse, and byte-identical with FlashInfer's own CPU preparation helpers.
 
-Sources: DESIGN.md §5; flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_trtllm_fp4_weights`` (the
+Sources: docs/layouts.md; flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_trtllm_fp4_weights`` (the
 [up; gate] order, epilogue_tile_m 128, the scale reshape), ``fused_moe/core.py``
 (``_maybe_get_cached_w3_w1_permute_indices``, ``get_w2_permute_indices_with_cache``,
 ``reorder_rows_for_gated_act_gemm``), ``quantization/fp4_quantization.py`` (``shuffle_matrix_a``,

@@ -1,4 +1,4 @@
-"""Issue 8: `fp4kit run` skips finished steps, redoes changed ones, and a run killed in the middle of a step finishes,
+"""`fp4kit run` skips finished steps, redoes changed ones, and a run killed in the middle of a step finishes,
 when rerun, with the same bytes as an uninterrupted run."""
 
 from __future__ import annotations
