@@ -23,7 +23,8 @@ the layer, and passes on the outputs of the quantized layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,6 +273,26 @@ def _checkpoint_dtype(src: Path) -> torch.dtype:
     return getattr(torch, str(name), torch.bfloat16) if name else torch.bfloat16
 
 
+@contextlib.contextmanager
+def _layer_pass(src: Path, token_ids: torch.Tensor, device: str, batch_size: int, dtype: torch.dtype | None,
+                batch_share: tuple[int, int]) -> Iterator[tuple]:
+    """What a layer-streaming pass over SRC starts from: (reader, text model, dtype, device, embedded hidden states per
+    batch, per batch shape the arguments of every layer), after checking the token ids against the model."""
+    src = Path(src)
+    _check_calibration_arguments(token_ids, batch_size)
+    torch_device = torch.device(device)
+    dtype = dtype or _checkpoint_dtype(src)
+    # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
+    with CheckpointReader(src) as reader, memory.large_frees_returned_to_os():
+        text = _text_model(reader, src, dtype, torch_device)
+        vocab_size = text.model.config.vocab_size
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
+            raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
+                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
+        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, batch_share)
+        yield reader, text, dtype, torch_device, hidden_batches, layer_args
+
+
 @torch.inference_mode()
 def calibrate(
     src: Path,
@@ -289,19 +310,9 @@ def calibrate(
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
     ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.distributed to combine.
     """
-    src = Path(src)
-    _check_calibration_arguments(token_ids, batch_size)
-    torch_device = torch.device(device)
-    dtype = dtype or _checkpoint_dtype(src)
     result = CalibrationResult()
-    # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
-    with CheckpointReader(src) as reader, memory.large_frees_returned_to_os():
-        text = _text_model(reader, src, dtype, torch_device)
-        vocab_size = text.model.config.vocab_size
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
-            raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
-                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
-        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, batch_share)
+    with _layer_pass(src, token_ids, device, batch_size, dtype, batch_share) as (reader, text, dtype, torch_device,
+                                                                                 hidden_batches, layer_args):
         for index in range(len(text.layers)):
             layer = _load_layer(text, reader, index, dtype, torch_device)
             recorder = _AmaxRecorder(text, layer, index, modules)
@@ -486,18 +497,9 @@ def calibrate_quantized(
     gives the next layer's inputs (quantization errors propagate, as llm-compressor's sequential pipeline does) and
     the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
     result)`` runs once a layer's are in ``result``."""
-    src = Path(src)
-    _check_calibration_arguments(token_ids, batch_size)
-    torch_device = torch.device(device)
-    dtype = dtype or _checkpoint_dtype(src)
     result = CalibrationResult()
-    with CheckpointReader(src) as reader, memory.large_frees_returned_to_os():
-        text = _text_model(reader, src, dtype, torch_device)
-        vocab_size = text.model.config.vocab_size
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
-            raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
-                              f"[{int(token_ids.min())}, {int(token_ids.max())}]")
-        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, (0, 1))
+    with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1)) as (reader, text, dtype, torch_device,
+                                                                           hidden_batches, layer_args):
         for index in range(len(text.layers)):
             layer = _load_layer(text, reader, index, dtype, torch_device)
             recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
