@@ -447,12 +447,19 @@ class _SecondMomentRecorder:
     def _expert_moments(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
                         top_ids: torch.Tensor) -> None:
         num_experts = experts.gate_up_proj.shape[0]
-        for e in range(num_experts):
+        routed = torch.zeros((num_experts, hidden.shape[0]), dtype=torch.bool, device=hidden.device)
+        routed.scatter_(0, top_ids.t().to(torch.int64), True)
+        # the tokens of each expert in ascending order, all experts' in one tensor: one device sync per layer
+        expert_of, token_of = routed.nonzero(as_tuple=True)
+        counts = torch.bincount(expert_of, minlength=num_experts).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            tokens = token_of[start : start + count]
+            start += count
             names = [f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj"]
             if not any(self._wanted(n) for n in names):
                 continue
-            tokens = (top_ids == e).any(dim=-1).nonzero().squeeze(-1)
-            if tokens.numel() == 0:
+            if count == 0:
                 for n in names:  # zero statistics: the expert is known, and known to have seen nothing
                     if n not in self.stats.hessians:
                         self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(0, self._inner(experts)))
