@@ -497,13 +497,15 @@ def calibrate_quantized(
     full_hessians: bool = True,
     dtype: torch.dtype | None = None,
     on_layer: Callable[[int, CalibrationResult], None] | None = None,
+    input_amax: bool = True,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
     and returns its dequantized weights, which replace the layer's, and a second forward of the *quantized* layer
     gives the next layer's inputs (quantization errors propagate, as llm-compressor's sequential pipeline does) and
     the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
-    result)`` runs once a layer's are in ``result``."""
+    result)`` runs once a layer's are in ``result``. ``input_amax`` False (weight-only output): only the routing
+    counts are recorded, which spares running every token through every expert."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1)) as (reader, text, dtype, torch_device,
                                                                            hidden_batches, layer_args):
@@ -518,7 +520,7 @@ def calibrate_quantized(
             replacements = quantize_layer(index, layer, stats)
             del stats
             set_layer_weights(text, layer, index, replacements)
-            amax = _AmaxRecorder(text, layer, index, modules)
+            amax = _AmaxRecorder(text, layer, index, modules if input_amax else set())
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)

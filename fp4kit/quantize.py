@@ -364,7 +364,7 @@ def _quantize_calibrated(
     token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
     modules = {c.linear.module for g in plan.groups for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
-                                 full_hessians=options.method == "gptq", on_layer=on_layer)
+                                 full_hessians=options.method == "gptq", on_layer=on_layer, input_amax=with_input)
     rest = [g for g in plan.groups if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
