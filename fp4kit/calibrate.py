@@ -36,6 +36,7 @@ from fp4kit import memory
 from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
+from fp4kit.sources import dequantized_view
 
 READ_THREADS = 8  # concurrent expert reads while a layer loads
 
@@ -295,7 +296,9 @@ def _layer_pass(src: Path, token_ids: torch.Tensor, device: str, batch_size: int
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
     # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
-    with CheckpointReader(src) as reader, memory.large_frees_returned_to_os():
+    with CheckpointReader(src) as stored, memory.large_frees_returned_to_os():
+        # a quantized source's Linears (fp4kit.sources) come dequantized: fp32 products cast to the layer's dtype
+        reader = dequantized_view(stored, read_config(src), dtype, torch_device)
         text = _text_model(reader, src, dtype, torch_device)
         vocab_size = text.model.config.vocab_size
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:

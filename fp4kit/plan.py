@@ -174,14 +174,6 @@ def read_linear_weight(reader: CheckpointReader, source: SourceFormat | None, mo
     return dequantize(reader, quantized, torch.float32) if quantized else reader.read(f"{module}.weight")
 
 
-def refuse_calibration(plan: ModelPlan) -> None:
-    """W4A4 calibration (fp4kit.calibrate) loads the source's layers with their stored tensors: from a quantized
-    source it would run FP8 codes or packed integers as weights. Refuse until it dequantizes them."""
-    if plan.source is not None:
-        raise Fp4kitError(f"config.json: quantization_config: a {plan.source.name} source cannot be calibrated for "
-                          "W4A4 (--scheme nvfp4) yet; quantize it data-free with --scheme nvfp4a16")
-
-
 def _with_source(c: Candidate, source: SourceFormat) -> Candidate:
     quantized = source.linears.get(c.linear.module)
     if quantized is None or c.linear.source.tensor != f"{c.linear.module}.weight":

@@ -22,7 +22,7 @@ from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats import modelopt as mo
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job, refuse_calibration
+from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
 from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.streaming import BackgroundWriter, prefetched
 
@@ -293,7 +293,6 @@ def _calibrate(
     share of the batches and the statistics are combined."""
     if options.scheme != "nvfp4":
         return {}, {}
-    refuse_calibration(plan)
     from fp4kit.calib_data import load_calibration
     from fp4kit.calibrate import calibrate
 
@@ -440,9 +439,6 @@ def _quantize_checkpoint(
         calibrated = calibrated_method(options)
         if calibrated and ranks.world > 1:
             raise Fp4kitError(f"--method {options.method} runs in one process; start it without torchrun")
-        if calibrated and plan.source is not None:  # its layers would load FP8 codes or packed integers as weights
-            raise Fp4kitError(f"config.json: quantization_config: a {plan.source.name} source cannot be calibrated "
-                              f"(--method {options.method}) yet; use --method rtn, or mse without --calib")
         jobs = ranks.assign(plan.jobs, [_job_bytes(reader, job) for job in plan.jobs])
         source_scales = not calibrated or (options.scheme == "nvfp4" and input_scale_source(options) == "source")
         input_divs, routing_counts = _calibrate(src, plan, options, ranks) if source_scales else ({}, {})

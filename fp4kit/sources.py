@@ -347,6 +347,52 @@ def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None
                                      dtype)
 
 
+class DequantizedView:
+    """A quantized source read tensor by tensor as the model holds it (for fp4kit.calibrate's layer loader): each
+    quantized Linear's stored tensors stand in as ``<module>.weight``, dequantized in fp32 and cast to ``dtype`` (the
+    layer's: no module transformers keeps in fp32 is a Linear the sources quantize), on ``device`` when given (the
+    stored bytes travel); every other tensor reads as stored. The same interface as CheckpointReader's reads."""
+
+    def __init__(self, reader, source: SourceFormat, dtype: torch.dtype, device: torch.device | str | None = None):
+        self.reader, self.source, self.dtype, self.device = reader, source, dtype, device
+        self.weights = {f"{m}.weight": linear for m, linear in source.linears.items()}
+        self.stored = {t: linear for linear in source.linears.values() for t in linear.tensors}
+
+    def names(self) -> list[str]:
+        return [name if name not in self.stored else f"{self.stored[name].module}.weight"
+                for name in self.reader.names() if name not in self.stored or name == self.stored[name].tensor]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights or (name in self.reader and name not in self.stored)
+
+    def info(self, name: str):
+        from fp4kit.checkpoint import PlannedTensor
+
+        linear = self.weights.get(name)
+        if linear is None:
+            return self.reader.info(name)
+        return PlannedTensor(name, self.dtype, (linear.out_features, linear.in_features))
+
+    def read(self, name: str, check_finite: bool | None = None) -> torch.Tensor:
+        from fp4kit.checkpoint import require_finite
+
+        linear = self.weights.get(name)
+        if linear is None:
+            if name in self.stored:
+                raise KeyError(name)
+            return self.reader.read(name, check_finite=check_finite)
+        weight = dequantize(self.reader, linear, self.dtype, self.device)  # fp32 product, then dtype
+        if self.reader.check_finite if check_finite is None else check_finite:
+            require_finite(name, weight, self.reader.info(linear.tensor).file)
+        return weight
+
+
+def dequantized_view(reader, config: dict, dtype: torch.dtype, device: torch.device | str | None = None):
+    """``reader`` itself for an unquantized source, else a DequantizedView of it."""
+    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()})
+    return DequantizedView(reader, source, dtype, device) if source.quantized else reader
+
+
 def model_dtype(config: dict) -> torch.dtype:
     """The dtype config.json names for the model (``dtype`` or ``torch_dtype``), bf16 when it names none."""
     text = config.get("text_config") or config

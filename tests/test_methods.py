@@ -374,17 +374,24 @@ def test_w4a4_input_scales_come_from_the_quantized_pass_or_the_source(tiny, tmp_
     assert any(not torch.equal(readers["rtn"].read(n), readers["q"].read(n)) for n in later)
 
 
-def test_quantized_sources_take_data_free_mse_and_refuse_calibrated_methods(tiny, tmp_path):
-    from fp4kit.errors import Fp4kitError
+def test_quantized_sources_take_data_free_mse_and_calibrated_methods(tiny, tmp_path):
+    """From an FP8-block source: data-free mse, and gptq, whose layer pass runs the source's dequantized layers;
+    with dequant_dtype bf16 its output is the output of gptq on compressed-tensors' bf16 copy of the source."""
+    from _quantized_sources import dequantized_bf16_copy
+
     from fp4kit.fixtures import write_fp8_block_source
 
     fp8 = write_fp8_block_source(tiny("qwen3_moe"), tmp_path / "fp8")
     report = quantize_checkpoint(fp8, tmp_path / "mse", QuantizeOptions(method="mse"))
     assert report.quantized_linears > 0 and "model.layers.0.self_attn.q_proj.weight_packed" in CheckpointReader(
         tmp_path / "mse")
-    with pytest.raises(Fp4kitError, match="cannot be calibrated"):
-        quantize_checkpoint(fp8, tmp_path / "gptq", QuantizeOptions(method="gptq", samples=2, seq_len=8))
-    assert not (tmp_path / "gptq").exists()
+    gptq = dict(method="gptq", samples=4, seq_len=16)
+    quantize_checkpoint(fp8, tmp_path / "gptq", QuantizeOptions(dequant_dtype="bf16", **gptq))
+    quantize_checkpoint(dequantized_bf16_copy(fp8, tmp_path / "copy"), tmp_path / "gptq-copy", QuantizeOptions(**gptq))
+    found, expected = (CheckpointReader(tmp_path / name) for name in ("gptq", "gptq-copy"))
+    assert found.names() == expected.names()
+    assert all(torch.equal(found.read(n).view(torch.uint8), expected.read(n).view(torch.uint8))
+               for n in expected.names())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _quantized_sources import dequantized_bf16_copy
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -211,15 +212,33 @@ def test_bf16_mode_equals_quantizing_the_peers_bf16_copy(sources, tmp_path, monk
     assert any(not torch.equal(one[n].view(torch.uint8), found[n].view(torch.uint8)) for n in one)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_w4a4_of_a_quantized_source_is_refused_in_one_line(kind, sources, tmp_path, capsys):
-    """Calibration would load FP8 codes as weights (a silently wrong activation scale): refused before any work."""
+@pytest.mark.parametrize(("family", "kind", "method"), [("qwen3_moe", "fp8", "rtn"), ("qwen3_moe", "int4", "rtn"),
+                                                        ("deepseek_v3", "fp8", "rtn"), ("qwen3_moe", "fp8", "gptq"),
+                                                        ("deepseek_v3", "int4", "mse")])
+def test_w4a4_of_a_quantized_source_calibrates_its_dequantized_layers(family, kind, method, sources, tmp_path):
+    """W4A4 from an FP8-block or INT4 source: calibration runs the source's layers with their weights dequantized
+    (fp32 products cast to the model's bf16), so every input scale equals the one calibrated from compressed-tensors'
+    bf16 dequantized copy of the same source; gptq and activation-weighted mse run through the same layer loader
+    (and read the weights they quantize dequantized, so with dequant_dtype bf16 every tensor is the copy's)."""
+    src = sources(family, kind)
+    copy = dequantized_bf16_copy(src, tmp_path / "bf16-copy")
+    calib = ["--scheme", "nvfp4", "--samples", "4", "--seq-len", "16", "--method", method]
     cli._register_commands()
-    code = cli.run(["quantize", str(sources("qwen3_moe", kind)), str(tmp_path / "out"), "--scheme", "nvfp4",
-                    "--samples", "2", "--seq-len", "8"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "cannot be calibrated for W4A4" in err[0], err
-    assert not (tmp_path / "out").exists()
+    assert cli.run(["quantize", str(src), str(tmp_path / "out"), *calib]) == 0
+    assert cli.run(["quantize", str(copy), str(tmp_path / "from-copy"), *calib]) == 0
+    assert cli.run(["inspect", str(tmp_path / "out")]) == 0
+    found = load_file(tmp_path / "out" / "model.safetensors")
+    expected = load_file(tmp_path / "from-copy" / "model.safetensors")
+    assert found.keys() == expected.keys()
+    inputs = [n for n in expected if n.endswith(".input_global_scale")]
+    quantized = [n for n in expected if n.endswith(".weight_packed")]
+    assert len(inputs) == len(quantized) > 0
+    for name in inputs:
+        assert torch.equal(found[name], expected[name]), name
+    if method != "rtn":  # the quantized layers' outputs feed the next layer: equal weights give equal scales
+        assert cli.run(["quantize", str(src), str(tmp_path / "bf16-mode"), *calib, "--dequant-dtype", "bf16"]) == 0
+        two = load_file(tmp_path / "bf16-mode" / "model.safetensors")
+        assert all(torch.equal(two[n].view(torch.uint8), expected[n].view(torch.uint8)) for n in expected)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
