@@ -115,7 +115,7 @@ class NonFiniteError(ValueError):
 
 def block_amax(weight: torch.Tensor, native: bool = False) -> torch.Tensor:
     """max |x| over each 16-block along K, in the weight's dtype; raises NonFiniteError on NaN/Inf.
-    ``native``: through fp4kit's C loop where it handles the weight (bf16 on the CPU), same values."""
+    ``native``: through fp4kit's C loop where it handles the weight (bf16 or fp32 on the CPU), same values."""
     if weight.shape[-1] % BLOCK:
         raise ValueError(f"last dimension {weight.shape[-1]} is not a multiple of {BLOCK}")
     if native and nvfp4_cpu.handles(weight):
@@ -149,13 +149,13 @@ def quantize(
     leading index ([B]) of a stack [B, N, K].
 
     Math as compressed-tensors: s = fp8(G * (amax_blk / 6)) with amax_blk / 6 in the weight's dtype,
-    q = rne(x / (fp32(s) / G)) in fp32. All-zero blocks get s = 0.125. ``native``: bf16 weights on the CPU go
-    through fp4kit's C loop (fp4kit.native.nvfp4_cpu), which computes the same bytes.
+    q = rne(x / (fp32(s) / G)) in fp32. All-zero blocks get s = 0.125. ``native``: bf16 and fp32 weights on the CPU
+    go through fp4kit's C loop (fp4kit.native.nvfp4_cpu), which computes the same bytes.
     """
     if amax_per_block is None:
         amax_per_block = block_amax(weight, native)
     global_shape = global_mul.shape
-    if native and nvfp4_cpu.handles(weight) and amax_per_block.dtype == torch.bfloat16:
+    if native and nvfp4_cpu.handles(weight) and amax_per_block.dtype == weight.dtype:
         return _quantize_native(weight, global_mul.to(torch.float32).cpu(), amax_per_block.contiguous())
     global_mul = _per_leading_index(global_mul.to(device=weight.device, dtype=torch.float32), amax_per_block.dim())
     return _encode_with_scales(weight, global_mul, rtn_block_scale(amax_per_block, global_mul), global_shape)

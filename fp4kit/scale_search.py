@@ -108,7 +108,7 @@ def quantize_mse(
     """fp4kit.nvfp4.quantize with searched block scales instead of RTN ones (same global scale). ``native``: a bf16
     weight on the CPU goes through fp4kit's C loop (fp4kit.native.nvfp4_cpu), which makes the same choices."""
     global_shape = global_mul.shape
-    if native and nvfp4_cpu.handles(weight) and global_mul.dim() == 0 and (importance is None or
+    if native and nvfp4_cpu.handles_mse(weight) and global_mul.dim() == 0 and (importance is None or
                                                                            importance.dim() == 1):
         amax, _ = _native_block_amax(weight)
         packed, block_scale = nvfp4_cpu.mse_encode(weight, amax, float(global_mul), CODE_OFFSETS,

@@ -1,8 +1,9 @@
 """fp4kit's C encode loop (fp4kit/native/nvfp4_cpu.c) against the torch ops of fp4kit.nvfp4, bit for bit.
 
 test_nvfp4.py runs the compressed-tensors parity cases through both paths; here the native path is driven over every
-bf16 magnitude under many block scales (so every E2M1 boundary, tie and fp8 subnormal scale is hit), random bit
-patterns, NaN/Inf detection, and the fallback when no compiler works."""
+bf16 magnitude under many block scales (so every E2M1 boundary, tie and fp8 subnormal scale is hit), fp32 values
+a few ulps around every boundary under many block scales, random bit patterns of both dtypes, NaN/Inf detection,
+and the fallback when no compiler works."""
 
 from __future__ import annotations
 
@@ -88,9 +89,66 @@ def test_nan_and_inf_are_refused(bad):
 
 def test_other_dtypes_and_layouts_take_the_torch_path():
     w = torch.randn(32, 64)
-    assert not nvfp4_cpu.handles(w)  # fp32
+    assert nvfp4_cpu.handles(w) and not nvfp4_cpu.handles_mse(w)  # fp32: RTN only
+    assert not nvfp4_cpu.handles(w.half())
     assert not nvfp4_cpu.handles(w.bfloat16().t())  # not contiguous
     assert_same(quantize_group([w.half()], native=True)[0], quantize_group([w.half()])[0])
+
+
+def near_boundaries(block_amax: float, global_mul: float, ulps: int = 3) -> torch.Tensor:
+    """fp32 rows of blocks led by ``block_amax`` (setting the block's fp8 scale under ``global_mul``) and filled with
+    the values within a few ulps of every E2M1 rounding boundary times the block's divisor, both signs, and the
+    smallest values whose quotient is or is not zero."""
+    from fp4kit.nvfp4 import rtn_block_scale
+
+    amax = torch.tensor([block_amax], dtype=torch.float32)
+    divisor = float(rtn_block_scale(amax, torch.tensor(global_mul, dtype=torch.float32))[0] / global_mul)
+    centres = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) * divisor
+    bits = centres.view(torch.int32)[:, None] + torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    values = torch.cat([bits.flatten(), torch.arange(0, 8, dtype=torch.int32)]).view(torch.float32)
+    values = values[values <= block_amax]
+    values = torch.cat([values, -values])
+    values = torch.nn.functional.pad(values, (0, -values.numel() % 15)).reshape(-1, 15)
+    return torch.cat([torch.full((values.shape[0], 1), block_amax), values], dim=1).reshape(-1)
+
+
+@pytest.mark.parametrize("tensor_amax", [1.0, 3.7e4, 2.0e-30])
+def test_fp32_boundaries_and_block_scales(tensor_amax):
+    """fp32 weights (a quantized source dequantized in fp32): for block amaxes from the tensor's down through the fp8
+    subnormal scales, the values a few ulps around each rounding boundary of the block; C loop and torch agree."""
+    global_mul = float(2688.0 / torch.tensor(tensor_amax, dtype=torch.float32))
+    block_amaxes = [tensor_amax * 2.0**-e * f for e in range(0, 36, 3) for f in (1.0, 0.77, 0.513)]
+    rows = [near_boundaries(a, global_mul) for a in block_amaxes]
+    width = max(r.numel() for r in rows)
+    w = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+    w[0, 0] = tensor_amax
+    assert_same(quantize_group([w], native=True)[0], quantize_group([w], native=False)[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 6), st.booleans(), st.integers(-120, 120))
+def test_fp32_random_bit_patterns(seed, rows, exact_fp32, exponent):
+    """Finite fp32 values of every exponent (denormals and both zeros included), around a random magnitude."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(1 << 31), 1 << 31, (rows, 64), generator=gen, dtype=torch.int64).to(torch.int32)
+    w = bits.view(torch.float32)
+    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
+    w = torch.where(torch.rand(w.shape, generator=gen) < 0.7, torch.randn(w.shape, generator=gen) * 2.0**exponent, w)
+    assert_same(quantize_group([w], exact_fp32, native=True)[0], quantize_group([w], exact_fp32, native=False)[0])
+
+
+def test_fp32_stack_fused_group_and_nan():
+    gen = torch.Generator().manual_seed(4)
+    stack = torch.randn(3, 32, 128, generator=gen) * torch.tensor([1e-3, 1.0, 1e3]).reshape(3, 1, 1)
+    assert_same(quantize_stacked(stack, native=True), quantize_stacked(stack, native=False))
+    gate, up = stack[1, :16], stack[2, 16:]
+    for native_q, torch_q in zip(quantize_group([gate, up], native=True), quantize_group([gate, up]), strict=True):
+        assert_same(native_q, torch_q)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = stack[0].clone()
+        w[5, 37] = bad
+        with pytest.raises(NonFiniteError):
+            quantize_group([w], native=True)
 
 
 def test_without_a_compiler_quantize_falls_back_to_the_same_bytes(tmp_path):

@@ -49,9 +49,16 @@ def fp8_weight(shape: tuple[int, int], seed: int = 0) -> tuple[torch.Tensor, tor
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_block_matches_compressed_tensors(shape, dtype):
+@pytest.mark.parametrize("native", [True, False], ids=["c-loop", "torch"])
+def test_fp8_block_matches_compressed_tensors(shape, dtype, native, monkeypatch):
+    """Both CPU paths: fp4kit's C loop (fp4kit/native/nvfp4_cpu.c) and, where it is not built, torch ops."""
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
+    from fp4kit.native import nvfp4_cpu
+
+    assert nvfp4_cpu.available()
+    if not native:
+        monkeypatch.setattr(nvfp4_cpu, "available", lambda: False)
     weight, scale_inv = fp8_weight(shape)
     expected = FP8BlockDequantizer(dtype=dtype)._create_dequantized_weight(weight, scale_inv)
     assert torch.equal(bits(dequantize_fp8_block(weight, scale_inv, (128, 128), dtype)), bits(expected))

@@ -1,4 +1,4 @@
-/* NVFP4 quantization of bf16 weights on the CPU: the same bytes as fp4kit.nvfp4.quantize (compressed-tensors'
+/* NVFP4 quantization of bf16 (and fp32) weights on the CPU: the same bytes as fp4kit.nvfp4.quantize (compressed-tensors'
  * math), in one pass per 16-block instead of a dozen whole-tensor torch ops.
  *
  * Every step is an IEEE fp32 operation in the order torch performs it, so the result is bit-identical provided the
@@ -9,6 +9,12 @@
 #include <string.h>
 
 #define BLOCK 16
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define HAVE_SHUFFLEVECTOR 1
+#endif
+#endif
 
 /* One build runs anywhere: the loops are also compiled for AVX2 and picked at load time where the CPU has it. */
 #if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 6)
@@ -153,6 +159,96 @@ VECTOR_CLONES int fp4kit_encode_bf16(const uint16_t *x, const uint16_t *amax, in
     return 0;
 }
 
+/* fp32 weights (a quantized source dequantized in fp32): the same steps on fp32 bit patterns. amax / 6 stays fp32
+ * (torch computes it in the weight's dtype), so the block scale is computed per block instead of looked up. */
+VECTOR_CLONES int fp4kit_block_amax_f32(const uint32_t *x, int64_t n_blocks, uint32_t *amax, uint32_t *tensor_amax) {
+    uint32_t worst = 0;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint32_t *block = x + b * BLOCK;
+        uint32_t m = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            uint32_t a = block[i] & 0x7FFFFFFFu;
+            m = a > m ? a : m;
+        }
+        amax[b] = m;
+        worst = m > worst ? m : worst;
+    }
+    *tensor_amax = worst;
+    return worst >= 0x7F800000u;
+}
+
+/* Smallest fp32 magnitude whose quotient by divisor lies above boundary (0x7F800000 if none). */
+static uint32_t threshold_f32(float divisor, float boundary) {
+    uint32_t low = 0, high = 0x7F800000u;
+    while (low < high) {
+        uint32_t mid = low + (high - low) / 2;
+        if (bits_to_f32(mid) / divisor > boundary) high = mid;
+        else low = mid + 1;
+    }
+    return low;
+}
+
+typedef struct {
+    uint8_t ready[128];
+    uint32_t thresholds[128][NUM_THRESHOLDS]; /* per fp8 block-scale code */
+} TablesF32;
+
+/* The packed codes of one fp32 block: encode_block's compares on 32-bit patterns (the thresholds in locals, so that
+ * the byte stores cannot alias them and the loop vectorizes; magnitudes and thresholds are below 2^31). */
+static inline void encode_block_f32(const uint32_t *block, const uint32_t *th, uint8_t *out) {
+    const int32_t t0 = (int32_t)th[0], t1 = (int32_t)th[1], t2 = (int32_t)th[2], t3 = (int32_t)th[3],
+                  t4 = (int32_t)th[4], t5 = (int32_t)th[5], t6 = (int32_t)th[6], t7 = (int32_t)th[7];
+    int32_t codes[BLOCK];
+    for (int i = 0; i < BLOCK; i++) {
+        int32_t a = (int32_t)(block[i] & 0x7FFFFFFFu);
+        int32_t c = (a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) + (a >= t6);
+        codes[i] = c | ((int32_t)((block[i] >> 31) & (uint32_t)(a >= t7)) << 3);
+    }
+    for (int j = 0; j < BLOCK / 2; j++) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+}
+
+VECTOR_CLONES int fp4kit_encode_f32(const uint32_t *x, const uint32_t *amax, int64_t n_blocks, float global_mul,
+                                    uint8_t *packed, uint8_t *block_scale) {
+    TablesF32 *t = malloc(sizeof *t);
+    if (t == NULL) return -1;
+    memset(t->ready, 0, sizeof t->ready);
+    const float boundaries[NUM_THRESHOLDS] = {0.25f, nextafterf(0.75f, 0.0f), 1.25f, nextafterf(1.75f, 0.0f),
+                                              2.5f,  nextafterf(3.5f, 0.0f),  5.0f,  0.0f};
+    for (int64_t b = 0; b < n_blocks; b++) {
+        float scale = global_mul * (bits_to_f32(amax[b]) / 6.0f);
+        uint8_t code8 = f32_to_e4m3(scale > 448.0f ? 448.0f : scale);
+        if (code8 == 0) code8 = 0x20; /* an all-zero block: 0.125, as compressed-tensors */
+        block_scale[b] = code8;
+        if (!t->ready[code8]) {
+            float divisor = e4m3_to_f32(code8) / global_mul;
+            for (int k = 0; k < NUM_THRESHOLDS; k++) t->thresholds[code8][k] = threshold_f32(divisor, boundaries[k]);
+            t->ready[code8] = 1;
+        }
+        encode_block_f32(x + b * BLOCK, t->thresholds[code8], packed + b * (BLOCK / 2));
+    }
+    free(t);
+    return 0;
+}
+
+/* FP8-block dequantization of a [rows, cols] e4m3 weight (fp4kit.sources): out = value(code) * scale_inv of its
+ * (bm, bn) block, one fp32 multiply as torch's; the last block of a row or column may be partial. table: the 256
+ * fp32 values of the codes, as torch converts them (NaN included). */
+VECTOR_CLONES int fp4kit_dequant_fp8_block(const uint8_t *w, int64_t rows, int64_t cols, const float *scale_inv,
+                                           int64_t bm, int64_t bn, const float *table, float *out) {
+    int64_t grid_cols = (cols + bn - 1) / bn;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *scales = scale_inv + (r / bm) * grid_cols;
+        const uint8_t *codes = w + r * cols;
+        float *row = out + r * cols;
+        for (int64_t c0 = 0; c0 < cols; c0 += bn) {
+            float s = scales[c0 / bn];
+            int64_t end = c0 + bn < cols ? c0 + bn : cols;
+            for (int64_t c = c0; c < end; c++) row[c] = table[codes[c]] * s;
+        }
+    }
+    return 0;
+}
+
 /* A block's 16 lanes (GCC/clang vector extensions: one AVX2 register of 16-bit lanes, two of fp32 ones, in the avx2
  * clone; SSE registers else) */
 typedef int16_t v16s __attribute__((vector_size(32)));
@@ -161,11 +257,6 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define HAVE_SHUFFLEVECTOR 1
-#endif
-#endif
 
 /* Weighted squared error of one block under a block-scale code, computed as fp4kit.scale_search.block_errors does:
  * (E2M1 value * divisor - |x|)^2, times the channel's importance, summed as the halving tree e[i] + e[i + n/2].

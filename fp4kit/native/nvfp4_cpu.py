@@ -1,4 +1,4 @@
-"""NVFP4 quantization of bf16 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use.
+"""NVFP4 quantization of bf16 and fp32 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use.
 
 The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
 with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
@@ -117,13 +117,19 @@ def _load() -> ctypes.CDLL | None:
                 except (OSError, subprocess.SubprocessError):
                     library = None
                 if library is not None:
-                    library.fp4kit_block_amax_bf16.restype = ctypes.c_int
-                    library.fp4kit_block_amax_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                                ctypes.c_void_p]
-                    library.fp4kit_encode_bf16.restype = ctypes.c_int
-                    library.fp4kit_encode_bf16.argtypes = [
-                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                        ctypes.c_void_p,
+                    for suffix in ("bf16", "f32"):
+                        getattr(library, f"fp4kit_block_amax_{suffix}").restype = ctypes.c_int
+                        getattr(library, f"fp4kit_block_amax_{suffix}").argtypes = [
+                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+                        getattr(library, f"fp4kit_encode_{suffix}").restype = ctypes.c_int
+                        getattr(library, f"fp4kit_encode_{suffix}").argtypes = [
+                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
+                            ctypes.c_void_p,
+                        ]
+                    library.fp4kit_dequant_fp8_block.restype = ctypes.c_int
+                    library.fp4kit_dequant_fp8_block.argtypes = [
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ]
                     library.fp4kit_mse_encode_bf16.restype = ctypes.c_int
                     library.fp4kit_mse_encode_bf16.argtypes = [
@@ -138,31 +144,52 @@ def available() -> bool:
     return _load() is not None
 
 
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
 def handles(weight: torch.Tensor) -> bool:
-    """Whether this weight can take the native path (and the library is built)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    """Whether this weight can take the native path of block_amax and encode (and the library is built)."""
+    return (weight.device.type == "cpu" and weight.dtype in _SUFFIX and weight.is_contiguous()
             and weight.shape[-1] % BLOCK == 0 and available())
 
 
+def handles_mse(weight: torch.Tensor) -> bool:
+    """Whether mse_encode takes this weight: bf16 only."""
+    return weight.dtype == torch.bfloat16 and handles(weight)
+
+
 def block_amax(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(max |x| per 16-block along K as bf16 [..., K/16], the largest of them as a 0-d bf16, whether any value is
-    NaN or Inf)."""
-    amax = torch.empty((*weight.shape[:-1], weight.shape[-1] // BLOCK), dtype=torch.bfloat16)
-    tensor_amax = torch.zeros((), dtype=torch.bfloat16)
-    nonfinite = _load().fp4kit_block_amax_bf16(weight.data_ptr(), amax.numel(), amax.data_ptr(),
-                                               tensor_amax.data_ptr())
+    """(max |x| per 16-block along K in the weight's dtype [..., K/16], the largest of them as a 0-d tensor, whether
+    any value is NaN or Inf)."""
+    amax = torch.empty((*weight.shape[:-1], weight.shape[-1] // BLOCK), dtype=weight.dtype)
+    tensor_amax = torch.zeros((), dtype=weight.dtype)
+    nonfinite = getattr(_load(), f"fp4kit_block_amax_{_SUFFIX[weight.dtype]}")(
+        weight.data_ptr(), amax.numel(), amax.data_ptr(), tensor_amax.data_ptr())
     return amax, tensor_amax, bool(nonfinite)
 
 
 def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes uint8 [..., K/2], fp8 block scales [..., K/16]) of a weight with one fp32 multiplier G."""
-    if not amax.is_contiguous() or amax.dtype != torch.bfloat16:
-        raise ValueError("amax must be the contiguous bf16 block amax of the weight")
+    if not amax.is_contiguous() or amax.dtype != weight.dtype:
+        raise ValueError("amax must be the contiguous block amax of the weight, in its dtype")
     packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
     block_scale = torch.empty(amax.shape, dtype=torch.uint8)
-    _load().fp4kit_encode_bf16(weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul),
-                               packed.data_ptr(), block_scale.data_ptr())
+    getattr(_load(), f"fp4kit_encode_{_SUFFIX[weight.dtype]}")(
+        weight.data_ptr(), amax.data_ptr(), amax.numel(), ctypes.c_float(global_mul), packed.data_ptr(),
+        block_scale.data_ptr())
     return packed, block_scale.view(torch.float8_e4m3fn)
+
+
+def dequantize_fp8_block(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                         table: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] of uint8 e4m3 codes [N, K] times their fp32 block multipliers [ceil(N/bm), ceil(K/bn)] (one pass;
+    fp4kit.sources.dequantize_fp8_block's values). ``table``: fp32 [256], the value of each code."""
+    rows, cols = codes.shape
+    codes, scale_inv, table = codes.contiguous(), scale_inv.to(torch.float32).contiguous(), table.contiguous()
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    _load().fp4kit_dequant_fp8_block(codes.data_ptr(), rows, cols, scale_inv.data_ptr(), block[0], block[1],
+                                     table.data_ptr(), out.data_ptr())
+    return out
 
 
 # the mse search costs ~10x the RTN encode per weight: large tensors are split by rows over a few threads (the C
