@@ -224,12 +224,15 @@ def test_bf16_mode_equals_quantizing_the_peers_bf16_copy(sources, tmp_path, monk
                                                         ("deepseek_v3", "int4", "mse")])
 def test_w4a4_of_a_quantized_source_calibrates_its_dequantized_layers(family, kind, method, sources, tmp_path):
     """W4A4 from an FP8-block or INT4 source: calibration runs the source's layers with their weights dequantized
-    (fp32 products cast to the model's bf16), so every input scale equals the one calibrated from compressed-tensors'
-    bf16 dequantized copy of the same source; gptq and activation-weighted mse run through the same layer loader
-    (and read the weights they quantize dequantized, so with dequant_dtype bf16 every tensor is the copy's)."""
+    (fp32 products cast to the model's bf16), so every input scale calibrated on the source model equals the one
+    calibrated from compressed-tensors' bf16 dequantized copy of the same source; gptq and activation-weighted mse
+    run through the same layer loader (and read the weights they quantize dequantized, so with dequant_dtype bf16
+    every tensor, their own pass's input scales included, is the copy's)."""
     src = sources(family, kind)
     copy = dequantized_bf16_copy(src, tmp_path / "bf16-copy")
     calib = ["--scheme", "nvfp4", "--samples", "4", "--seq-len", "16", "--method", method]
+    if method != "rtn":  # input scales from the source model's pass, not from the quantized layers' (the default)
+        calib += ["--input-scales-from", "source"]
     cli._register_commands()
     assert cli.run(["quantize", str(src), str(tmp_path / "out"), *calib]) == 0
     assert cli.run(["quantize", str(copy), str(tmp_path / "from-copy"), *calib]) == 0
@@ -242,9 +245,13 @@ def test_w4a4_of_a_quantized_source_calibrates_its_dequantized_layers(family, ki
     assert len(inputs) == len(quantized) > 0
     for name in inputs:
         assert torch.equal(found[name], expected[name]), name
-    if method != "rtn":  # the quantized layers' outputs feed the next layer: equal weights give equal scales
-        assert cli.run(["quantize", str(src), str(tmp_path / "bf16-mode"), *calib, "--dequant-dtype", "bf16"]) == 0
+    if method != "rtn":  # the default: input scales from the quantized layers, equal where the weights are
+        default = calib[:-2]
+        assert cli.run(["quantize", str(src), str(tmp_path / "bf16-mode"), *default, "--dequant-dtype", "bf16"]) == 0
+        assert cli.run(["quantize", str(copy), str(tmp_path / "copy-default"), *default]) == 0
         two = load_file(tmp_path / "bf16-mode" / "model.safetensors")
+        expected = load_file(tmp_path / "copy-default" / "model.safetensors")
+        assert two.keys() == expected.keys()
         assert all(torch.equal(two[n].view(torch.uint8), expected[n].view(torch.uint8)) for n in expected)
 
 
