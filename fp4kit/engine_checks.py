@@ -16,7 +16,9 @@ import numpy
 import torch
 
 from fp4kit.families.base import layer_of
-from fp4kit.formats.detect import HF_QUANT_CONFIG, MO, QuantizedCheckpoint
+from fp4kit.formats.detect import QuantizedCheckpoint
+from fp4kit.formats.modelopt import HF_QUANT_CONFIG
+from fp4kit.formats.modelopt import NAME as MO
 
 ENGINES = ("vllm",)
 _Q = "vllm/model_executor/layers/quantization"

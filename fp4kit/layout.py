@@ -29,7 +29,7 @@ import torch
 from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of
-from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files, open_checkpoint
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
 from fp4kit.layouts import cutlass, marlin, trtllm
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
@@ -306,7 +306,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                 writer.abort()
                 raise
             writer.finish()
-            for name in ("config.json", HF_QUANT_CONFIG):
+            for name in ("config.json", *config_files()):
                 if (src / name).is_file():
                     shutil.copy2(src / name, work / name)
             copy_side_files(src, work)

@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.registry import BACKEND_NAMES, DIALECT_NAMES
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
 CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales", "method", "gptq_damp",
@@ -43,7 +44,7 @@ class QuantizeStep(_Options):
     """fp4kit.quantize.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
 
     scheme: Literal["nvfp4", "nvfp4a16"] = "nvfp4"
-    format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    format: Literal[DIALECT_NAMES] = "compressed-tensors"  # type: ignore[valid-type]
     device: str = "cpu"
     ignore: list[str] = Field(default_factory=list)
     targets: list[str] = Field(default_factory=list)
@@ -66,13 +67,13 @@ class QuantizeStep(_Options):
 class RepairStep(_Options):
     """fp4kit.convert: rewrite in dialect ``to``; ``fix`` also puts fused groups on shared scales (convert --repair)."""
 
-    to: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    to: Literal[DIALECT_NAMES] = "compressed-tensors"  # type: ignore[valid-type]
     fix: bool = True
     max_shard_size: str = "5GB"
 
 
 class LayoutStep(_Options):
-    backend: Literal["cutlass", "trtllm", "marlin"]
+    backend: Literal[BACKEND_NAMES]  # type: ignore[valid-type]
     act_dtype: Literal["bf16", "fp16"] = "bf16"
     cutlass_flavor: Literal["flashinfer", "vllm"] = "flashinfer"
     max_shard_size: str = "5GB"

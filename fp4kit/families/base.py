@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 # kv_a_proj_with_mqa are vLLM's fused_qkv_a_proj (vllm/model_executor/models/deepseek_v2.py).
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # a routed expert's Linears, in w13 (gate, up) then w2 order
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
 EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
 COMMON_IGNORE = (r"(^|\.)lm_head$",)
