@@ -26,7 +26,7 @@ import torch
 from fp4kit import dense
 from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import EXPERT_PROJS, expert_module, layer_of
+from fp4kit.families.base import layer_of, routed_expert
 from fp4kit.formats.base import Dialect
 from fp4kit.formats.detect import (
     EXACT_SCALES_KEY,
@@ -85,8 +85,7 @@ def _fused_jobs(ckpt: QuantizedCheckpoint, scales: Scales) -> tuple[list[FusedJo
     """Expert Linears (Llama-4's) that can be written in a fused layout (ModelOpt's) without changing a value."""
     by_leaf: dict[tuple[str, str], dict[int, dict[str, QuantModule]]] = {}
     for m in ckpt.modules:
-        expert = expert_module(m.name)
-        if expert and expert.proj in EXPERT_PROJS:
+        if expert := routed_expert(m.name):
             leaf = "down_proj" if expert.proj == "down_proj" else "gate_up_proj"
             by_leaf.setdefault((expert.experts, leaf), {}).setdefault(expert.expert, {})[expert.proj] = m
     jobs, notes = [], []

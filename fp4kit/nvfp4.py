@@ -103,6 +103,18 @@ def global_scale_mul(amax: torch.Tensor, exact_fp32: bool = False) -> torch.Tens
     return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32)
 
 
+def divisor_from_amax(amax: float) -> float:
+    """The per-tensor divisor D = amax / (448*6) of a tensor whose largest magnitude is ``amax`` (an activation's, in
+    float64: calibrated input scales); 1 (multiplier 1, compressed-tensors' own fallback) where amax is not
+    positive."""
+    return amax / GLOBAL_NUMERATOR if amax > 0 else 1.0
+
+
+def amax_of_divisor(divisor: float) -> float:
+    """The largest magnitude a per-tensor divisor D covers without clipping: 448*6 * D."""
+    return divisor * GLOBAL_NUMERATOR
+
+
 def _per_leading_index(global_scale: torch.Tensor, ndim: int) -> torch.Tensor:
     """A 0-d or [B] global scale shaped to broadcast against an ``ndim``-d tensor (0-d becomes [1, ..., 1]: a
     0-d fp32 tensor would not promote a bf16 operand to fp32)."""

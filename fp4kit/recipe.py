@@ -406,7 +406,7 @@ def check_against_model(loaded: LoadedRecipe) -> None:
 
 
 def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) -> None:
-    from fp4kit.layout import BACKENDS
+    from fp4kit.layout import BACKENDS, LayoutOptions
 
     recipe, origins = loaded.recipe, loaded.origins
     ep = recipe.shard.ep if recipe.shard else 1
@@ -416,7 +416,8 @@ def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) 
     if recipe.layout is None:
         return
     backend = BACKENDS[recipe.layout.backend]
-    flavor = {"flavor": recipe.layout.cutlass_flavor} if recipe.layout.backend == "cutlass" else {}
+    flavor = LayoutOptions(recipe.layout.backend, recipe.layout.act_dtype, recipe.layout.cutlass_flavor
+                           ).transform_options()
     try:
         backend.check_shapes(experts, hidden, inter, **flavor)
     except Fp4kitError as exc:

@@ -6,9 +6,9 @@ The base (default: the merge-base of HEAD and main) is checked out with ``git wo
 this tree is the working tree the script lives in (uncommitted edits included). Both trees run the same command list
 on the same seeded fixtures (fp4kit.demo's models: sized for every layout backend), each in one process per tree
 (``fp4kit.cli.run``, PYTHONPATH set to that tree) with relative paths, so reports name the same paths. Compared:
-exit codes; every output file byte for byte (JSON files parsed, keys that hold timings dropped); stdout of the
-JSON reports likewise, and the other stdout lines with timings and rates blanked. Prints one row per command and
-exits 1 on any difference, 0 when everything matches.
+exit codes; every output file byte for byte (a JSON file with keys that hold timings: without them, key order
+kept); stdout of the JSON reports likewise, and the other stdout lines with timings and rates blanked. Prints one
+row per command and exits 1 on any difference, 0 when everything matches.
 """
 
 from __future__ import annotations
@@ -115,21 +115,24 @@ def build_fixtures(root: Path, families: list[str]) -> None:
             build_fixture(family, root / family, overrides=demo_overrides(family.removesuffix("_text")))
 
 
-def _drop_timings(value: object) -> object:
+def _drop_timings(value: object, dropped: list[str]) -> object:
     if isinstance(value, dict):
-        return {k: _drop_timings(v) for k, v in value.items() if not TIMING_KEYS.search(str(k))}
+        dropped.extend(k for k in value if TIMING_KEYS.search(str(k)))
+        return {k: _drop_timings(v, dropped) for k, v in value.items() if not TIMING_KEYS.search(str(k))}
     if isinstance(value, list):
-        return [_drop_timings(v) for v in value]
+        return [_drop_timings(v, dropped) for v in value]
     return value
 
 
-def _normal_json(text: str | bytes) -> object:
-    return _drop_timings(json.loads(text))
+def _normal_json(text: str | bytes) -> tuple[str, bool]:
+    """The document without timing keys, serialized in its own key order; and whether any key was dropped."""
+    dropped: list[str] = []
+    return json.dumps(_drop_timings(json.loads(text), dropped)), bool(dropped)
 
 
 def _normal_stdout(text: str) -> object:
     try:
-        return _normal_json(text)
+        return _normal_json(text)[0]
     except json.JSONDecodeError:
         return TIMING_TEXT.sub("<t>", text)
 
@@ -141,9 +144,11 @@ def _files(root: Path) -> dict[str, Path]:
 
 
 def _same_file(a: Path, b: Path) -> bool:
-    if a.suffix == ".json":
+    if a.suffix == ".json":  # bytes, except that values of timing keys may differ
         try:
-            return _normal_json(a.read_bytes()) == _normal_json(b.read_bytes())
+            (normal_a, timed), (normal_b, _) = _normal_json(a.read_bytes()), _normal_json(b.read_bytes())
+            if timed:
+                return normal_a == normal_b
         except (json.JSONDecodeError, UnicodeDecodeError):
             pass
     if a.stat().st_size != b.stat().st_size:
