@@ -30,7 +30,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import EXPERT_PROJS, group_experts, layer_of
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files, open_checkpoint
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
-from fp4kit.layouts import cutlass
+from fp4kit.layouts import StackedExperts, cutlass
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.output import atomic_directory
 from fp4kit.registry import backends
@@ -39,8 +39,6 @@ from fp4kit.streaming import BackgroundWriter, prefetched
 BACKENDS: dict[str, ModuleType] = backends()
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 QUEUE_DEPTH = 1  # jobs waiting per queue: a layer of a 235B model is ~1 GB, so about five are in memory
-
-CanonicalLayer = tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
@@ -178,7 +176,7 @@ def kernel_tensors(layer: MoELayer, options: LayoutOptions) -> dict[str, Planned
 
 
 def read_layer(ckpt: QuantizedCheckpoint, layer: MoELayer,
-               recycled: queue.SimpleQueue | None = None) -> CanonicalLayer:
+               recycled: queue.SimpleQueue | None = None) -> StackedExperts:
     """The layer's canonical stacked w13 / w2 and per-expert input divisors (None for weight-only checkpoints).
 
     ``recycled`` holds stacked tensors (packed13, scale13, packed2, scale2) of layers done with: reading into them
@@ -206,8 +204,8 @@ def read_layer(ckpt: QuantizedCheckpoint, layer: MoELayer,
         global13[e] = gate
         if layer.has_input_scales:
             input13[e], input2[e] = gate_in, down_in
-    return (NVFP4Tensor(packed13, scale13, global13), NVFP4Tensor(packed2, scale2, global2),
-            input13 if layer.has_input_scales else None, input2 if layer.has_input_scales else None)
+    return StackedExperts(NVFP4Tensor(packed13, scale13, global13), NVFP4Tensor(packed2, scale2, global2),
+                          input13 if layer.has_input_scales else None, input2 if layer.has_input_scales else None)
 
 
 def _require_shared(expert: str, what: str, gate: torch.Tensor | None, up: torch.Tensor | None) -> None:
@@ -264,7 +262,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                     return reader.read(job)  # type: ignore[arg-type]
                 canonical = read_layer(ckpt, job, recycled)
                 # describe runs here, beside the reads, because it can cost a pass over the layer (Marlin's factor)
-                return canonical, backend.describe(*canonical, **transform_options)
+                return canonical, backend.describe(*canonical.arguments(), **transform_options)
 
             try:
                 for job, data in prefetched(jobs, produce, QUEUE_DEPTH):
@@ -274,10 +272,11 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                         # no second copy by pwrite); the writer only records what is already in place
                         out = {arg: t for arg in planned[job.layer]
                                if (t := writer.destination(job.tensor_name(arg))) is not None}
-                        tensors = backend.transform(*canonical, **transform_options, out=out)
+                        tensors = backend.transform(*canonical.arguments(), **transform_options, out=out)
                         if len(out) == len(tensors):  # every result is in the output file: the source is free
-                            w13, w2 = canonical[0], canonical[1]
+                            w13, w2 = canonical.w13, canonical.w2
                             recycled.put((w13.packed, w13.block_scale, w2.packed, w2.block_scale))
+                            del w13, w2
                         del out, canonical, data
                         entries[str(job.layer)] = layer_entry(job.experts, planned[job.layer], meta)
                         background.put({job.tensor_name(arg): t for arg, t in tensors.items()})

@@ -42,6 +42,26 @@ from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 
 
 @dataclass(frozen=True)
+class StackedExperts:
+    """One MoE layer's routed experts in canonical form: what a layout transforms and undoes, and what verify
+    computes with. Input divisors are None for a weight-only checkpoint."""
+
+    w13: NVFP4Tensor  # [E, 2I, H], gate rows then up rows
+    w2: NVFP4Tensor  # [E, H, I]
+    input_scale_div13: torch.Tensor | None  # float64 [E]
+    input_scale_div2: torch.Tensor | None  # float64 [E]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.packed.shape[0]
+
+    def arguments(self) -> tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The leading positional arguments of a backend's ``transform`` and ``describe``, in their order
+        (``undo`` returns the same four)."""
+        return self.w13, self.w2, self.input_scale_div13, self.input_scale_div2
+
+
+@dataclass(frozen=True)
 class LayoutMeta:
     backend: str
     hidden_size: int

@@ -35,6 +35,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpo
 from fp4kit.layout import find_moe_layers
 from fp4kit.layout import read_layer as read_canonical_layer
 from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
+from fp4kit.layouts import StackedExperts
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.plan import QuantGroup, read_group_weights, read_linear_weight, source_candidates, source_view
 from fp4kit.routing import RoutingSpec
@@ -56,20 +57,34 @@ class Router:
 
 @dataclass
 class QuantizedMoe:
-    """A layer's routed experts in canonical NVFP4 (input divisors None for weight-only checkpoints)."""
+    """A layer's routed experts in canonical NVFP4 (input divisors None for weight-only checkpoints), its router and
+    shared expert."""
 
     layer: int
     experts_module: str
-    w13: NVFP4Tensor
-    w2: NVFP4Tensor
-    input_div13: Tensor | None
-    input_div2: Tensor | None
+    experts: StackedExperts
     router: Router
     shared: tuple[Tensor, Tensor] | None  # dense fp32 shared expert (w13 [2Is, H], w2 [H, Is])
 
     @property
+    def w13(self) -> NVFP4Tensor:
+        return self.experts.w13
+
+    @property
+    def w2(self) -> NVFP4Tensor:
+        return self.experts.w2
+
+    @property
+    def input_div13(self) -> Tensor | None:
+        return self.experts.input_scale_div13
+
+    @property
+    def input_div2(self) -> Tensor | None:
+        return self.experts.input_scale_div2
+
+    @property
     def num_experts(self) -> int:
-        return self.w13.packed.shape[0]
+        return self.experts.num_experts
 
 
 @dataclass
@@ -162,12 +177,12 @@ class QuantizedModel:
             )
         module = self.experts_modules[index]
         if self.layout is not None:
-            w13, w2, div13, div2 = undo_layout(self.root, index)
+            experts = undo_layout(self.root, index)
         else:
-            w13, w2, div13, div2 = read_canonical_layer(self.ckpt, self._layers[index])
+            experts = read_canonical_layer(self.ckpt, self._layers[index])
         reader = self.ckpt.reader
         return QuantizedMoe(
-            index, module, w13, w2, div13, div2, _router(reader, module), _shared_expert(reader, module, self.ckpt)
+            index, module, experts, _router(reader, module), _shared_expert(reader, module, self.ckpt)
         )
 
     def close(self) -> None:
@@ -180,25 +195,24 @@ class QuantizedModel:
         self.close()
 
 
-def undo_layout(root: str | Path, layer: int) -> tuple[NVFP4Tensor, NVFP4Tensor, Tensor | None, Tensor | None]:
+def undo_layout(root: str | Path, layer: int) -> StackedExperts:
     """A layout checkpoint's layer back in canonical form (Fp4kitError when the stored tensors are inconsistent)."""
     from fp4kit.registry import backend
     from fp4kit.runtime import read_layer
 
     tensors, meta, document = read_layer(root, layer)
-    return backend(document["backend"]).undo(tensors, meta)
+    return StackedExperts(*backend(document["backend"]).undo(tensors, meta))
 
 
-def layout_transform(
-    root: str | Path, layer: int, w13: NVFP4Tensor, w2: NVFP4Tensor, div13: Tensor | None, div2: Tensor | None
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def layout_transform(root: str | Path, layer: int, experts: StackedExperts
+                     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(stored kernel tensors, what the layout's transform writes for these canonical weights) of one layer."""
     from fp4kit.layout_manifest import stored_options
     from fp4kit.registry import backend
     from fp4kit.runtime import read_layer
 
     tensors, _, document = read_layer(root, layer)
-    return tensors, backend(document["backend"]).transform(w13, w2, div13, div2, **stored_options(document))
+    return tensors, backend(document["backend"]).transform(*experts.arguments(), **stored_options(document))
 
 
 def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -> SourceMoe:
@@ -282,4 +296,4 @@ def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModul
     router = _router(ckpt.reader, full.experts_module)
     if not has_input:
         div13 = div2 = None
-    return QuantizedMoe(full.layer, full.experts_module, w13, w2, div13, div2, router, None)
+    return QuantizedMoe(full.layer, full.experts_module, StackedExperts(w13, w2, div13, div2), router, None)
