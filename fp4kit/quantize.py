@@ -22,7 +22,7 @@ from fp4kit.formats.base import Dialect
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job, refuse_calibration
-from fp4kit.registry import DIALECT_NAMES, dialect
+from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.streaming import BackgroundWriter, prefetched
 
@@ -41,7 +41,7 @@ STACK_BYTES = {"cpu": 0, "cuda": 1 << 26}
 @dataclass
 class QuantizeOptions:
     scheme: str = "nvfp4a16"
-    format: str = "compressed-tensors"
+    format: str = DEFAULT_DIALECT
     device: str = "cpu"
     ignore: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)

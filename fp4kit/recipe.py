@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.registry import BACKEND_NAMES, DIALECT_NAMES
+from fp4kit.registry import BACKEND_NAMES, DEFAULT_DIALECT, DIALECT_NAMES
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
 CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales", "method", "gptq_damp",
@@ -40,11 +40,19 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _runs_w4a4(backend: str) -> bool:
+    """Whether a layout backend's kernel needs activation scales (importing it loads torch: asked only when a recipe
+    quantizes weight-only and lays out)."""
+    from fp4kit.registry import backend as registered_backend
+
+    return registered_backend(backend).W4A4
+
+
 class QuantizeStep(_Options):
     """fp4kit.quantize.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
 
     scheme: Literal["nvfp4", "nvfp4a16"] = "nvfp4"
-    format: Literal[DIALECT_NAMES] = "compressed-tensors"  # type: ignore[valid-type]
+    format: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
     device: str = "cpu"
     ignore: list[str] = Field(default_factory=list)
     targets: list[str] = Field(default_factory=list)
@@ -67,7 +75,7 @@ class QuantizeStep(_Options):
 class RepairStep(_Options):
     """fp4kit.convert: rewrite in dialect ``to``; ``fix`` also puts fused groups on shared scales (convert --repair)."""
 
-    to: Literal[DIALECT_NAMES] = "compressed-tensors"  # type: ignore[valid-type]
+    to: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
     fix: bool = True
     max_shard_size: str = "5GB"
 
@@ -122,7 +130,7 @@ class Recipe(_Options):
         if not self.steps():
             raise _KeyError((), f"no steps: add at least one of {', '.join(STEP_ORDER)}")
         weight_only = self.quantize is not None and self.quantize.scheme == "nvfp4a16"
-        if self.layout and self.layout.backend != "marlin" and weight_only:
+        if self.layout and weight_only and _runs_w4a4(self.layout.backend):
             raise _KeyError(("layout", "backend"), f"{self.layout.backend} runs a W4A4 kernel, which needs activation "
                                                    f"scales: use quantize.scheme nvfp4, or layout.backend marlin")
         calibrated = self.quantize is not None and self.quantize.scheme == "nvfp4"

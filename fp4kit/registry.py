@@ -26,6 +26,7 @@ BACKENDS = {
     "cutlass": "fp4kit.layouts.cutlass",
     "marlin": "fp4kit.layouts.marlin",
 }
+DEFAULT_DIALECT = "compressed-tensors"  # what quantize, convert's recipes and the CLI write unless told
 DIALECT_NAMES = tuple(DIALECTS)
 BACKEND_NAMES = tuple(BACKENDS)
 
