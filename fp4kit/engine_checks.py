@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 
 import numpy
 import torch
 
-from fp4kit.families.base import group_experts, layer_of
+from fp4kit.families.base import ATTENTION_QUERY_RE, group_experts, layer_of
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.formats.modelopt import HF_QUANT_CONFIG
 from fp4kit.formats.modelopt import NAME as MO
@@ -38,7 +37,6 @@ SOURCES = {
     "vllm_pre_quant_scale": f"{_Q}/modelopt.py (ModelOptNvFp4LinearMethod has no pre_quant_scale parameter: the "
                             "smoothing is not applied)",
 }
-_ATTENTION = re.compile(r"^(?P<attn>.*\.(self_attn|attention))\.(q_proj|qkv_proj)$")
 
 Report = Callable[[str, str, str], None]
 
@@ -126,7 +124,7 @@ def _kv_cache(ckpt: QuantizedCheckpoint, report: Report) -> None:
     if declared is None:
         return
     names = set(ckpt.reader.tensors)
-    attentions = sorted({match["attn"] for n in names if (match := _ATTENTION.match(n.rsplit(".", 1)[0]))})
+    attentions = sorted({match["attn"] for n in names if (match := ATTENTION_QUERY_RE.match(n.rsplit(".", 1)[0]))})
     for attn in attentions:
         for kind in ("k", "v"):
             candidates = (f"{attn}.{kind}_scale", f"{attn}.{kind}_proj.{kind}_scale", f"{attn}.attn.{kind}_scale")

@@ -31,6 +31,8 @@ ROUTER_BIAS = "gate.e_score_correction_bias"
 SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")
 # a router or gate module, wherever it is (routers and Qwen's shared-expert gate), which engines keep unquantized
 ROUTER_RE = re.compile(r"(\.mlp\.gate|\.feed_forward\.router|shared_expert_gate|\.router)$")
+# an attention's query projection (fused or not); ``attn`` is the attention module
+ATTENTION_QUERY_RE = re.compile(r"^(?P<attn>.*\.(self_attn|attention))\.(q_proj|qkv_proj)$")
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
 EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
 COMMON_IGNORE = (r"(^|\.)lm_head$",)
@@ -167,8 +169,12 @@ class ExpertModule:
 
     @property
     def fused(self) -> str:
-        """The kernels' name of the projection: gate and up form w13 (one input, one weight scale), down is w2."""
-        return "w13" if self.proj in FUSED_SIBLINGS[1] else "w2"
+        return fused_projection(self.proj)
+
+
+def fused_projection(proj: str) -> str:
+    """The kernels' name of an expert projection: gate and up form w13 (one input, one weight scale), down is w2."""
+    return "w13" if proj in FUSED_SIBLINGS[1] else "w2"
 
 
 _EXPERT_MODULE = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
