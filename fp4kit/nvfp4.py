@@ -39,6 +39,17 @@ _BOUNDARY_VALUES = tuple(_BOUNDARIES.tolist())
 _E2M1_TABLE = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=torch.float32)
 
 
+def fp32_multiplier(divisor: torch.Tensor) -> torch.Tensor:
+    """The multiplier G = 1/D of float64 divisor(s) D, rounded once to fp32: compressed-tensors' stored form, and
+    what kernels multiply by."""
+    return (1.0 / divisor.double()).float()
+
+
+def divisor_of(multiplier: torch.Tensor) -> torch.Tensor:
+    """The canonical float64 divisor D = 1/G of multiplier(s) G."""
+    return 1.0 / multiplier.double()
+
+
 @dataclass
 class NVFP4Tensor:
     """A quantized weight [..., N, K]: packed codes, FP8 block scales, float64 divisor global scale."""
@@ -54,7 +65,7 @@ class NVFP4Tensor:
     @property
     def global_scale_mul_fp32(self) -> torch.Tensor:
         """The compressed-tensors multiplier G = 1/D, rounded once to fp32."""
-        return (1.0 / self.global_scale_div).to(torch.float32)
+        return fp32_multiplier(self.global_scale_div)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         values = unpack_e2m1(self.packed)
@@ -187,7 +198,7 @@ def _encode_with_scales(weight: torch.Tensor, global_mul: torch.Tensor, block_sc
     divisor = block_scale_f32 / global_mul
     packed = encode_blocks(weight.unflatten(-1, (-1, BLOCK)), divisor)
     return NVFP4Tensor(packed, block_scale_f32.to(torch.float8_e4m3fn),
-                       (1.0 / global_mul.double().cpu()).reshape(global_shape))
+                       divisor_of(global_mul.cpu()).reshape(global_shape))
 
 
 def _quantize_native(weight: torch.Tensor, global_mul: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
@@ -197,7 +208,7 @@ def _quantize_native(weight: torch.Tensor, global_mul: torch.Tensor, amax: torch
     else:
         parts = [nvfp4_cpu.encode(w, a, float(g)) for w, a, g in zip(weight, amax, global_mul, strict=True)]
         packed, block_scale = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
-    return NVFP4Tensor(packed, block_scale, 1.0 / global_mul.double())
+    return NVFP4Tensor(packed, block_scale, divisor_of(global_mul))
 
 
 def quantize_group(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.nvfp4 import BLOCK
+from fp4kit.nvfp4 import BLOCK, divisor_of
 
 if TYPE_CHECKING:
     from fp4kit.checkpoint import CheckpointReader, PlannedTensor
@@ -129,7 +129,7 @@ class Dialect:
 
     def load_scale(self, stored: torch.Tensor, producer: str | None) -> torch.Tensor:
         """The float64 divisor a stored per-tensor scale holds (``producer``: the safetensors metadata's)."""
-        return 1.0 / stored.double() if self.stores == "multiplier" else stored.double()
+        return divisor_of(stored) if self.stores == "multiplier" else stored.double()
 
     def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
         """The fp32 value(s) stored for float64 divisor(s)."""

@@ -24,7 +24,7 @@ import torch
 from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.base import Dialect, QuantModule, plain_modules
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
 NAME = "compressed-tensors"
 FORMAT = "nvfp4-pack-quantized"
@@ -45,11 +45,6 @@ def planned(module: str, out_features: int, in_features: int, with_input_scale: 
     return specs
 
 
-def stored_multiplier(divisor: torch.Tensor) -> torch.Tensor:
-    """The fp32 multiplier G = 1/D stored for float64 divisor(s) D."""
-    return (1.0 / divisor.double()).float()
-
-
 def encode(module: str, weight: NVFP4Tensor, input_scale_div: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     tensors = {
         module + SUFFIXES["packed"]: weight.packed,
@@ -57,7 +52,7 @@ def encode(module: str, weight: NVFP4Tensor, input_scale_div: torch.Tensor | Non
         module + SUFFIXES["global"]: weight.global_scale_mul_fp32.reshape(1),
     }
     if input_scale_div is not None:
-        tensors[module + SUFFIXES["input"]] = stored_multiplier(input_scale_div).reshape(1)
+        tensors[module + SUFFIXES["input"]] = fp32_multiplier(input_scale_div).reshape(1)
     return tensors
 
 
@@ -66,10 +61,10 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
     weight = NVFP4Tensor(
         tensors[module + SUFFIXES["packed"]],
         tensors[module + SUFFIXES["block"]],
-        1.0 / global_mul.double(),
+        divisor_of(global_mul),
     )
     input_mul = tensors.get(module + SUFFIXES["input"])
-    return weight, None if input_mul is None else 1.0 / input_mul.reshape(()).double()
+    return weight, None if input_mul is None else divisor_of(input_mul.reshape(()))
 
 
 def scheme_of(qconfig: dict) -> str:
@@ -166,7 +161,7 @@ class CompressedTensors(Dialect):
         return plain_modules(reader, SUFFIXES, ("global", "input", "block", "packed"))
 
     def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
-        return stored_multiplier(divisor)
+        return fp32_multiplier(divisor)
 
     # writing and reading by module name: the module functions of the same names
     planned = staticmethod(planned)

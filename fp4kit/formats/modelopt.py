@@ -31,7 +31,7 @@ import torch
 from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_modules
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
 NAME = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -55,8 +55,8 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
     nearest = divisor.float()
     if torch.equal(nearest.double(), divisor):
         return nearest
-    multiplier = (1.0 / divisor).float()
-    if torch.equal((1.0 / nearest.double()).float(), multiplier):  # the usual case: the nearest one restores G
+    multiplier = fp32_multiplier(divisor)
+    if torch.equal(fp32_multiplier(nearest), multiplier):  # the usual case: the nearest one restores G
         return nearest
     candidates = [nearest]
     up = down = nearest
@@ -65,7 +65,7 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
         down = torch.nextafter(down, torch.full_like(down, float("-inf")))
         candidates += [up, down]
     stacked = torch.stack(candidates)
-    keeps_multiplier = (1.0 / stacked.double()).float() == multiplier
+    keeps_multiplier = fp32_multiplier(stacked) == multiplier
     distance = torch.where(keeps_multiplier, (stacked.double() - divisor).abs(), torch.inf)
     best = stacked.gather(0, distance.argmin(0, keepdim=True)).squeeze(0)
     return torch.where(keeps_multiplier.any(0), best, nearest)
@@ -87,15 +87,15 @@ def multiplier_behind(stored: torch.Tensor) -> torch.Tensor | None:
     stored = stored.reshape(()).float()
     if not bool(torch.isfinite(stored)) or float(stored) <= 0:
         return None
-    nearest = (1.0 / stored.double()).float()
+    nearest = fp32_multiplier(stored)
     candidates = [nearest]
     up = down = nearest
     for _ in range(DIVISOR_SEARCH_ULPS):
         up = torch.nextafter(up, torch.tensor(float("inf")))
         down = torch.nextafter(down, torch.tensor(0.0))
         candidates += [up, down]
-    behind = [g for g in candidates if bool(torch.isfinite(g)) and torch.equal(fp32_divisor(1.0 / g.double()), stored)
-              and torch.equal((1.0 / g.double()).float(), stored)]
+    behind = [g for g in candidates if bool(torch.isfinite(g)) and torch.equal(fp32_divisor(divisor_of(g)), stored)
+              and torch.equal(fp32_multiplier(g), stored)]
     preferred = [g for g in behind if bool(_bf16_valued(g))]
     return preferred[0] if len(preferred) == 1 else None
 
@@ -320,7 +320,7 @@ class ModelOpt(Dialect):
         if producer == "fp4kit":
             multiplier = multiplier_behind(stored)  # the multiplier fp4kit wrote this divisor for
             if multiplier is not None:
-                return 1.0 / multiplier.double()
+                return divisor_of(multiplier)
         return stored.double()
 
     def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:

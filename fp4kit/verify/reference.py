@@ -16,7 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp4kit.nvfp4 import BLOCK, E2M1_MAGNITUDES, FP4_MAX, FP8_MAX, NVFP4Tensor, e2m1_codes, global_scale_mul, quantize
+from fp4kit.nvfp4 import (
+    BLOCK,
+    E2M1_MAGNITUDES,
+    FP4_MAX,
+    FP8_MAX,
+    NVFP4Tensor,
+    e2m1_codes,
+    fp32_multiplier,
+    global_scale_mul,
+    quantize,
+)
 from fp4kit.routing import RoutingSpec
 
 
@@ -62,7 +72,7 @@ def block_scale_input(block_amax: Tensor, global_mul: Tensor) -> Tensor:
 
 def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:
     """Quantize-dequantize fp32 activations [..., K] per 16-block with a static divisor global scale D_a (0-d)."""
-    global_mul = (1.0 / global_div.double()).to(torch.float32).to(x.device)
+    global_mul = fp32_multiplier(global_div).to(x.device)
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)
     block_scale = torch.clamp(block_scale_input(block_amax, global_mul), max=FP8_MAX).to(torch.float8_e4m3fn).float()
