@@ -100,8 +100,13 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes (sign in bit 3)."""
+    return _E2M1_TABLE.to(codes.device)[codes.long()]
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    return _E2M1_TABLE.to(packed.device)[unpack_codes(packed).long()]
+    return e2m1_values(unpack_codes(packed))
 
 
 def global_scale_mul(amax: torch.Tensor, exact_fp32: bool = False) -> torch.Tensor:

@@ -18,11 +18,11 @@ from torch import Tensor
 
 from fp4kit.nvfp4 import (
     BLOCK,
-    E2M1_MAGNITUDES,
     FP4_MAX,
     FP8_MAX,
     NVFP4Tensor,
     e2m1_codes,
+    e2m1_values,
     fp32_multiplier,
     global_scale_mul,
     quantize,
@@ -78,8 +78,7 @@ def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:
     block_scale = torch.clamp(block_scale_input(block_amax, global_mul), max=FP8_MAX).to(torch.float8_e4m3fn).float()
     divisor = block_scale / global_mul
     safe_divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
-    code_values = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), device=x.device)
-    values = code_values[e2m1_codes(blocks / safe_divisor).long()]
+    values = e2m1_values(e2m1_codes(blocks / safe_divisor))
     dequantized = torch.where(divisor > 0, values * block_scale / global_mul, torch.zeros_like(values))
     return dequantized.flatten(-2)
 
