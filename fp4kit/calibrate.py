@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from fp4kit import memory
 from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
+
+READ_THREADS = 8  # concurrent expert reads while a layer loads
 
 LayerCallback = Callable[[int, list[torch.Tensor]], None]
 
@@ -97,15 +100,17 @@ def _text_model(reader: CheckpointReader, src: Path, dtype: torch.dtype, device:
     return _TextModel(model, list(model.layers), prefix, keep, scales_input)
 
 
-def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
-    """The layer's parameters and buffers from the checkpoint, in the shapes the module holds them."""
+def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str,
+                      device: torch.device) -> dict[str, torch.Tensor]:
+    """The layer's parameters and buffers from the checkpoint, in the shapes the module holds them (fused experts
+    stacked on ``device``, the rest where the reader puts them)."""
     state: dict[str, torch.Tensor] = {}
     for key, expected in layer.state_dict().items():
         name = prefix + key
         if name in reader:
             tensor = reader.read(name)
         elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensor = _stack_experts(reader, name, expected)
+            tensor = _stack_experts(reader, name, expected, device)
         else:
             tensor = None
         if tensor is None:
@@ -119,31 +124,38 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str) -
     return state
 
 
-def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor) -> torch.Tensor | None:
+def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor,
+                   device: torch.device) -> torch.Tensor | None:
     """Per-expert checkpoint tensors read straight into the fused parameter transformers holds ([E, 2I, H] as
-    cat(gate, up) per expert, or [E, H, I]); one expert's tensor at a time besides the result."""
+    cat(gate, up) per expert, or [E, H, I]), allocated on ``device``: the host holds only the experts in flight.
+    Experts are read by a few threads (reads and finiteness checks release the GIL)."""
     experts, leaf = name.rsplit(".", 1)
     parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
     names = [[f"{experts}.{e}.{part}.weight" for part in parts] for e in range(expected.shape[0])]
     if not all(n in reader for per_expert in names for n in per_expert):
         return None
-    fused = torch.empty(expected.shape, dtype=reader.info(names[0][0]).dtype)
-    for e, per_expert in enumerate(names):
+    fused = torch.empty(expected.shape, dtype=reader.info(names[0][0]).dtype, device=device)
+
+    @torch.inference_mode()  # per thread: the fused tensor may be an inference tensor of the caller's
+    def place(e: int) -> None:
         row = 0
-        for n in per_expert:
+        for n in names[e]:
             part = reader.read(n)
             if part.shape != fused[e, row : row + part.shape[0]].shape:
                 raise Fp4kitError(f"{n}: shape {list(part.shape)} does not fit transformers' {name} "
                                   f"{list(expected.shape)}")
-            fused[e, row : row + part.shape[0]] = part
+            fused[e, row : row + part.shape[0]].copy_(part)
             row += part.shape[0]
+
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(names)), thread_name_prefix="fp4kit-read") as pool:
+        list(pool.map(place, range(len(names))))
     return fused
 
 
 def _load_layer(text: _TextModel, reader: CheckpointReader, index: int, dtype: torch.dtype, device: torch.device):
     layer = text.layers[index]
     assert layer is not None
-    state = _layer_state_dict(reader, layer, f"{text.prefix}layers.{index}.")
+    state = _layer_state_dict(reader, layer, f"{text.prefix}layers.{index}.", device)
     for key, tensor in state.items():
         keep_fp32 = any(f".{pattern}." in f".{key}." for pattern in text.keep_fp32)
         state[key] = tensor.to(device, torch.float32 if keep_fp32 and dtype.itemsize < 4 else dtype).contiguous()
@@ -447,12 +459,19 @@ class _SecondMomentRecorder:
     def _expert_moments(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
                         top_ids: torch.Tensor) -> None:
         num_experts = experts.gate_up_proj.shape[0]
-        for e in range(num_experts):
+        routed = torch.zeros((num_experts, hidden.shape[0]), dtype=torch.bool, device=hidden.device)
+        routed.scatter_(0, top_ids.t().to(torch.int64), True)
+        # the tokens of each expert in ascending order, all experts' in one tensor: one device sync per layer
+        expert_of, token_of = routed.nonzero(as_tuple=True)
+        counts = torch.bincount(expert_of, minlength=num_experts).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            tokens = token_of[start : start + count]
+            start += count
             names = [f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj"]
             if not any(self._wanted(n) for n in names):
                 continue
-            tokens = (top_ids == e).any(dim=-1).nonzero().squeeze(-1)
-            if tokens.numel() == 0:
+            if count == 0:
                 for n in names:  # zero statistics: the expert is known, and known to have seen nothing
                     if n not in self.stats.hessians:
                         self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(0, self._inner(experts)))
@@ -490,13 +509,15 @@ def calibrate_quantized(
     full_hessians: bool = True,
     dtype: torch.dtype | None = None,
     on_layer: Callable[[int, CalibrationResult], None] | None = None,
+    input_amax: bool = True,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
     and returns its dequantized weights, which replace the layer's, and a second forward of the *quantized* layer
     gives the next layer's inputs (quantization errors propagate, as llm-compressor's sequential pipeline does) and
     the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
-    result)`` runs once a layer's are in ``result``."""
+    result)`` runs once a layer's are in ``result``. ``input_amax`` False (weight-only output): only the routing
+    counts are recorded, which spares running every token through every expert."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1)) as (reader, text, dtype, torch_device,
                                                                            hidden_batches, layer_args):
@@ -511,7 +532,7 @@ def calibrate_quantized(
             replacements = quantize_layer(index, layer, stats)
             del stats
             set_layer_weights(text, layer, index, replacements)
-            amax = _AmaxRecorder(text, layer, index, modules)
+            amax = _AmaxRecorder(text, layer, index, modules if input_amax else set())
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)

@@ -19,6 +19,7 @@ import mmap
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,7 @@ class CheckpointReader:
         self.metadata: dict[str, str] = files.metadata
         self.tensors: dict[str, TensorInfo] = {name: _tensor_info(entry) for name, entry in files.tensors.items()}
         self._fds: dict[Path, int] = {}
+        self._fds_lock = threading.Lock()  # reads may come from several threads
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -118,7 +120,10 @@ class CheckpointReader:
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            with self._fds_lock:
+                fd = self._fds.get(path)
+                if fd is None:
+                    fd = self._fds[path] = os.open(path, os.O_RDONLY)
         return fd
 
     def _pread(self, info: TensorInfo, begin: int, nbytes: int) -> torch.Tensor:

@@ -63,14 +63,97 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     raise Fp4kitError("GPTQ: a Hessian is not positive definite even with 1000x the damping; raise --gptq-damp")
 
 
+def _lazy_block(
+    w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor, mse_scales: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One lazy block of the pass, columns [W] of weights w1 [B, N, W] (updated in place) against its diagonal
+    block u1 [B, W, W] of the factor: the scaled rounding errors [B, N, W], each column as the pass rounded it
+    [B, N, W] (encoding it gives the codes used) and the fp32 block scales [B, N, W/16]. Shapes are static and no
+    value leaves the device, so a CUDA graph can replay it."""
+    batch, rows, width = w1.shape
+    global_rows = global_f32.reshape(batch, 1)
+    errors = torch.empty_like(w1)
+    compensated = torch.empty_like(w1)
+    scales = torch.empty((batch, rows, width // BLOCK), dtype=torch.float32, device=w1.device)
+    for g in range(0, width, BLOCK):
+        block = w1[:, :, g : g + BLOCK]
+        amax = block.abs().amax(dim=-1, keepdim=True)  # finite: checked up front
+        if mse_scales:
+            scale = search_block_scales(block, global_f32, importance[:, g : g + BLOCK], amax, GPTQ_CODE_OFFSETS)
+        else:
+            scale = rtn_block_scale(amax, _per_leading_index(global_f32, 3))
+        scale = scale.squeeze(-1)  # [B, N]
+        scales[:, :, g // BLOCK] = scale
+        divisor = scale / global_rows
+        group_end = g + BLOCK
+        for j in range(g, group_end):
+            column = w1[:, :, j]
+            q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
+            compensated[:, :, j] = column
+            error = (column - q) / u1[:, j, j].unsqueeze(-1)
+            errors[:, :, j] = error
+            # the rest of this 16-block absorbs the error at once (row-independent rank-1 update) ...
+            if j + 1 < group_end:
+                w1[:, :, j + 1 : group_end] -= error.unsqueeze(-1) * u1[:, j, j + 1 : group_end].unsqueeze(1)
+        # ... the rest of the lazy block once per 16-block (the columns after it: the caller, once per lazy block)
+        if group_end < width:
+            w1[:, :, group_end:] -= torch.bmm(errors[:, :, g:group_end], u1[:, g:group_end, group_end:])
+    return errors, compensated, scales
+
+
+@dataclass
+class _Graphed:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # w1, u1, importance, global scales: copied in before each replay
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class LazyBlocks:
+    """Runs _lazy_block; on a GPU each shape's second call captures it as a CUDA graph that later calls replay.
+    A lazy block is ~1000 small kernels, so eager the pass is bound by their launches; the replay runs the same
+    kernels (same bytes) without the host in the loop. The first call runs eagerly (it also warms up the kernels
+    and the allocator before capture)."""
+
+    def __init__(self, graphs: bool = True) -> None:
+        self.graphs = graphs
+        self._graphs: dict[tuple, _Graphed] = {}
+        self._seen: set[tuple] = set()
+
+    def __call__(self, w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
+                 mse_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (tuple(w1.shape), w1.device, mse_scales)
+        if not self.graphs or w1.device.type != "cuda" or key not in self._seen:
+            self._seen.add(key)
+            return _lazy_block(w1.clone(), u1, importance, global_f32, mse_scales)
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            graphed = self._graphs[key] = self._capture(w1, u1, importance, global_f32, mse_scales)
+        for static, value in zip(graphed.inputs, (w1, u1, importance, global_f32), strict=True):
+            static.copy_(value)
+        graphed.graph.replay()
+        return graphed.outputs
+
+    @staticmethod
+    def _capture(w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
+                 mse_scales: bool) -> _Graphed:
+        inputs = tuple(t.clone() for t in (w1, u1, importance, global_f32))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            outputs = _lazy_block(inputs[0].clone(), inputs[1], inputs[2], inputs[3], mse_scales)
+        return _Graphed(graph, inputs, outputs)
+
+
 def gptq_quantize(
     weight: torch.Tensor,
     hessian: torch.Tensor,
     global_mul: torch.Tensor,
     options: GptqOptions | None = None,
+    blocks: LazyBlocks | None = None,
 ) -> NVFP4Tensor:
-    """GPTQ-quantize a stack weight [B, N, K] with Hessians [B, K, K] and fp32 multiplier global scales [B]."""
+    """GPTQ-quantize a stack weight [B, N, K] with Hessians [B, K, K] and fp32 multiplier global scales [B].
+    ``blocks``: the lazy-block runner to reuse (its CUDA graphs) across calls with the same shapes."""
     options = options or GptqOptions()
+    blocks = blocks or LazyBlocks()
     if options.block_size % BLOCK:
         raise Fp4kitError(f"GPTQ block size {options.block_size} is not a multiple of {BLOCK}")
     device = hessian.device
@@ -83,41 +166,18 @@ def gptq_quantize(
     importance = hessian.diagonal(dim1=-2, dim2=-1).to(torch.float32).clamp(min=0)
     upper = _inverse_hessian_factor(hessian, options.damp)
     global_f32 = global_mul.to(device=device, dtype=torch.float32)
-    global_rows = global_f32.reshape(batch, 1)
-    compensated = torch.empty_like(w)  # each column as the pass rounds it: encoding it gives the codes used
+    compensated = torch.empty_like(w)
     scales = torch.empty((batch, rows, k // BLOCK), dtype=torch.float32, device=device)
     for start in range(0, k, options.block_size):
         end = min(start + options.block_size, k)
-        w1 = w[:, :, start:end].clone()
-        errors = torch.empty_like(w1)
-        u1 = upper[:, start:end, start:end]
-        for g in range(0, end - start, BLOCK):
-            block = w1[:, :, g : g + BLOCK]
-            amax = block.abs().amax(dim=-1, keepdim=True)  # finite: checked up front (no device sync per group)
-            if options.mse_scales:
-                scale = search_block_scales(block, global_f32, importance[:, start + g : start + g + BLOCK], amax,
-                                            GPTQ_CODE_OFFSETS)
-            else:
-                scale = rtn_block_scale(amax, _per_leading_index(global_f32, 3))
-            scale = scale.squeeze(-1)  # [B, N]
-            scales[:, :, (start + g) // BLOCK] = scale
-            divisor = scale / global_rows
-            group_end = g + BLOCK
-            for j in range(g, group_end):
-                column = w1[:, :, j]
-                q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
-                compensated[:, :, start + j] = column
-                error = (column - q) / u1[:, j, j].unsqueeze(-1)
-                errors[:, :, j] = error
-                # the rest of this 16-block absorbs the error at once (row-independent rank-1 update) ...
-                if j + 1 < group_end:
-                    w1[:, :, j + 1 : group_end] -= error.unsqueeze(-1) * u1[:, j, j + 1 : group_end].unsqueeze(1)
-            # ... the rest of the lazy block once per 16-block, the columns after it once per lazy block
-            if group_end < end - start:
-                w1[:, :, group_end:] -= torch.bmm(errors[:, :, g:group_end], u1[:, g:group_end, group_end:])
+        errors, block_compensated, block_scales = blocks(
+            w[:, :, start:end], upper[:, start:end, start:end], importance[:, start:end], global_f32,
+            options.mse_scales)
+        compensated[:, :, start:end] = block_compensated
+        scales[:, :, start // BLOCK : end // BLOCK] = block_scales
         if end < k:
             w[:, :, end:] -= torch.bmm(errors, upper[:, start:end, end:])
-    divisor = scales / global_rows.unsqueeze(-1)
+    divisor = scales / global_f32.reshape(batch, 1, 1)
     packed = encode_blocks(compensated.unflatten(-1, (-1, BLOCK)), divisor)
     return NVFP4Tensor(packed.cpu(), scales.to(torch.float8_e4m3fn).cpu(), (1.0 / global_f32.double()).cpu())
 
@@ -156,6 +216,7 @@ class LayerQuantizer:
     gptq: GptqOptions = field(default_factory=GptqOptions)
     native: bool = True  # bf16 weights on the CPU through the C mse loop (same bytes)
     fallbacks: list[str] = field(default_factory=list)  # modules that fell back to mse
+    lazy_blocks: LazyBlocks = field(default_factory=LazyBlocks)  # CUDA graphs reused from layer to layer
     done: set[int] = field(default_factory=set)  # id() of the groups quantized
 
     def __call__(self, index: int, layer: torch.nn.Module, stats: LayerStatistics) -> dict[str, torch.Tensor]:
@@ -183,7 +244,7 @@ class LayerQuantizer:
                 mse_units.append(unit)
         for batch in _batches(gptq_units, MAX_BATCH_BYTES.get(self.device.type, 1 << 30)):
             stacked = gptq_quantize(torch.stack([u.weight for u in batch]), torch.stack([u.hessian for u in batch]),
-                                    torch.stack([u.global_mul for u in batch]), self.gptq)
+                                    torch.stack([u.global_mul for u in batch]), self.gptq, self.lazy_blocks)
             for b, unit in enumerate(batch):
                 results[(unit.group, unit.members[0])] = NVFP4Tensor(stacked.packed[b], stacked.block_scale[b],
                                                                      stacked.global_scale_div[b])

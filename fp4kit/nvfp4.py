@@ -192,8 +192,7 @@ def quantize(
 def rtn_block_scale(amax_per_block: torch.Tensor, global_mul: torch.Tensor) -> torch.Tensor:
     """fp32 values of the round-to-nearest FP8 block scales fp8(G * (amax_blk / 6)), amax_blk / 6 in amax's dtype;
     0.125 for all-zero blocks. ``global_mul`` fp32, broadcastable against the amax."""
-    fp4_max = torch.tensor(FP4_MAX, dtype=amax_per_block.dtype, device=amax_per_block.device)
-    scale = torch.clamp(global_mul * (amax_per_block / fp4_max), -FP8_MAX, FP8_MAX)
+    scale = torch.clamp(global_mul * (amax_per_block / FP4_MAX), -FP8_MAX, FP8_MAX)
     block_scale_f32 = scale.to(torch.float8_e4m3fn).to(torch.float32)
     return torch.where(block_scale_f32 == 0, ZERO_BLOCK_SCALE, block_scale_f32)
 

@@ -30,7 +30,7 @@ SCHEMES = ("nvfp4a16", "nvfp4")
 METHODS = ("rtn", "mse", "gptq")
 # where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
 # the source model's (a separate calibration pass first, as rtn does)
-INPUT_SCALE_SOURCES = ("source", "quantized")
+INPUT_SCALE_SOURCES = ("auto", "source", "quantized")
 FORMATS = DIALECT_NAMES
 QUEUE_DEPTH = 3
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
@@ -66,7 +66,7 @@ class QuantizeOptions:
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
-    input_scales_from: str = "source"
+    input_scales_from: str = "auto"  # quantized, but source for ModelOpt output (see input_scale_source)
 
 
 @dataclass
@@ -81,6 +81,15 @@ class QuantizeReport:
     seconds: float
     method: str = "rtn"
     fallback_modules: list[str] = field(default_factory=list)  # gptq / weighted mse: quantized by data-free mse
+
+
+def input_scale_source(options: QuantizeOptions) -> str:
+    """Where calibrated methods take W4A4 input scales from: the pass's own forward of the quantized layers, except
+    for a dialect that records exact input scales (ModelOpt's), which it does before that pass has found them."""
+    if options.input_scales_from != "auto":
+        return options.input_scales_from
+    records = options.format in FORMATS and _format_module(options).records_exact_input_scales
+    return "source" if records else "quantized"
 
 
 def _validate(options: QuantizeOptions) -> None:
@@ -360,7 +369,7 @@ def _quantize_calibrated(
     token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
     modules = {c.linear.module for g in plan.groups for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
-                                 full_hessians=options.method == "gptq", on_layer=on_layer)
+                                 full_hessians=options.method == "gptq", on_layer=on_layer, input_amax=with_input)
     rest = [g for g in plan.groups if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
@@ -438,7 +447,7 @@ def _quantize_checkpoint(
             raise Fp4kitError(f"config.json: quantization_config: a {plan.source.name} source cannot be calibrated "
                               f"(--method {options.method}) yet; use --method rtn, or mse without --calib")
         jobs = ranks.assign(plan.jobs, [_job_bytes(reader, job) for job in plan.jobs])
-        source_scales = not calibrated or (options.scheme == "nvfp4" and options.input_scales_from == "source")
+        source_scales = not calibrated or (options.scheme == "nvfp4" and input_scale_source(options) == "source")
         input_divs, routing_counts = _calibrate(src, plan, options, ranks) if source_scales else ({}, {})
         fallbacks: list[str] = []
         input_bytes = sum(info.nbytes for info in reader.tensors.values())

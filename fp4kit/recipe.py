@@ -69,7 +69,7 @@ class QuantizeStep(_Options):
     gptq_damp: float | None = Field(default=None, gt=0)
     gptq_min_tokens: int | None = Field(default=None, ge=1)
     gptq_scales: Literal["mse", "rtn"] | None = None
-    input_scales_from: Literal["source", "quantized"] | None = None
+    input_scales_from: Literal["auto", "source", "quantized"] | None = None
 
 
 class RepairStep(_Options):

@@ -268,12 +268,16 @@ def test_experts_without_enough_tokens_fall_back_and_are_reported(tiny, tmp_path
 
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
 def test_modelopt_dialect_and_w4a4(tiny, tmp_path, scheme):
-    """Both dialects carry the same gptq weights; W4A4 adds input scales for every quantized module."""
+    """Both dialects carry the same gptq weights; W4A4 adds input scales for every quantized module (from the source
+    pass: ModelOpt output cannot take them from the quantized pass, and by default takes them from the source)."""
     from fp4kit.formats import compressed_tensors as ct
     from fp4kit.formats import modelopt as mo
+    from fp4kit.quantize import input_scale_source
 
+    assert input_scale_source(QuantizeOptions(format="modelopt")) == "source"
+    assert input_scale_source(QuantizeOptions()) == "quantized"
     src = tiny("qwen3_moe")
-    common = dict(method="gptq", scheme=scheme, samples=4, seq_len=32, gptq_min_tokens=4)
+    common = dict(method="gptq", scheme=scheme, samples=4, seq_len=32, gptq_min_tokens=4, input_scales_from="source")
     quantize_checkpoint(src, tmp_path / "ct", QuantizeOptions(**common))
     quantize_checkpoint(src, tmp_path / "mo", QuantizeOptions(format="modelopt", **common))
     ct_reader, mo_reader = CheckpointReader(tmp_path / "ct"), CheckpointReader(tmp_path / "mo")
@@ -355,14 +359,14 @@ def test_modules_outside_the_decoder_layers_fall_back(tiny, tmp_path):
     assert not [m for m in report.fallback_modules if m.startswith("model.layers.0.self_attn")]
 
 
-def test_w4a4_input_scales_come_from_the_source_calibration(tiny, tmp_path):
-    """By default gptq's activation scales are rtn's (the source model's calibration); from the quantized pass they
-    differ, from layer 1 on at the latest."""
+def test_w4a4_input_scales_come_from_the_quantized_pass_or_the_source(tiny, tmp_path):
+    """By default gptq's activation scales come from its own forward of the quantized layers: they differ from rtn's
+    (the source model's calibration) from layer 1 on at the latest; ``source`` gives rtn's exactly."""
     src = tiny("qwen3_moe")
     common = dict(scheme="nvfp4", samples=4, seq_len=32)
     quantize_checkpoint(src, tmp_path / "rtn", QuantizeOptions(**common))
-    quantize_checkpoint(src, tmp_path / "gptq", QuantizeOptions(method="gptq", **common))
-    quantize_checkpoint(src, tmp_path / "q", QuantizeOptions(method="gptq", input_scales_from="quantized", **common))
+    quantize_checkpoint(src, tmp_path / "gptq", QuantizeOptions(method="gptq", input_scales_from="source", **common))
+    quantize_checkpoint(src, tmp_path / "q", QuantizeOptions(method="gptq", **common))
     readers = {name: CheckpointReader(tmp_path / name) for name in ("rtn", "gptq", "q")}
     names = [n for n in readers["rtn"].names() if n.endswith("input_global_scale")]
     assert names and all(torch.equal(readers["rtn"].read(n), readers["gptq"].read(n)) for n in names)
@@ -381,3 +385,24 @@ def test_quantized_sources_take_data_free_mse_and_refuse_calibrated_methods(tiny
     with pytest.raises(Fp4kitError, match="cannot be calibrated"):
         quantize_checkpoint(fp8, tmp_path / "gptq", QuantizeOptions(method="gptq", samples=2, seq_len=8))
     assert not (tmp_path / "gptq").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gptq_cuda_graph_replays_give_the_eager_bytes():
+    """Lazy blocks replayed from CUDA graphs (every shape after its second call) equal the eager pass, also when
+    one runner serves stacks of other shapes in between."""
+    from fp4kit.gptq import LazyBlocks
+
+    device = torch.device("cuda")
+    graphed = LazyBlocks()
+    for seed, (batch, rows, k) in enumerate([(4, 96, 512), (3, 64, 256), (4, 96, 512)]):
+        hessians = torch.stack([_correlated_hessian(k, 2 * k, 10 * seed + b) for b in range(batch)]).to(device)
+        weights = (torch.randn(batch, rows, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(device)
+        global_mul = torch.stack([nvfp4.global_scale_mul(w.abs().amax()) for w in weights])
+        for mse_scales in (True, False):
+            options = GptqOptions(block_size=64, mse_scales=mse_scales)
+            eager = gptq_quantize(weights, hessians, global_mul, options, LazyBlocks(graphs=False))
+            replayed = gptq_quantize(weights, hessians, global_mul, options, graphed)
+            assert torch.equal(eager.packed, replayed.packed)
+            assert torch.equal(eager.block_scale.view(torch.uint8), replayed.block_scale.view(torch.uint8))
+    assert graphed._graphs  # the replays above did come from graphs

@@ -54,9 +54,10 @@ def quantize(
         str, typer.Option(help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")
     ] = "mse",
     input_scales_from: Annotated[
-        str, typer.Option(help="gptq/mse W4A4 input scales from the source model's forward (a pass of its own, "
-                               "as rtn) or from the calibrated pass's forward of the quantized model (no extra pass)")
-    ] = "source",
+        str, typer.Option(help="gptq/mse W4A4 input scales: quantized (the calibrated pass's forward of the quantized "
+                               "model, the activations it will serve; no extra pass), source (the source model's "
+                               "forward, a pass of its own, as rtn) or auto (quantized; source for ModelOpt output)")
+    ] = "auto",
     native: Annotated[
         bool, typer.Option("--native/--no-native",
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
