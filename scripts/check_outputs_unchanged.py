@@ -49,6 +49,11 @@ def commands(family: str) -> list[tuple[str, list[str]]]:
             cmds.append((f"quantize-{short}-{scheme}", ["quantize", src, f"{q}-{short}-{scheme}", "--scheme", scheme,
                                                          "--format", dialect, "-q", *extra]))
     cmds.append(("quantize-ct-nvfp4a16-mse", ["quantize", src, f"{q}-ct-nvfp4a16-mse", "--method", "mse", "-q"]))
+    # the calibrated methods: weighted mse and GPTQ on W4A4, each in one dialect
+    cmds.append(("quantize-mo-nvfp4-mse", ["quantize", src, f"{q}-mo-nvfp4-mse", "--scheme", "nvfp4", "--format",
+                                           "modelopt", "--method", "mse", "-q", *CALIBRATION]))
+    cmds.append(("quantize-ct-nvfp4-gptq", ["quantize", src, f"{q}-ct-nvfp4-gptq", "--scheme", "nvfp4", "--method",
+                                            "gptq", "--gptq-min-tokens", "1", "-q", *CALIBRATION]))
     ct4, mo4, ct16, mo16 = f"{q}-ct-nvfp4", f"{q}-mo-nvfp4", f"{q}-ct-nvfp4a16", f"{q}-mo-nvfp4a16"
     cmds += [
         ("convert-ct-to-mo-nvfp4", ["convert", ct4, f"{out}/convert-ct-to-mo-nvfp4", "--to", "modelopt"]),
