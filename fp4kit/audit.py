@@ -14,7 +14,7 @@ from pathlib import Path
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import open_checkpoint
 from fp4kit.inspect import Finding
-from fp4kit.nvfp4 import GLOBAL_NUMERATOR
+from fp4kit.nvfp4 import amax_of_divisor
 
 CLIP_TOLERANCE = 2**-7  # one bf16 rounding step: statistics taken in bf16 may differ by that much
 
@@ -33,7 +33,7 @@ def audit_input_scales(
     text_config = detect(config).text_config(config)
     token_ids = load_calibration(calib, source, int(text_config["vocab_size"]), samples, seq_len)
     with open_checkpoint(ckpt_path) as ckpt:
-        stored = {m.name: ckpt.divisor(m.input_scale).item() * GLOBAL_NUMERATOR for m in ckpt.modules if m.input_scale}
+        stored = {m.name: amax_of_divisor(ckpt.divisor(m.input_scale).item()) for m in ckpt.modules if m.input_scale}
     if not stored:
         raise Fp4kitError(f"{ckpt_path}: weight-only checkpoint (no input scales): nothing to audit")
     true_amax = calibrate(source, token_ids, device, modules=set(stored)).input_amax

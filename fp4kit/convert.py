@@ -16,7 +16,6 @@ them would change values.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,15 +26,10 @@ import torch
 from fp4kit import dense
 from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import layer_of
-from fp4kit.formats import compressed_tensors as ct
-from fp4kit.formats import modelopt as mo
+from fp4kit.families.base import layer_of, routed_expert
+from fp4kit.formats.base import Dialect
 from fp4kit.formats.detect import (
-    CT,
-    DIALECTS,
     EXACT_SCALES_KEY,
-    HF_QUANT_CONFIG,
-    MO,
     QuantizedCheckpoint,
     QuantModule,
     needs_exact_record,
@@ -43,13 +37,11 @@ from fp4kit.formats.detect import (
 )
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.output import atomic_directory
+from fp4kit.registry import DIALECT_NAMES, dialect
 from fp4kit.repair import RepairReport, rescale, unified_scales
 from fp4kit.streaming import prefetched
 
 QUEUE_DEPTH = 4
-_LLAMA4_EXPERT = re.compile(
-    r"^(?P<experts>.*\.feed_forward\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$"
-)
 
 
 @dataclass
@@ -90,13 +82,12 @@ def _scales(ckpt: QuantizedCheckpoint) -> Scales:
 
 
 def _fused_jobs(ckpt: QuantizedCheckpoint, scales: Scales) -> tuple[list[FusedJob], list[str]]:
-    """Llama-4 expert Linears that can be written in ModelOpt's fused layout without changing a value."""
+    """Expert Linears (Llama-4's) that can be written in a fused layout (ModelOpt's) without changing a value."""
     by_leaf: dict[tuple[str, str], dict[int, dict[str, QuantModule]]] = {}
     for m in ckpt.modules:
-        match = _LLAMA4_EXPERT.match(m.name)
-        if match:
-            leaf = "down_proj" if match["proj"] == "down_proj" else "gate_up_proj"
-            by_leaf.setdefault((match["experts"], leaf), {}).setdefault(int(match["expert"]), {})[match["proj"]] = m
+        if expert := routed_expert(m.name):
+            leaf = "down_proj" if expert.proj == "down_proj" else "gate_up_proj"
+            by_leaf.setdefault((expert.experts, leaf), {}).setdefault(expert.expert, {})[expert.proj] = m
     jobs, notes = [], []
     for (experts, leaf), found in by_leaf.items():
         projs = ("down_proj",) if leaf == "down_proj" else ("gate_proj", "up_proj")
@@ -118,42 +109,24 @@ def _fused_jobs(ckpt: QuantizedCheckpoint, scales: Scales) -> tuple[list[FusedJo
     return jobs, notes
 
 
-def _ignore_for(target: str, ckpt: QuantizedCheckpoint) -> list[str]:
-    """The source's ignore list in the target's spelling (ModelOpt: fnmatch wildcards; compressed-tensors: names
-    or `re:` regexes)."""
-    if ckpt.dialect == target:
+def _ignore_for(target: Dialect, ckpt: QuantizedCheckpoint) -> list[str]:
+    """The source's ignore list in the target's spelling (Dialect.spell_ignore)."""
+    if ckpt.dialect == target.name:
         return list(ckpt.ignore)
-    out: list[str] = []
-    if target == CT:
-        for p in ckpt.ignore:
-            out.append(p if "*" not in p else "re:" + re.escape(p).replace(r"\*", ".*"))
-        return out
     unquantized = sorted({n[: -len(".weight")] for n in ckpt.passthrough if n.endswith(".weight")})
-    for p in ckpt.ignore:
-        if not p.startswith("re:"):
-            out.append(p)
-            continue
-        regex = p[3:]
-        core = regex.removeprefix("^").removesuffix("$").replace(r"\.", "").replace(".*", "")
-        if not re.search(r"[.\\\[\](){}+?|^$*]", core):
-            glob = regex.removeprefix("^").removesuffix("$").replace(".*", "*").replace(r"\.", ".")
-            out.append(glob if regex.endswith("$") else glob + "*")
-        else:
-            out.extend(m for m in unquantized if re.match(regex, m))
-    return out
+    return target.spell_ignore(list(ckpt.ignore), unquantized)
 
 
-def _planned(job: Job, target: str, ckpt: QuantizedCheckpoint) -> list[PlannedTensor]:
+def _planned(job: Job, target: Dialect, ckpt: QuantizedCheckpoint) -> list[PlannedTensor]:
     if isinstance(job, str):
         info = ckpt.reader.info(job)
         return [PlannedTensor(job, info.dtype, info.shape)]
     if isinstance(job, FusedJob):
         first = job.members[0]
         per_expert = 2 if job.leaf == "gate_up_proj" else 1
-        return mo.fused_planned(job.experts, job.leaf, len(job.members) // per_expert,
-                                first.out_features * per_expert, first.in_features, first.input_scale is not None)
-    fmt = ct if target == CT else mo
-    return fmt.planned(job.name, job.out_features, job.in_features, job.input_scale is not None)
+        return target.fused_planned(job.experts, job.leaf, len(job.members) // per_expert,  # type: ignore[attr-defined]
+                                    first.out_features * per_expert, first.in_features, first.input_scale is not None)
+    return target.planned(job.name, job.out_features, job.in_features, job.input_scale is not None)
 
 
 def _read(ckpt: QuantizedCheckpoint, module: QuantModule, scales: Scales,
@@ -169,7 +142,7 @@ def _read(ckpt: QuantizedCheckpoint, module: QuantModule, scales: Scales,
     return weight, input_div
 
 
-def _encode(job: Job, target: str, ckpt: QuantizedCheckpoint, scales: Scales,
+def _encode(job: Job, target: Dialect, ckpt: QuantizedCheckpoint, scales: Scales,
             repaired: RepairReport | None) -> dict[str, torch.Tensor]:
     if isinstance(job, str):
         return {job: ckpt.reader.read(job)}
@@ -181,31 +154,30 @@ def _encode(job: Job, target: str, ckpt: QuantizedCheckpoint, scales: Scales,
             weights.append(NVFP4Tensor(torch.cat([w.packed for w, _ in parts]),
                                        torch.cat([w.block_scale for w, _ in parts]), parts[0][0].global_scale_div))
             inputs.append(parts[0][1])
-        return mo.encode_fused(job.experts, job.leaf, weights, inputs)
+        return target.encode_fused(job.experts, job.leaf, weights, inputs)  # type: ignore[attr-defined]
     weight, input_div = _read(ckpt, job, scales, repaired)
-    return (ct if target == CT else mo).encode(job.name, weight, input_div)
+    return target.encode(job.name, weight, input_div)
 
 
-def _scale_names(job: Job, target: str) -> dict[str, tuple[str, int]]:
+def _scale_names(job: Job, target: Dialect) -> dict[str, tuple[str, int]]:
     """Target scale tensor name -> (module, 0 for its weight / 1 for its input divisor) whose value it holds."""
     if isinstance(job, str):
         return {}
     if isinstance(job, FusedJob):
-        names = mo.fused_names(job.experts, job.leaf)
         first = job.members[0]
-        out = {names[mo.GLOBAL_SCALE]: (first.name, 0)}
-        return out | ({names[mo.INPUT_SCALE]: (first.name, 1)} if first.input_scale else {})
-    suffixes = {CT: (".weight_global_scale", ".input_global_scale"), MO: (".weight_scale_2", ".input_scale")}[target]
-    out = {job.name + suffixes[0]: (job.name, 0)}
-    return out | ({job.name + suffixes[1]: (job.name, 1)} if job.input_scale else {})
+        weight, input_ = target.fused_scale_names(job.experts, job.leaf)  # type: ignore[attr-defined]
+    else:
+        first = job
+        weight, input_ = target.scale_names(job.name)
+    return {weight: (first.name, 0)} | ({input_: (first.name, 1)} if first.input_scale else {})
 
 
-def _exact_records(jobs: list[Job], target: str, scales: Scales) -> dict[str, str]:
+def _exact_records(jobs: list[Job], target: Dialect, scales: Scales) -> dict[str, str]:
     pairs = [(out, src) for job in jobs for out, src in _scale_names(job, target).items()]
     if not pairs:
         return {}
     values = torch.stack([scales[module][index] for _, (module, index) in pairs])  # type: ignore[misc]
-    needed = needs_exact_record(target, values)
+    needed = needs_exact_record(target.name, values)
     return {out: float(values[i]).hex() for i, (out, _) in enumerate(pairs) if needed[i]}
 
 
@@ -231,8 +203,9 @@ def convert_checkpoint(
         if repair:
             raise Fp4kitError("--repair rewrites scales for a dialect target; --to bf16 has none")
         return dense.dequantize_checkpoint(src, dst, overwrite, max_shard_bytes, progress)
-    if to not in DIALECTS:
-        raise Fp4kitError(f"unknown dialect {to!r}; choose one of {', '.join(DIALECTS)} (or bf16)")
+    if to not in DIALECT_NAMES:
+        raise Fp4kitError(f"unknown dialect {to!r}; choose one of {', '.join(DIALECT_NAMES)} (or bf16)")
+    target = dialect(to)
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     with open_checkpoint(src) as ckpt:
@@ -244,23 +217,22 @@ def convert_checkpoint(
         repaired = RepairReport() if repair else None
         if repaired is not None:
             scales = unified_scales(scales, repaired)
-        fused, notes = _fused_jobs(ckpt, scales) if to == MO and ckpt.family and ckpt.family.modelopt_fused_experts \
-            else ([], [])
+        fused, notes = _fused_jobs(ckpt, scales) if target.writes_fused(ckpt.family) else ([], [])
         in_fused = {id(m) for job in fused for m in job.members}
         jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.passthrough]
         jobs.sort(key=_order)
-        exact = _exact_records(jobs, to, scales)
+        exact = _exact_records(jobs, target, scales)
         metadata = {"producer": "fp4kit"} | ({EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {})
         input_bytes = sum(info.nbytes for info in ckpt.reader.tensors.values())
-        ignore = _ignore_for(to, ckpt)
+        ignore = _ignore_for(target, ckpt)
         # before any data moves: a config that cannot be built then costs no copying
-        quant_config = (ct if to == CT else mo).quantization_config(ckpt.scheme, ignore)
+        quant_config = target.quantization_config(ckpt.scheme, ignore)
         with atomic_directory(dst, src, overwrite) as work:
-            writer = ShardWriter(work, [t for job in jobs for t in _planned(job, to, ckpt)], max_shard_bytes,
+            writer = ShardWriter(work, [t for job in jobs for t in _planned(job, target, ckpt)], max_shard_bytes,
                                  metadata=metadata)
             done = 0
             try:
-                produce = lambda job: _encode(job, to, ckpt, scales, repaired)  # noqa: E731
+                produce = lambda job: _encode(job, target, ckpt, scales, repaired)  # noqa: E731
                 for _, tensors in prefetched(jobs, produce, QUEUE_DEPTH):
                     for name, tensor in tensors.items():
                         writer.write(name, tensor)
@@ -273,9 +245,8 @@ def convert_checkpoint(
             writer.finish()
             config = dict(ckpt.config)
             config["quantization_config"] = quant_config
-            if to == MO:
-                hf_quant = mo.hf_quant_config(ckpt.scheme, ignore)
-                (work / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
+            for name, document in target.side_configs(ckpt.scheme, ignore).items():
+                (work / name).write_text(json.dumps(document, indent=4) + "\n")
             (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             copy_side_files(src, work)
     return ConvertReport(

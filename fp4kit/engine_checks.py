@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 
 import numpy
 import torch
 
-from fp4kit.families.base import layer_of
-from fp4kit.formats.detect import HF_QUANT_CONFIG, MO, QuantizedCheckpoint
+from fp4kit.families.base import ATTENTION_QUERY_RE, group_experts, layer_of
+from fp4kit.formats.detect import QuantizedCheckpoint
+from fp4kit.formats.modelopt import HF_QUANT_CONFIG
+from fp4kit.formats.modelopt import NAME as MO
 
 ENGINES = ("vllm",)
 _Q = "vllm/model_executor/layers/quantization"
@@ -36,8 +37,6 @@ SOURCES = {
     "vllm_pre_quant_scale": f"{_Q}/modelopt.py (ModelOptNvFp4LinearMethod has no pre_quant_scale parameter: the "
                             "smoothing is not applied)",
 }
-_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
-_ATTENTION = re.compile(r"^(?P<attn>.*\.(self_attn|attention))\.(q_proj|qkv_proj)$")
 
 Report = Callable[[str, str, str], None]
 
@@ -71,10 +70,7 @@ def _input_scales(ckpt: QuantizedCheckpoint, scales: dict[str, tuple[float, floa
 
 
 def _experts(scales: dict[str, tuple[float, float | None]], report: Report) -> None:
-    layers: dict[str, dict[int, dict[str, tuple[float, float | None]]]] = {}
-    for name, value in scales.items():
-        if match := _EXPERT.match(name):
-            layers.setdefault(match["experts"], {}).setdefault(int(match["expert"]), {})[match["proj"]] = value
+    layers = group_experts(scales.items())
     for experts, members in layers.items():
         for e, projs in sorted(members.items()):
             if "gate_proj" in projs and "up_proj" in projs and projs["gate_proj"][0] != projs["up_proj"][0]:
@@ -128,7 +124,7 @@ def _kv_cache(ckpt: QuantizedCheckpoint, report: Report) -> None:
     if declared is None:
         return
     names = set(ckpt.reader.tensors)
-    attentions = sorted({match["attn"] for n in names if (match := _ATTENTION.match(n.rsplit(".", 1)[0]))})
+    attentions = sorted({match["attn"] for n in names if (match := ATTENTION_QUERY_RE.match(n.rsplit(".", 1)[0]))})
     for attn in attentions:
         for kind in ("k", "v"):
             candidates = (f"{attn}.{kind}_scale", f"{attn}.{kind}_proj.{kind}_scale", f"{attn}.attn.{kind}_scale")

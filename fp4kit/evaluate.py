@@ -34,7 +34,7 @@ from torch import nn
 from fp4kit import memory
 from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
-from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, open_checkpoint
+from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
 from fp4kit.verify.reference import fake_quantize_activation
 
 DTYPES = ("float32", "bfloat16")  # compute dtypes
@@ -170,10 +170,12 @@ class _Model:
 
 
 def _is_quantized(root: Path, config: dict) -> bool:
-    if config.get("quantization_config") or (root / HF_QUANT_CONFIG).exists():
+    from fp4kit.registry import dialects
+
+    if config.get("quantization_config") or any((root / name).exists() for name in config_files()):
         return True
     with CheckpointReader(root) as reader:
-        return any(n.endswith((".weight_packed", ".weight_scale_2")) for n in reader.names())
+        return any(d.owns(n) for n in reader.names() for d in dialects())
 
 
 def _check_compatible(source: _Model, quantized: _Model) -> None:

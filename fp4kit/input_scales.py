@@ -10,7 +10,7 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import input_scale_group
-from fp4kit.nvfp4 import GLOBAL_NUMERATOR
+from fp4kit.nvfp4 import divisor_from_amax
 from fp4kit.plan import ModelPlan
 
 POLICIES = ("shared", "per-expert")
@@ -43,8 +43,7 @@ def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: 
         key = _projection_key(c.linear.module, c.expert)
         if policy == "shared" or not amax > 0:
             amax = shared.get(key, 0.0)
-        divisor = amax / GLOBAL_NUMERATOR if amax > 0 else 1.0
-        divisors[c.linear.module] = torch.tensor(divisor, dtype=torch.float64)
+        divisors[c.linear.module] = torch.tensor(divisor_from_amax(amax), dtype=torch.float64)
     return divisors
 
 

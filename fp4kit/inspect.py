@@ -27,15 +27,14 @@ from pathlib import Path
 import numpy
 import torch
 
-from fp4kit.families.base import FUSED_SIBLINGS, layer_of
+from fp4kit.families.base import ROUTER_RE, expert_module, layer_of, weight_scale_group
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
-from fp4kit.layouts import cutlass, marlin
+from fp4kit.layouts import marlin
+from fp4kit.registry import BACKEND_NAMES, backends
 
-ROUTER = re.compile(r"(\.mlp\.gate|\.feed_forward\.router|shared_expert_gate|\.router)$")
 EMBEDDING = re.compile(r"(embed_tokens|embedding|embeddings)$")
-EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
 EP_SIZES = (2, 4, 8, 16, 32, 64)
-BACKENDS = ("cutlass", "marlin", "trtllm")
+BACKENDS = tuple(sorted(BACKEND_NAMES))
 
 
 @dataclass
@@ -102,7 +101,7 @@ def _module_scales(ckpt: QuantizedCheckpoint, m: QuantModule, problems: list[Fin
             problems.append(Finding("bad_scale", m.name, f"{what} scale (as divisor) is {why}"))
     if ckpt.scheme == "nvfp4" and m.input_scale is None:
         problems.append(Finding("missing_input_scale", m.name, "W4A4 module has no input scale"))
-    if ROUTER.search(m.name):
+    if ROUTER_RE.search(m.name):
         problems.append(Finding("quantized_router", m.name, "router/gate is quantized; engines expect it unquantized"))
     if EMBEDDING.search(m.name):
         problems.append(Finding("quantized_embedding", m.name, "embedding is quantized; engines load it unquantized"))
@@ -134,15 +133,14 @@ def _marlin_zeroed(histograms: dict[str, numpy.ndarray]) -> dict[str, int]:
 
 
 def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding]) -> None:
-    groups: dict[tuple[str, int], list[str]] = {}
+    groups: dict[str, list[str]] = {}
     for name in scales:
-        parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
-        for i, members in enumerate(FUSED_SIBLINGS):
-            if leaf in members:
-                groups.setdefault((parent, i), []).append(name)
-    for (parent, _), members in groups.items():
+        if (group := weight_scale_group(name)) != name:  # q/k/v or gate/up siblings
+            groups.setdefault(group, []).append(name)
+    for group, members in groups.items():
         if len(members) < 2:
             continue
+        parent = group.rsplit("#", 1)[0]
         for kind, index in (("weight global", 0), ("input", 1)):
             values = [scales[m][index] for m in members]
             if any(v is None for v in values) or len(set(values)) == 1:
@@ -154,9 +152,9 @@ def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[
 
     spread: dict[tuple[str, str], list[float]] = {}
     for name, (_, input_div) in scales.items():
-        match = EXPERT.match(name)
-        if match and input_div is not None:
-            spread.setdefault((match["experts"], match["proj"]), []).append(input_div)
+        expert = expert_module(name)
+        if expert and input_div is not None:
+            spread.setdefault((expert.experts, expert.proj), []).append(input_div)
     for (experts, proj), values in spread.items():
         if len(set(values)) > 1:
             ratio = _ratio(values)
@@ -169,10 +167,10 @@ def _sizes(ckpt: QuantizedCheckpoint) -> tuple[int | None, int | None, int | Non
     experts: set[tuple[str, int]] = set()
     hidden = inter = None
     for m in ckpt.modules:
-        match = EXPERT.match(m.name)
-        if match:
-            experts.add((match["experts"], int(match["expert"])))
-            if match["proj"] in ("gate_proj", "up_proj"):
+        expert = expert_module(m.name)
+        if expert:
+            experts.add((expert.experts, expert.expert))
+            if expert.fused == "w13":
                 inter, hidden = m.out_features, m.in_features
     per_layer: dict[str, int] = {}
     for path, _ in experts:
@@ -184,15 +182,8 @@ def _backends(num_experts: int | None, hidden: int | None, inter: int | None) ->
     if num_experts is None or hidden is None or inter is None:
         return {b: "no routed experts" for b in BACKENDS}
 
-    def need(checks: list[tuple[str, int, int]]) -> str:
-        failed = [f"{what}={value} not a multiple of {m}" for what, value, m in checks if value % m]
-        return "ok" if not failed else "; ".join(failed)
-
-    return {
-        "cutlass": need([("I", inter, cutlass.GATED_I_ALIGNMENT), ("H", hidden, cutlass.HIDDEN_ALIGNMENT)]),
-        "marlin": need([("H", hidden, marlin.N_ALIGNMENT), ("I", inter, marlin.K_ALIGNMENT)]),
-        "trtllm": "ok",  # pads H (256 for GEMM1's K, 128 for GEMM2's rows) and I (64) itself
-    }
+    modules = backends()
+    return {b: "; ".join(modules[b].shape_problems(hidden, inter)) or "ok" for b in BACKENDS}
 
 
 def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
@@ -208,8 +199,8 @@ def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
         summary = entry(m.name)
         summary.quantized_linears += 1
         summary.shapes.setdefault(m.name.rsplit(".", 1)[-1], [m.out_features, m.in_features])
-        if match := EXPERT.match(m.name):
-            experts.setdefault(summary.layer, set()).add(int(match["expert"]))
+        if expert := expert_module(m.name):
+            experts.setdefault(summary.layer, set()).add(expert.expert)
         for name in (m.packed, m.block_scale, m.global_scale, m.input_scale):
             if name and name not in counted:
                 counted.add(name)
@@ -249,8 +240,8 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
         for m in ckpt.modules:
             scales[m.name] = _module_scales(ckpt, m, problems)
             counts = _block_scale_problems(ckpt, m, problems)
-            if match := EXPERT.match(m.name):
-                key = f"{match['experts']}.{'w2' if match['proj'] == 'down_proj' else 'w13'}"
+            if expert := expert_module(m.name):
+                key = f"{expert.experts}.{'w2' if expert.proj == 'down_proj' else 'w13'}"
                 histograms[key] = histograms[key] + counts if key in histograms else counts
         _group_checks(scales, problems)
         if engine == "vllm":

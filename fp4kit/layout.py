@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -28,21 +27,18 @@ import torch
 
 from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import layer_of
-from fp4kit.formats.detect import HF_QUANT_CONFIG, QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.families.base import EXPERT_PROJS, group_experts, layer_of
+from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files, open_checkpoint
 from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
-from fp4kit.layouts import cutlass, marlin, trtllm
+from fp4kit.layouts import StackedExperts, cutlass
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.output import atomic_directory
+from fp4kit.registry import backends
 from fp4kit.streaming import BackgroundWriter, prefetched
 
-BACKENDS: dict[str, ModuleType] = {"trtllm": trtllm, "cutlass": cutlass, "marlin": marlin}
+BACKENDS: dict[str, ModuleType] = backends()
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PROJS = ("gate_proj", "up_proj", "down_proj")
 QUEUE_DEPTH = 1  # jobs waiting per queue: a layer of a 235B model is ~1 GB, so about five are in memory
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
-
-CanonicalLayer = tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
@@ -60,16 +56,11 @@ class LayoutOptions:
             raise Fp4kitError(f"unknown activation dtype {self.act_dtype!r}; choose bf16 or fp16")
         if self.cutlass_flavor not in cutlass.KERNEL:
             raise Fp4kitError(f"unknown CUTLASS flavor {self.cutlass_flavor!r}; choose flashinfer or vllm")
-        if self.backend == "trtllm" and self.act_dtype != "bf16":
-            raise Fp4kitError("trtllm_fp4_block_scale_moe always outputs bfloat16: use --act-dtype bf16")
+        self.transform_options()  # the backend refuses options it cannot run with
 
     def transform_options(self) -> dict[str, object]:
-        """Keyword options of the backend's transform / describe / check_shapes."""
-        if self.backend == "cutlass":
-            return {"flavor": self.cutlass_flavor}
-        if self.backend == "marlin":
-            return {"act_dtype": ACT_DTYPES[self.act_dtype]}
-        return {}
+        """Keyword options of the backend's transform / describe / check_shapes (its ``layout_options``)."""
+        return BACKENDS[self.backend].layout_options(ACT_DTYPES[self.act_dtype], self.cutlass_flavor)
 
 
 @dataclass(frozen=True)
@@ -109,11 +100,7 @@ class LayoutReport:
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
-    grouped: dict[str, dict[int, dict[str, QuantModule]]] = {}
-    for module in ckpt.modules:
-        match = _EXPERT.match(module.name)
-        if match:
-            grouped.setdefault(match["experts"], {}).setdefault(int(match["expert"]), {})[match["proj"]] = module
+    grouped = group_experts((module.name, module) for module in ckpt.modules)
     layers = [_moe_layer(experts, found) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
@@ -138,11 +125,11 @@ def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]]) -> MoELay
         raise Fp4kitError(f"{experts}: expert {missing[0]} is not an NVFP4 module (experts must be 0..E-1)")
     members = []
     for e in sorted(found):
-        lacking = [p for p in PROJS if p not in found[e]]
+        lacking = [p for p in EXPERT_PROJS if p not in found[e]]
         if lacking:
             raise Fp4kitError(f"{experts}.{e}: {lacking[0]} is not NVFP4-quantized; every expert needs gate, up "
                               f"and down in NVFP4")
-        members.append(tuple(found[e][p] for p in PROJS))
+        members.append(tuple(found[e][p] for p in EXPERT_PROJS))
     gate = members[0][0]
     hidden, intermediate = gate.in_features, gate.out_features
     expected = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))
@@ -160,13 +147,13 @@ def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]]) -> MoELay
 def check_layers(layers: list[MoELayer], options: LayoutOptions) -> None:
     """Every constraint the backend puts on shapes and scales, for all layers, before anything is written."""
     backend = BACKENDS[options.backend]
-    shape_options = {"flavor": options.cutlass_flavor} if options.backend == "cutlass" else {}
+    shape_options = options.transform_options()
     for layer in layers:
         try:
             backend.check_shapes(layer.num_experts, layer.hidden, layer.intermediate, **shape_options)
         except Fp4kitError as exc:
             raise Fp4kitError(f"{layer.experts}: {exc}") from None
-        if options.backend != "marlin" and not layer.has_input_scales:
+        if backend.W4A4 and not layer.has_input_scales:
             raise Fp4kitError(f"{layer.experts}: --backend {options.backend} runs a W4A4 kernel, which needs "
                               f"activation (input) scales, and this checkpoint is weight-only: use --backend marlin")
 
@@ -189,7 +176,7 @@ def kernel_tensors(layer: MoELayer, options: LayoutOptions) -> dict[str, Planned
 
 
 def read_layer(ckpt: QuantizedCheckpoint, layer: MoELayer,
-               recycled: queue.SimpleQueue | None = None) -> CanonicalLayer:
+               recycled: queue.SimpleQueue | None = None) -> StackedExperts:
     """The layer's canonical stacked w13 / w2 and per-expert input divisors (None for weight-only checkpoints).
 
     ``recycled`` holds stacked tensors (packed13, scale13, packed2, scale2) of layers done with: reading into them
@@ -217,8 +204,8 @@ def read_layer(ckpt: QuantizedCheckpoint, layer: MoELayer,
         global13[e] = gate
         if layer.has_input_scales:
             input13[e], input2[e] = gate_in, down_in
-    return (NVFP4Tensor(packed13, scale13, global13), NVFP4Tensor(packed2, scale2, global2),
-            input13 if layer.has_input_scales else None, input2 if layer.has_input_scales else None)
+    return StackedExperts(NVFP4Tensor(packed13, scale13, global13), NVFP4Tensor(packed2, scale2, global2),
+                          input13 if layer.has_input_scales else None, input2 if layer.has_input_scales else None)
 
 
 def _require_shared(expert: str, what: str, gate: torch.Tensor | None, up: torch.Tensor | None) -> None:
@@ -275,7 +262,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                     return reader.read(job)  # type: ignore[arg-type]
                 canonical = read_layer(ckpt, job, recycled)
                 # describe runs here, beside the reads, because it can cost a pass over the layer (Marlin's factor)
-                return canonical, backend.describe(*canonical, **transform_options)
+                return canonical, backend.describe(*canonical.arguments(), **transform_options)
 
             try:
                 for job, data in prefetched(jobs, produce, QUEUE_DEPTH):
@@ -285,10 +272,11 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                         # no second copy by pwrite); the writer only records what is already in place
                         out = {arg: t for arg in planned[job.layer]
                                if (t := writer.destination(job.tensor_name(arg))) is not None}
-                        tensors = backend.transform(*canonical, **transform_options, out=out)
+                        tensors = backend.transform(*canonical.arguments(), **transform_options, out=out)
                         if len(out) == len(tensors):  # every result is in the output file: the source is free
-                            w13, w2 = canonical[0], canonical[1]
+                            w13, w2 = canonical.w13, canonical.w2
                             recycled.put((w13.packed, w13.block_scale, w2.packed, w2.block_scale))
+                            del w13, w2
                         del out, canonical, data
                         entries[str(job.layer)] = layer_entry(job.experts, planned[job.layer], meta)
                         background.put({job.tensor_name(arg): t for arg, t in tensors.items()})
@@ -306,11 +294,11 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
                 writer.abort()
                 raise
             writer.finish()
-            for name in ("config.json", HF_QUANT_CONFIG):
+            for name in ("config.json", *config_files()):
                 if (src / name).is_file():
                     shutil.copy2(src / name, work / name)
             copy_side_files(src, work)
-            document = manifest(options.backend, options.cutlass_flavor, ACT_DTYPES[options.act_dtype], ckpt, entries)
+            document = manifest(options.backend, transform_options, ACT_DTYPES[options.act_dtype], ckpt, entries)
             (work / MANIFEST).write_text(json.dumps(document, indent=2) + "\n")
     collapsed = [entry["module"] for entry in document["layers"].values()
                  if entry["options"].get("collapsed_input_scales13")]

@@ -17,57 +17,25 @@ from fp4kit import __version__
 from fp4kit.checkpoint import DTYPE_NAMES, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import QuantizedCheckpoint
-from fp4kit.layouts import LayoutMeta, cutlass, marlin, trtllm
+from fp4kit.layouts import LayoutMeta
+from fp4kit.registry import BACKEND_NAMES, backend
 
 FORMAT, VERSION = "fp4kit-layout", 1
 MANIFEST = "fp4kit_layout.json"
 SCALE_KEYS = ("w13_global_scale_div", "w2_global_scale_div", "input_scale_div13", "input_scale_div2")
 
-# (library on PyPI, function), per backend and CUTLASS flavor; the version comes from the backend's KERNEL text
-KERNEL_FUNCTIONS = {
-    ("trtllm", None): ("flashinfer-python", "flashinfer.fused_moe.trtllm_fp4_block_scale_moe"),
-    ("cutlass", "flashinfer"): ("flashinfer-python", "flashinfer.fused_moe.cutlass_fused_moe"),
-    ("cutlass", "vllm"): ("vllm", "vllm.model_executor.layers.fused_moe.cutlass_moe.cutlass_moe_fp4"),
-    ("marlin", None): ("vllm", "vllm.model_executor.layers.fused_moe.fused_marlin_moe.fused_marlin_moe"),
-}
 _VERSION_IN_KERNEL = re.compile(r"\((?:flashinfer-python|vLLM) (?P<version>[0-9][\w.]*)")
-
-_W4A4 = {"w13_alpha": "fp32(D_w13) * fp32(D_a13)", "a13_gscale": "1 / fp32(D_a13)",
-         "w2_alpha": "fp32(D_w2) * fp32(D_a2)", "a2_gscale": "1 / fp32(D_a2)"}
-# FlashInfer's kernels quantize the hidden states once, before routing: one gate/up input scale for all experts
-_SHARED_A13 = ("max over the layer's experts of input_scale_div13 (the kernel quantizes the hidden states once for "
-               "all experts; options.collapsed_input_scales13 counts the experts whose own scale this replaces)")
-_PER_EXPERT_A13 = "input_scale_div13[e]"
-GATE_UP_INPUT_DIVISOR = {("trtllm", None): _SHARED_A13, ("cutlass", "flashinfer"): _SHARED_A13,
-                         ("cutlass", "vllm"): _PER_EXPERT_A13, ("marlin", None): "unused (W4A16)"}
-SCALAR_FORMULAS: dict[tuple[str, str | None], dict[str, str]] = {
-    ("trtllm", None): {
-        "output1_scale_gate_scalar": _W4A4["w13_alpha"],
-        "output1_scale_scalar": f"({_W4A4['w13_alpha']}) * (1 / fp32(D_a2))",
-        "output2_scale_scalar": _W4A4["w2_alpha"],
-    },
-    ("cutlass", "flashinfer"): {"fc1_dequant_scale": _W4A4["w13_alpha"], "fc1_act_global_scale": _W4A4["a13_gscale"],
-                                "fc2_dequant_scale": _W4A4["w2_alpha"], "fc2_act_global_scale": _W4A4["a2_gscale"]},
-    ("cutlass", "vllm"): {"w1_alphas": _W4A4["w13_alpha"], "a1_gscale": _W4A4["a13_gscale"],
-                          "w2_alphas": _W4A4["w2_alpha"], "a2_gscale": _W4A4["a2_gscale"]},
-    ("marlin", None): {"global_scale1": "fp32(D_w13) * 2^B / options.w13_scale_factor",
-                       "global_scale2": "fp32(D_w2) * 2^B / options.w2_scale_factor"},
-}
 FORMULA_NOTATION = ("per expert e: D_w13 = w13_global_scale_div[e], D_w2 = w2_global_scale_div[e], D_a13 = see "
                     "D_a13, D_a2 = input_scale_div2[e] (float64 divisors); fp32(x) rounds to nearest "
                     "fp32; then fp32 arithmetic, left to right; B = 119 for bfloat16, 7 for float16 activations")
 
 
-def _flavor_key(backend: str, flavor: str) -> tuple[str, str | None]:
-    return (backend, flavor if backend == "cutlass" else None)
-
-
-def kernel_target(backend: str, flavor: str) -> dict[str, str]:
-    kernel = cutlass.KERNEL[flavor] if backend == "cutlass" else {"trtllm": trtllm, "marlin": marlin}[backend].KERNEL
-    library, function = KERNEL_FUNCTIONS[_flavor_key(backend, flavor)]
-    version = _VERSION_IN_KERNEL.search(kernel)
-    return {"function": function, "library": library, "version": version["version"] if version else "unknown",
-            "description": kernel}
+def kernel_target(name: str, options: dict[str, object]) -> dict[str, str]:
+    """The manifest's ``kernel``: function, library, version (from the backend's kernel description), description."""
+    kernel = backend(name).manifest_kernel(options)
+    version = _VERSION_IN_KERNEL.search(kernel["description"])
+    return {"function": kernel["function"], "library": kernel["library"],
+            "version": version["version"] if version else "unknown", "description": kernel["description"]}
 
 
 def _hex(values: torch.Tensor | None) -> list[str] | None:
@@ -77,7 +45,7 @@ def _hex(values: torch.Tensor | None) -> list[str] | None:
 def layer_entry(experts: str, planned: dict[str, PlannedTensor], meta: LayoutMeta) -> dict:
     """One MoE layer's record: its tensors, true and padded sizes, and the exact scales ``undo`` needs."""
     hidden, inter = meta.hidden_size, meta.intermediate_size
-    padded_hidden, padded_inter = trtllm.padded_sizes(hidden, inter) if meta.backend == "trtllm" else (hidden, inter)
+    padded_hidden, padded_inter = backend(meta.backend).padded_sizes(hidden, inter)
     return {
         "module": experts,
         "num_experts": meta.num_experts,
@@ -95,21 +63,23 @@ def layer_entry(experts: str, planned: dict[str, PlannedTensor], meta: LayoutMet
     }
 
 
-def manifest(backend: str, flavor: str, act_dtype: torch.dtype, ckpt: QuantizedCheckpoint,
+def manifest(name: str, options: dict[str, object], act_dtype: torch.dtype, ckpt: QuantizedCheckpoint,
              layers: dict[str, dict]) -> dict:
-    key = _flavor_key(backend, flavor)
+    """The manifest of a layout by backend ``name`` with layout ``options`` (its ``layout_options``)."""
+    kernel = backend(name).manifest_kernel(options)
     return {
         "format": FORMAT,
         "version": VERSION,
         "producer": {"name": "fp4kit", "version": __version__},
-        "backend": backend,
-        "kernel": kernel_target(backend, flavor),
+        "backend": name,
+        "kernel": kernel_target(name, options),
         "act_dtype": str(act_dtype).removeprefix("torch."),
-        "options": {"flavor": flavor} if backend == "cutlass" else {},
+        "options": dict(kernel.get("options", {})),
         "source": {"dialect": ckpt.dialect, "scheme": ckpt.scheme,
                    "family": ckpt.family.name if ckpt.family else None},
         "tensor_name": "<module>.<argument>",
-        "scalar_formulas": {"notation": FORMULA_NOTATION, "D_a13": GATE_UP_INPUT_DIVISOR[key], **SCALAR_FORMULAS[key]},
+        "scalar_formulas": {"notation": FORMULA_NOTATION, "D_a13": kernel["gate_up_input_divisor"],
+                            **kernel["scalar_formulas"]},
         "layers": dict(sorted(layers.items(), key=lambda item: int(item[0]))),
     }
 
@@ -126,7 +96,7 @@ def read_manifest(root: str | Path) -> dict:
         raise Fp4kitError(f"{path}: not an fp4kit layout manifest (format must be {FORMAT!r})")
     if document.get("version") != VERSION:
         raise Fp4kitError(f"{path}: manifest version {document.get('version')!r}; this fp4kit reads {VERSION}")
-    if not isinstance(document.get("layers"), dict) or document.get("backend") not in ("trtllm", "cutlass", "marlin") \
+    if not isinstance(document.get("layers"), dict) or document.get("backend") not in BACKEND_NAMES \
             or document.get("act_dtype") not in ("bfloat16", "float16"):
         raise Fp4kitError(f"{path}: manifest lacks a valid backend, act_dtype or layers table")
     return document
@@ -149,6 +119,13 @@ def _scales(values: object, name: str, num_experts: int) -> torch.Tensor | None:
         return torch.tensor([float.fromhex(v) for v in values], dtype=torch.float64)
     except (TypeError, ValueError):
         raise Fp4kitError(f"layout manifest: scales.{name} holds a value that is not a hex float") from None
+
+
+def stored_options(document: dict) -> dict[str, object]:
+    """The layout options (the backend's ``layout_options``) a manifest was written with."""
+    act_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[document["act_dtype"]]
+    options = document.get("options") or {}
+    return backend(document["backend"]).layout_options(act_dtype, str(options.get("flavor", "flashinfer")))
 
 
 def layer_meta(document: dict, entry: dict) -> LayoutMeta:

@@ -39,6 +39,17 @@ _BOUNDARY_VALUES = tuple(_BOUNDARIES.tolist())
 _E2M1_TABLE = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), dtype=torch.float32)
 
 
+def fp32_multiplier(divisor: torch.Tensor) -> torch.Tensor:
+    """The multiplier G = 1/D of float64 divisor(s) D, rounded once to fp32: compressed-tensors' stored form, and
+    what kernels multiply by."""
+    return (1.0 / divisor.double()).float()
+
+
+def divisor_of(multiplier: torch.Tensor) -> torch.Tensor:
+    """The canonical float64 divisor D = 1/G of multiplier(s) G."""
+    return 1.0 / multiplier.double()
+
+
 @dataclass
 class NVFP4Tensor:
     """A quantized weight [..., N, K]: packed codes, FP8 block scales, float64 divisor global scale."""
@@ -54,7 +65,7 @@ class NVFP4Tensor:
     @property
     def global_scale_mul_fp32(self) -> torch.Tensor:
         """The compressed-tensors multiplier G = 1/D, rounded once to fp32."""
-        return (1.0 / self.global_scale_div).to(torch.float32)
+        return fp32_multiplier(self.global_scale_div)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         values = unpack_e2m1(self.packed)
@@ -89,8 +100,13 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 codes (sign in bit 3)."""
+    return _E2M1_TABLE.to(codes.device)[codes.long()]
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    return _E2M1_TABLE.to(packed.device)[unpack_codes(packed).long()]
+    return e2m1_values(unpack_codes(packed))
 
 
 def global_scale_mul(amax: torch.Tensor, exact_fp32: bool = False) -> torch.Tensor:
@@ -101,6 +117,18 @@ def global_scale_mul(amax: torch.Tensor, exact_fp32: bool = False) -> torch.Tens
         amax = amax.to(torch.float32)
     amax = torch.clamp(amax, min=torch.finfo(amax.dtype).tiny)
     return torch.nan_to_num(GLOBAL_NUMERATOR / amax, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32)
+
+
+def divisor_from_amax(amax: float) -> float:
+    """The per-tensor divisor D = amax / (448*6) of a tensor whose largest magnitude is ``amax`` (an activation's, in
+    float64: calibrated input scales); 1 (multiplier 1, compressed-tensors' own fallback) where amax is not
+    positive."""
+    return amax / GLOBAL_NUMERATOR if amax > 0 else 1.0
+
+
+def amax_of_divisor(divisor: float) -> float:
+    """The largest magnitude a per-tensor divisor D covers without clipping: 448*6 * D."""
+    return divisor * GLOBAL_NUMERATOR
 
 
 def _per_leading_index(global_scale: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -174,7 +202,7 @@ def _encode_with_scales(weight: torch.Tensor, global_mul: torch.Tensor, block_sc
     divisor = block_scale_f32 / global_mul
     packed = encode_blocks(weight.unflatten(-1, (-1, BLOCK)), divisor)
     return NVFP4Tensor(packed, block_scale_f32.to(torch.float8_e4m3fn),
-                       (1.0 / global_mul.double().cpu()).reshape(global_shape))
+                       divisor_of(global_mul.cpu()).reshape(global_shape))
 
 
 def _quantize_native(weight: torch.Tensor, global_mul: torch.Tensor, amax: torch.Tensor) -> NVFP4Tensor:
@@ -184,7 +212,7 @@ def _quantize_native(weight: torch.Tensor, global_mul: torch.Tensor, amax: torch
     else:
         parts = [nvfp4_cpu.encode(w, a, float(g)) for w, a, g in zip(weight, amax, global_mul, strict=True)]
         packed, block_scale = torch.stack([p for p, _ in parts]), torch.stack([s for _, s in parts])
-    return NVFP4Tensor(packed, block_scale, 1.0 / global_mul.double())
+    return NVFP4Tensor(packed, block_scale, divisor_of(global_mul))
 
 
 def quantize_group(

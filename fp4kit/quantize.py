@@ -18,11 +18,11 @@ import torch
 from fp4kit import distributed
 from fp4kit.checkpoint import CheckpointReader, copy_side_files, read_config
 from fp4kit.errors import Fp4kitError
-from fp4kit.formats import compressed_tensors as ct
-from fp4kit.formats import modelopt as mo
+from fp4kit.formats.base import Dialect
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
+from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.streaming import BackgroundWriter, prefetched
 
@@ -31,7 +31,7 @@ METHODS = ("rtn", "mse", "gptq")
 # where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
 # the source model's (a separate calibration pass first, as rtn does)
 INPUT_SCALE_SOURCES = ("auto", "source", "quantized")
-FORMATS = ("compressed-tensors", "modelopt")
+FORMATS = DIALECT_NAMES
 QUEUE_DEPTH = 3
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
 # (the host holds only the prefetched groups); on the CPU one group at a time keeps memory at one group
@@ -41,7 +41,7 @@ STACK_BYTES = {"cpu": 0, "cuda": 1 << 26}
 @dataclass
 class QuantizeOptions:
     scheme: str = "nvfp4a16"
-    format: str = "compressed-tensors"
+    format: str = DEFAULT_DIALECT
     device: str = "cpu"
     ignore: list[str] = field(default_factory=list)
     targets: list[str] = field(default_factory=list)
@@ -85,10 +85,11 @@ class QuantizeReport:
 
 def input_scale_source(options: QuantizeOptions) -> str:
     """Where calibrated methods take W4A4 input scales from: the pass's own forward of the quantized layers, except
-    for ModelOpt output, whose exact input scales are recorded before that pass has found them."""
+    for a dialect that records exact input scales (ModelOpt's), which it does before that pass has found them."""
     if options.input_scales_from != "auto":
         return options.input_scales_from
-    return "source" if options.format == "modelopt" else "quantized"
+    records = options.format in FORMATS and _format_module(options).records_exact_input_scales
+    return "source" if records else "quantized"
 
 
 def _validate(options: QuantizeOptions) -> None:
@@ -101,10 +102,11 @@ def _validate(options: QuantizeOptions) -> None:
     if options.input_scales_from not in INPUT_SCALE_SOURCES:
         raise Fp4kitError(f"unknown input scale source {options.input_scales_from!r}; choose "
                           f"{' or '.join(INPUT_SCALE_SOURCES)}")
-    if (options.method != "rtn" and options.scheme == "nvfp4" and options.format == "modelopt"
-            and options.input_scales_from == "quantized"):
-        raise Fp4kitError("--input-scales-from quantized: ModelOpt output records its exact input scales before the "
-                          "weights are written, and that pass finds them only as it goes; use source")
+    if (options.method != "rtn" and options.scheme == "nvfp4" and options.format in FORMATS
+            and _format_module(options).records_exact_input_scales and options.input_scales_from == "quantized"):
+        raise Fp4kitError(f"--input-scales-from quantized: {_format_module(options).title} output records its exact "
+                          "input scales before the weights are written, and that pass finds them only as it goes; "
+                          "use source")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
     if options.gptq_scales not in ("mse", "rtn"):
@@ -127,35 +129,37 @@ def _read_job(reader: CheckpointReader, job: QuantGroup | str, device: str = "cp
 _job_bytes = job_bytes
 
 
-def _format_module(options: QuantizeOptions):
-    return mo if options.format == "modelopt" else ct
+def _format_module(options: QuantizeOptions) -> Dialect:
+    return dialect(options.format)
 
 
 def _fused_output(group: QuantGroup, options: QuantizeOptions) -> tuple[str, str] | None:
-    """(experts module, leaf) when the group is written as one ModelOpt fused expert tensor."""
+    """(experts module, leaf) when the group is written as one fused expert tensor (ModelOpt's)."""
     tensor = group.fused_experts_tensor
-    if tensor is None or options.format != "modelopt":
+    if tensor is None or not _format_module(options).fused_experts:
         return None
     experts, leaf = tensor.rsplit(".", 1)
     return experts, leaf
 
 
 def _exact_input_scales(plan: ModelPlan, options: QuantizeOptions, input_divs: dict[str, torch.Tensor]) -> dict:
-    """ModelOpt output: the safetensors metadata recording calibrated input divisors that no fp32 divisor holds
-    faithfully (fp4kit.formats.detect, ``EXACT_SCALES_KEY``), so converting to compressed-tensors restores the
-    multiplier that quantizing to compressed-tensors writes. Known before writing: calibration runs first."""
-    from fp4kit.formats.detect import EXACT_SCALES_KEY, MO, needs_exact_record
+    """Output of a dialect that records exact input scales (ModelOpt's): the safetensors metadata recording
+    calibrated input divisors that its fp32 form does not hold faithfully (fp4kit.formats.detect,
+    ``EXACT_SCALES_KEY``), so converting to compressed-tensors restores the multiplier that quantizing to
+    compressed-tensors writes. Known before writing: calibration runs first."""
+    from fp4kit.formats.detect import EXACT_SCALES_KEY, needs_exact_record
 
-    if options.format != "modelopt" or not input_divs:
+    fmt = _format_module(options)
+    if not fmt.records_exact_input_scales or not input_divs:
         return {}
     exact = {}
     for group in plan.groups:
         fused = _fused_output(group, options)
         for c in group.members:
             divisor = input_divs.get(c.linear.module)
-            if divisor is None or not bool(needs_exact_record(MO, divisor.double())):
+            if divisor is None or not bool(needs_exact_record(fmt.name, divisor.double())):
                 continue
-            name = mo.fused_names(*fused)[mo.INPUT_SCALE] if fused else f"{c.linear.module}.{mo.INPUT_SCALE}"
+            name = fmt.fused_scale_names(*fused)[1] if fused else fmt.scale_names(c.linear.module)[1]  # type: ignore
             exact[name] = float(divisor).hex()
     return {EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {}
 
@@ -190,7 +194,7 @@ def encode_group(
         per_expert = _per_expert(group, quantized)
         first_of_expert = {c.linear.source.expert: c.linear.module for c in reversed(group.members)}
         inputs = [input_divs.get(first_of_expert[e]) for e in sorted(first_of_expert)]
-        return mo.encode_fused(*fused, per_expert, inputs)
+        return _format_module(options).encode_fused(*fused, per_expert, inputs)  # type: ignore[attr-defined]
     fmt = _format_module(options)
     out: dict[str, torch.Tensor] = {}
     for c, q in zip(group.members, quantized, strict=True):
@@ -278,7 +282,8 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
             first = job.members[0].linear
             num_experts = len({c.linear.source.expert for c in job.members})
             out_features = sum(c.linear.out_features for c in job.members) // num_experts
-            planned.extend(mo.fused_planned(*fused, num_experts, out_features, first.in_features, with_input))
+            planned.extend(fmt.fused_planned(*fused, num_experts, out_features,  # type: ignore[attr-defined]
+                                             first.in_features, with_input))
             continue
         for c in job.members:
             planned.extend(fmt.planned(c.linear.module, c.linear.out_features, c.linear.in_features, with_input))
@@ -392,12 +397,10 @@ def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
 def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, options: QuantizeOptions,
                       routing_counts: dict[int, list[int]]) -> None:
     """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics."""
-    if options.format == "modelopt":
-        hf_quant = mo.hf_quant_config(options.scheme, plan.ignored_modules)
-        (work / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2) + "\n")
-        write_config(work, config, mo.quantization_config(options.scheme, plan.ignored_modules))
-    else:
-        write_config(work, config, ct.quantization_config(options.scheme, plan.ignored_modules))
+    fmt = _format_module(options)
+    for name, document in fmt.side_configs(options.scheme, plan.ignored_modules).items():
+        (work / name).write_text(json.dumps(document, indent=2) + "\n")
+    write_config(work, config, fmt.quantization_config(options.scheme, plan.ignored_modules))
     copy_side_files(src, work)
     if routing_counts:
         write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts)
@@ -429,7 +432,7 @@ def _quantize_checkpoint(
     with (ranks.output_directory(dst, src, options.overwrite) as work,
           CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
-                          modelopt_layout=options.format == "modelopt", dequant_dtype=options.dequant_dtype)
+                          modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype)
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
             _fused_output(g, options) for g in plan.groups
         ):

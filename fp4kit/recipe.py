@@ -22,6 +22,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.registry import BACKEND_NAMES, DEFAULT_DIALECT, DIALECT_NAMES
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
 CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales", "method", "gptq_damp",
@@ -39,11 +40,19 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _runs_w4a4(backend: str) -> bool:
+    """Whether a layout backend's kernel needs activation scales (importing it loads torch: asked only when a recipe
+    quantizes weight-only and lays out)."""
+    from fp4kit.registry import backend as registered_backend
+
+    return registered_backend(backend).W4A4
+
+
 class QuantizeStep(_Options):
     """fp4kit.quantize.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
 
     scheme: Literal["nvfp4", "nvfp4a16"] = "nvfp4"
-    format: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    format: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
     device: str = "cpu"
     ignore: list[str] = Field(default_factory=list)
     targets: list[str] = Field(default_factory=list)
@@ -66,13 +75,13 @@ class QuantizeStep(_Options):
 class RepairStep(_Options):
     """fp4kit.convert: rewrite in dialect ``to``; ``fix`` also puts fused groups on shared scales (convert --repair)."""
 
-    to: Literal["compressed-tensors", "modelopt"] = "compressed-tensors"
+    to: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
     fix: bool = True
     max_shard_size: str = "5GB"
 
 
 class LayoutStep(_Options):
-    backend: Literal["cutlass", "trtllm", "marlin"]
+    backend: Literal[BACKEND_NAMES]  # type: ignore[valid-type]
     act_dtype: Literal["bf16", "fp16"] = "bf16"
     cutlass_flavor: Literal["flashinfer", "vllm"] = "flashinfer"
     max_shard_size: str = "5GB"
@@ -121,7 +130,7 @@ class Recipe(_Options):
         if not self.steps():
             raise _KeyError((), f"no steps: add at least one of {', '.join(STEP_ORDER)}")
         weight_only = self.quantize is not None and self.quantize.scheme == "nvfp4a16"
-        if self.layout and self.layout.backend != "marlin" and weight_only:
+        if self.layout and weight_only and _runs_w4a4(self.layout.backend):
             raise _KeyError(("layout", "backend"), f"{self.layout.backend} runs a W4A4 kernel, which needs activation "
                                                    f"scales: use quantize.scheme nvfp4, or layout.backend marlin")
         calibrated = self.quantize is not None and self.quantize.scheme == "nvfp4"
@@ -405,7 +414,7 @@ def check_against_model(loaded: LoadedRecipe) -> None:
 
 
 def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) -> None:
-    from fp4kit.layout import BACKENDS
+    from fp4kit.layout import BACKENDS, LayoutOptions
 
     recipe, origins = loaded.recipe, loaded.origins
     ep = recipe.shard.ep if recipe.shard else 1
@@ -415,7 +424,8 @@ def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) 
     if recipe.layout is None:
         return
     backend = BACKENDS[recipe.layout.backend]
-    flavor = {"flavor": recipe.layout.cutlass_flavor} if recipe.layout.backend == "cutlass" else {}
+    flavor = LayoutOptions(recipe.layout.backend, recipe.layout.act_dtype, recipe.layout.cutlass_flavor
+                           ).transform_options()
     try:
         backend.check_shapes(experts, hidden, inter, **flavor)
     except Fp4kitError as exc:

@@ -26,6 +26,7 @@ from fp4kit.nvfp4 import (
     _native_block_amax,
     _per_leading_index,
     block_amax,
+    divisor_of,
     global_scale_mul,
     rtn_block_scale,
 )
@@ -113,7 +114,7 @@ def quantize_mse(
         amax, _ = _native_block_amax(weight)
         packed, block_scale = nvfp4_cpu.mse_encode(weight, amax, float(global_mul), CODE_OFFSETS,
                                                    None if importance is None else importance.cpu())
-        return NVFP4Tensor(packed, block_scale, 1.0 / global_mul.double().cpu())
+        return NVFP4Tensor(packed, block_scale, divisor_of(global_mul.cpu()))
     scales = search_block_scales(weight, global_mul, importance)
     global_mul = _per_leading_index(global_mul.to(device=weight.device, dtype=torch.float32), scales.dim())
     return _encode_with_scales(weight, global_mul, scales, global_shape)

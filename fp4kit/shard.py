@@ -39,7 +39,7 @@ from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
+from fp4kit.families.base import EXPERT_PROJS, EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
 from fp4kit.output import atomic_directory
 from fp4kit.placement import LayerPlacement, check_ep, imbalance, load_stats, place
 from fp4kit.shard_copy import FileEntry, ShardCopier, file_jobs, sha256_file
@@ -55,7 +55,6 @@ from fp4kit.shard_io import (
 )
 from fp4kit.shard_scales import unify_input_scales
 
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 LAYOUT_MANIFEST = "fp4kit_layout.json"
 MANIFEST = "fp4kit_shard.json"
 EXPERT_MAP = "expert_map.json"

@@ -42,6 +42,7 @@ def add_input_scales(src: Path, dst: Path) -> Path:
 
     from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
     from fp4kit.formats import compressed_tensors as ct
+    from fp4kit.nvfp4 import GLOBAL_NUMERATOR
 
     dst.mkdir(parents=True)
     with CheckpointReader(src) as reader:
@@ -52,7 +53,7 @@ def add_input_scales(src: Path, dst: Path) -> Path:
         for name in reader.names():
             writer.write(name, reader.read(name))
         for m in modules:
-            writer.write(f"{m}.input_global_scale", torch.tensor([448.0 * 6 / 4.0]))
+            writer.write(f"{m}.input_global_scale", torch.tensor([GLOBAL_NUMERATOR / 4.0]))
         writer.finish()
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = ct.quantization_config("nvfp4", config["quantization_config"]["ignore"])

@@ -61,6 +61,7 @@ def write_nvfp4_like_quantize(path: Path, layers: int) -> None:
 
     from fp4kit.checkpoint import PlannedTensor, ShardWriter
     from fp4kit.formats import compressed_tensors as ct
+    from fp4kit.nvfp4 import GLOBAL_NUMERATOR
     from fp4kit.synthetic import REAL_SHARD_BYTES, Qwen3MoeDims, qwen3_moe_config, qwen3_moe_tensor_plan
 
     dims = Qwen3MoeDims(layers)
@@ -79,7 +80,7 @@ def write_nvfp4_like_quantize(path: Path, layers: int) -> None:
         start = (i * 4096) % (pool.numel() - t.nbytes) if t.nbytes < pool.numel() else 0
         data = pool[start:start + t.nbytes] if t.nbytes <= pool.numel() else pool.repeat(t.nbytes // pool.numel() + 1)
         if t.dtype == torch.float32:
-            writer.write(t.name, torch.full(t.shape, 2688.0 / (1 + i % 7)))
+            writer.write(t.name, torch.full(t.shape, GLOBAL_NUMERATOR / (1 + i % 7)))
         else:
             writer.write(t.name, data[: t.nbytes].view(t.dtype).reshape(t.shape))
     writer.finish()

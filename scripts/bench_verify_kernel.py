@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
-from fp4kit.nvfp4 import NVFP4Tensor
+from fp4kit.nvfp4 import NVFP4Tensor, divisor_from_amax
 from fp4kit.routing import RoutingSpec, route
 from fp4kit.verify.reference import dequantize_experts, moe_reference
 from fp4kit.verify.triton_moe import (
@@ -213,8 +213,8 @@ def check_correctness(name, w13, w2, hidden_size, top_k, generator, fast: bool) 
     gate, up = torch.einsum("th,eih->eti", hidden.float().cpu(), dense13).chunk(2, dim=-1)
     amax13 = hidden.float().abs().amax().double().cpu()
     amax2 = (F.silu(gate) * up).abs().amax().double().cpu()
-    divisors = (torch.full((num_experts,), float(amax13) / 2688, dtype=torch.float64),
-                torch.full((num_experts,), float(amax2) / 2688, dtype=torch.float64))  # fmt: skip
+    divisors = (torch.full((num_experts,), divisor_from_amax(float(amax13)), dtype=torch.float64),
+                torch.full((num_experts,), divisor_from_amax(float(amax2)), dtype=torch.float64))  # fmt: skip
     del gate, up
     specs = [
         ("softmax_topk", spec, weights, ids),
@@ -286,8 +286,8 @@ def compare_variants(shapes, tokens_list, names, generator, copy_bw, mode_names=
         w2 = random_experts(num_experts, hidden_size, inter_size, generator)
         per_expert = expert_bytes(w13, w2)
         spec = RoutingSpec("softmax_topk", num_experts, top_k)
-        divisors = (torch.full((num_experts,), 5.0 / 2688, dtype=torch.float64),
-                    torch.full((num_experts,), 0.05 / 2688, dtype=torch.float64))  # fmt: skip
+        divisors = (torch.full((num_experts,), divisor_from_amax(5.0), dtype=torch.float64),
+                    torch.full((num_experts,), divisor_from_amax(0.05), dtype=torch.float64))  # fmt: skip
         modes = {"W4A16": TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE),
                  "W4A4": TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)}  # fmt: skip
         modes = {mode: modes[mode] for mode in mode_names}

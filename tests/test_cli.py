@@ -211,13 +211,14 @@ def choices(command: str, option: str) -> set[str]:
 
 def test_choices_are_the_librarys() -> None:
     """Choices the CLI lists (and checks while parsing) are exactly those the library accepts."""
-    from fp4kit import convert, dense, evaluate, input_scales, layout, placement, quantize
+    from fp4kit import dense, evaluate, input_scales, layout, placement, quantize, registry
     from fp4kit.layouts import cutlass
     from fp4kit.verify import backends, runner
 
     expected = {
         ("quantize", "scheme"): quantize.SCHEMES, ("quantize", "format"): quantize.FORMATS,
-        ("quantize", "moe_input_scales"): input_scales.POLICIES, ("convert", "to"): (*convert.DIALECTS, dense.TARGET),
+        ("quantize", "moe_input_scales"): input_scales.POLICIES,
+        ("convert", "to"): (*registry.DIALECT_NAMES, dense.TARGET),
         ("layout", "backend"): layout.BACKENDS, ("layout", "act_dtype"): layout.ACT_DTYPES,
         ("layout", "cutlass_flavor"): cutlass.KERNEL, ("shard", "placement"): placement.PLACEMENTS,
         ("verify", "backend"): ("auto", *backends.BACKENDS), ("verify", "mode"): runner.MODES,

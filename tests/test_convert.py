@@ -14,7 +14,9 @@ from fp4kit.checkpoint import CheckpointReader
 from fp4kit.convert import convert_checkpoint
 from fp4kit.fixtures import FIXTURES
 from fp4kit.formats import compressed_tensors as ct
-from fp4kit.formats.detect import CT, MO, open_checkpoint, stored_scale
+from fp4kit.formats.compressed_tensors import NAME as CT
+from fp4kit.formats.detect import open_checkpoint, stored_scale
+from fp4kit.formats.modelopt import NAME as MO
 
 
 def tensor_bytes(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]:

@@ -157,7 +157,8 @@ def test_read_layer_stacks_what_each_module_reads(w4a4):
 
     with open_checkpoint(w4a4) as ckpt:
         layer = find_moe_layers(ckpt)[1]
-        w13, w2, input13, input2 = read_layer(ckpt, layer)
+        stacked = read_layer(ckpt, layer)
+        w13, w2, input13, input2 = stacked.w13, stacked.w2, stacked.input_scale_div13, stacked.input_scale_div2
         inter = layer.intermediate
         for e, (gate, up, down) in enumerate(layer.members):
             (g, g_in), (u, _), (d, d_in) = (ckpt.read(m) for m in (gate, up, down))
@@ -191,11 +192,11 @@ def test_every_layer_equals_the_pure_transform_with_recycled_buffers(tmp_path, b
         for layer in find_moe_layers(ckpt):
             canonical = read_layer(ckpt, layer, recycled)
             if previous is not None:  # the previous layer's buffers were reused, not new ones
-                assert canonical[0].packed.data_ptr() == previous
-            expected = BACKENDS[backend].transform(*canonical)
+                assert canonical.w13.packed.data_ptr() == previous
+            expected = BACKENDS[backend].transform(*canonical.arguments())
             for arg, spec in manifest["layers"][str(layer.layer)]["tensors"].items():
                 stored = written.read(spec["name"])
                 assert torch.equal(stored.view(torch.uint8), expected[arg].contiguous().view(torch.uint8)), arg
-            previous = canonical[0].packed.data_ptr()
-            recycled.put((canonical[0].packed, canonical[0].block_scale, canonical[1].packed,
-                          canonical[1].block_scale))
+            previous = canonical.w13.packed.data_ptr()
+            recycled.put((canonical.w13.packed, canonical.w13.block_scale, canonical.w2.packed,
+                          canonical.w2.block_scale))

@@ -13,7 +13,9 @@ import torch
 
 from fp4kit.checkpoint import CheckpointReader
 from fp4kit.formats import modelopt as mo
-from fp4kit.formats.detect import CT, MO, decoded_scale, needs_exact_record, stored_scale
+from fp4kit.formats.compressed_tensors import NAME as CT
+from fp4kit.formats.detect import decoded_scale, needs_exact_record, stored_scale
+from fp4kit.formats.modelopt import NAME as MO
 from fp4kit.nvfp4 import NVFP4Tensor, quantize
 
 TINY = torch.finfo(torch.float32).tiny

@@ -78,7 +78,8 @@ INVALID = {
     "unknown step": (BASE + "quantise:\n  scheme: nvfp4\n", [], "r.yaml:3: quantise: unknown key; did you mean "
                                                                 "'quantize'?"),
     "wrong type": (BASE + "shard:\n  ep: eight\n", [], "r.yaml:4: shard.ep: Input should be a valid integer"),
-    "bad value": (BASE + "layout:\n  backend: cutless\n", [], "r.yaml:4: layout.backend: Input should be 'cutlass'"),
+    "bad value": (BASE + "layout:\n  backend: cutless\n", [],
+                  "r.yaml:4: layout.backend: Input should be 'trtllm', 'cutlass'"),
     "list item": (BASE + "verify:\n  tokens: [1, x]\n", [], "r.yaml:4: verify.tokens.1: Input should be a valid "
                                                             "integer"),
     "unknown family": ("model: {model}\nfamily: qwen4_moe\nshard:\n  ep: 2\n", [],

@@ -17,7 +17,8 @@ from fp4kit.formats.detect import open_checkpoint
 from fp4kit.layout import LayoutOptions, layout_checkpoint
 from fp4kit.layout_manifest import MANIFEST
 from fp4kit.layouts import cutlass, marlin, trtllm
-from fp4kit.runtime import FLOAT4_E2M1F_ID, load_moe_layer, read_layer
+from fp4kit.layouts.marlin import FLOAT4_E2M1F_ID
+from fp4kit.runtime import load_moe_layer, read_layer
 
 UNDO = {"trtllm": trtllm.undo, "cutlass": cutlass.undo, "marlin": marlin.undo}
 CASES = {  # name -> (backend, LayoutOptions extras)

@@ -8,12 +8,15 @@ from typing import Annotated, Literal
 import typer
 
 from fp4kit.commands._common import human_bytes, with_progress
+from fp4kit.registry import DIALECT_NAMES
+
+DENSE = "bf16"  # fp4kit.dense.TARGET, spelled here so that the CLI imports no torch
 
 
 def convert(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    to: Annotated[Literal["compressed-tensors", "modelopt", "bf16"], typer.Option(
+    to: Annotated[Literal[(*DIALECT_NAMES, DENSE)], typer.Option(  # type: ignore[valid-type]
         "--to", help="target dialect, or bf16: a dense dequantized checkpoint (weight-only emulation)")],
     max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
     repair: Annotated[bool, typer.Option(

@@ -11,14 +11,15 @@ from typing import Annotated
 import typer
 
 from fp4kit.commands._common import human_bytes
+from fp4kit.registry import BACKEND_NAMES
 
 
 def inspect(
     ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     backend: Annotated[
-        list[str] | None, typer.Option(help="count this backend's shape constraints as problems: cutlass, marlin, "
-                                            "trtllm (repeatable)")
+        list[str] | None, typer.Option(help="count this backend's shape constraints as problems: "
+                                            f"{', '.join(sorted(BACKEND_NAMES))} (repeatable)")
     ] = None,
     ep: Annotated[int | None, typer.Option(help="count E % ep != 0 as a problem")] = None,
     engine: Annotated[

@@ -8,12 +8,14 @@ from typing import Annotated, Literal
 import typer
 
 from fp4kit.commands._common import human_bytes, with_progress
+from fp4kit.registry import BACKEND_NAMES
 
 
 def layout(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
-    backend: Annotated[Literal["trtllm", "cutlass", "marlin"], typer.Option(help="the MoE kernel to lay out for")],
+    backend: Annotated[Literal[BACKEND_NAMES], typer.Option(  # type: ignore[valid-type]
+        help="the MoE kernel to lay out for")],
     act_dtype: Annotated[Literal["bf16", "fp16"], typer.Option(
         help="activation dtype the kernel runs with")] = "bf16",
     cutlass_flavor: Annotated[Literal["flashinfer", "vllm"], typer.Option(

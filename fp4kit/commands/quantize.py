@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from fp4kit.commands._common import human_bytes, with_progress
+from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES
 
 
 def quantize(
@@ -15,8 +16,8 @@ def quantize(
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
     scheme: Annotated[Literal["nvfp4a16", "nvfp4"], typer.Option(
         help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
-    format: Annotated[Literal["compressed-tensors", "modelopt"], typer.Option(
-        "--format", help="checkpoint dialect")] = "compressed-tensors",
+    format: Annotated[Literal[DIALECT_NAMES], typer.Option(  # type: ignore[valid-type]
+        "--format", help="checkpoint dialect")] = DEFAULT_DIALECT,
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     ignore: Annotated[list[str] | None, typer.Option(help="regex on module names to keep in bf16 (repeatable)")] = None,
     targets: Annotated[

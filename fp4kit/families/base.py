@@ -7,9 +7,9 @@ ignores, routing). Everything here works from tensor names and shapes read from 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fp4kit.errors import Fp4kitError
 
@@ -17,10 +17,22 @@ if TYPE_CHECKING:
     from fp4kit.routing import RoutingSpec
     from fp4kit.sources import QuantizedLinear
 
+T = TypeVar("T")
+
 # Modules that a kernel fuses and that must therefore share one weight global scale. MLA's q_a_proj and
 # kv_a_proj_with_mqa are vLLM's fused_qkv_a_proj (vllm/model_executor/models/deepseek_v2.py).
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
 FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # a routed expert's Linears, in w13 (gate, up) then w2 order
+# beside a layer's `experts`: the router (Qwen3 / GLM / DeepSeek `gate`, Llama-4 `router`), GLM's and DeepSeek's
+# selection bias, the shared expert (GLM / DeepSeek `shared_experts`, Qwen3 / Llama-4 `shared_expert`)
+ROUTER_MODULES = ("gate", "router")
+ROUTER_BIAS = "gate.e_score_correction_bias"
+SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")
+# a router or gate module, wherever it is (routers and Qwen's shared-expert gate), which engines keep unquantized
+ROUTER_RE = re.compile(r"(\.mlp\.gate|\.feed_forward\.router|shared_expert_gate|\.router)$")
+# an attention's query projection (fused or not); ``attn`` is the attention module
+ATTENTION_QUERY_RE = re.compile(r"^(?P<attn>.*\.(self_attn|attention))\.(q_proj|qkv_proj)$")
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
 EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
 COMMON_IGNORE = (r"(^|\.)lm_head$",)
@@ -157,8 +169,12 @@ class ExpertModule:
 
     @property
     def fused(self) -> str:
-        """The kernels' name of the projection: gate and up form w13 (one input, one weight scale), down is w2."""
-        return "w13" if self.proj in FUSED_SIBLINGS[1] else "w2"
+        return fused_projection(self.proj)
+
+
+def fused_projection(proj: str) -> str:
+    """The kernels' name of an expert projection: gate and up form w13 (one input, one weight scale), down is w2."""
+    return "w13" if proj in FUSED_SIBLINGS[1] else "w2"
 
 
 _EXPERT_MODULE = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
@@ -168,6 +184,44 @@ def expert_module(module: str) -> ExpertModule | None:
     """The routed expert a module name (without a tensor suffix) belongs to, or None."""
     m = _EXPERT_MODULE.match(module)
     return ExpertModule(m["experts"], int(m["expert"]), m["proj"]) if m else None
+
+
+def routed_expert(module: str) -> ExpertModule | None:
+    """Like ``expert_module``, for the Linears of a routed expert only (EXPERT_PROJS)."""
+    expert = expert_module(module)
+    return expert if expert is not None and expert.proj in EXPERT_PROJS else None
+
+
+def group_experts(items: Iterable[tuple[str, T]]) -> dict[str, dict[int, dict[str, T]]]:
+    """(module name, value) pairs of routed-expert Linears as {experts module: {expert: {proj: value}}}, in the
+    order first seen; other modules are left out."""
+    grouped: dict[str, dict[int, dict[str, T]]] = {}
+    for module, value in items:
+        expert = routed_expert(module)
+        if expert is not None:
+            grouped.setdefault(expert.experts, {}).setdefault(expert.expert, {})[expert.proj] = value
+    return grouped
+
+
+def moe_block(experts: str) -> str:
+    """The MoE block that holds a routed experts module (model.layers.3.mlp.experts -> model.layers.3.mlp): its
+    router and shared expert live there."""
+    return experts.removesuffix(".experts")
+
+
+def router_weights(experts: str) -> list[str]:
+    """Where the router weight of an experts module may be, in the order to try (ROUTER_MODULES)."""
+    return [f"{moe_block(experts)}.{leaf}.weight" for leaf in ROUTER_MODULES]
+
+
+def router_bias_name(experts: str) -> str:
+    """The router's selection bias (GLM's and DeepSeek's `e_score_correction_bias`) of an experts module."""
+    return f"{moe_block(experts)}.{ROUTER_BIAS}"
+
+
+def shared_expert_modules(experts: str) -> list[str]:
+    """Where the shared expert of an experts module may be (SHARED_EXPERT_MODULES), in the order to try."""
+    return [f"{moe_block(experts)}.{leaf}" for leaf in SHARED_EXPERT_MODULES]
 
 
 def weight_scale_group(module: str) -> str:

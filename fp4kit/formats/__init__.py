@@ -1,1 +1,2 @@
-"""NVFP4 checkpoint dialects: each module maps the canonical form to its tensor names and config, and back."""
+"""NVFP4 checkpoint dialects: one module per dialect (the protocol is fp4kit/formats/base.py, the list of them
+fp4kit/registry.py), and ``detect``, which opens a checkpoint of any of them."""

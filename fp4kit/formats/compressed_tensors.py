@@ -15,50 +15,72 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from importlib import metadata, resources
 from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import PlannedTensor
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.checkpoint import CheckpointReader, PlannedTensor
+from fp4kit.errors import Fp4kitError
+from fp4kit.formats.base import Dialect, QuantModule, plain_modules
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
+NAME = "compressed-tensors"
 FORMAT = "nvfp4-pack-quantized"
+SUFFIXES = {"packed": ".weight_packed", "block": ".weight_scale", "global": ".weight_global_scale",
+            "input": ".input_global_scale"}
 SCHEMES = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
 CONFIG_SNAPSHOT = "compressed_tensors_config.json"
 
 
 def planned(module: str, out_features: int, in_features: int, with_input_scale: bool) -> list[PlannedTensor]:
     specs = [
-        PlannedTensor(f"{module}.weight_packed", torch.uint8, (out_features, in_features // 2)),
-        PlannedTensor(f"{module}.weight_scale", torch.float8_e4m3fn, (out_features, in_features // BLOCK)),
-        PlannedTensor(f"{module}.weight_global_scale", torch.float32, (1,)),
+        PlannedTensor(module + SUFFIXES["packed"], torch.uint8, (out_features, in_features // 2)),
+        PlannedTensor(module + SUFFIXES["block"], torch.float8_e4m3fn, (out_features, in_features // BLOCK)),
+        PlannedTensor(module + SUFFIXES["global"], torch.float32, (1,)),
     ]
     if with_input_scale:
-        specs.append(PlannedTensor(f"{module}.input_global_scale", torch.float32, (1,)))
+        specs.append(PlannedTensor(module + SUFFIXES["input"], torch.float32, (1,)))
     return specs
 
 
 def encode(module: str, weight: NVFP4Tensor, input_scale_div: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     tensors = {
-        f"{module}.weight_packed": weight.packed,
-        f"{module}.weight_scale": weight.block_scale,
-        f"{module}.weight_global_scale": weight.global_scale_mul_fp32.reshape(1),
+        module + SUFFIXES["packed"]: weight.packed,
+        module + SUFFIXES["block"]: weight.block_scale,
+        module + SUFFIXES["global"]: weight.global_scale_mul_fp32.reshape(1),
     }
     if input_scale_div is not None:
-        tensors[f"{module}.input_global_scale"] = (1.0 / input_scale_div.double()).to(torch.float32).reshape(1)
+        tensors[module + SUFFIXES["input"]] = fp32_multiplier(input_scale_div).reshape(1)
     return tensors
 
 
 def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, torch.Tensor | None]:
-    global_mul = tensors[f"{module}.weight_global_scale"].reshape(())
+    global_mul = tensors[module + SUFFIXES["global"]].reshape(())
     weight = NVFP4Tensor(
-        tensors[f"{module}.weight_packed"],
-        tensors[f"{module}.weight_scale"],
-        1.0 / global_mul.double(),
+        tensors[module + SUFFIXES["packed"]],
+        tensors[module + SUFFIXES["block"]],
+        divisor_of(global_mul),
     )
-    input_mul = tensors.get(f"{module}.input_global_scale")
-    return weight, None if input_mul is None else 1.0 / input_mul.reshape(()).double()
+    input_mul = tensors.get(module + SUFFIXES["input"])
+    return weight, None if input_mul is None else divisor_of(input_mul.reshape(()))
+
+
+def scheme_of(qconfig: dict) -> str:
+    """nvfp4 or nvfp4a16 from a compressed-tensors quantization_config (an error for any format but NVFP4)."""
+    formats = {qconfig.get("format")} | {g.get("format") for g in (qconfig.get("config_groups") or {}).values()}
+    formats.discard(None)
+    if formats - {FORMAT}:
+        raise Fp4kitError(f"compressed-tensors format {sorted(formats - {FORMAT})[0]!r} is not NVFP4 "
+                          f"(fp4kit reads {FORMAT})")
+    groups = (qconfig.get("config_groups") or {}).values()
+    return "nvfp4" if any(g.get("input_activations") for g in groups) else "nvfp4a16"
+
+
+def ignore_from(patterns: list[str]) -> list[str]:
+    """Module names and fnmatch globs (ModelOpt's exclude_modules) as compressed-tensors' names and `re:` regexes."""
+    return [p if "*" not in p else "re:" + re.escape(p).replace(r"\*", ".*") for p in patterns]
 
 
 def quantization_config(scheme: str, ignore: list[str]) -> dict:
@@ -118,3 +140,37 @@ def _installed_version() -> str | None:
         return metadata.version("compressed-tensors")
     except metadata.PackageNotFoundError:
         return None
+
+
+class CompressedTensors(Dialect):
+    name = NAME
+    title = "compressed-tensors"
+    suffixes = SUFFIXES
+    stores = "multiplier"
+
+    def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
+        return "config.json says compressed-tensors" if method == NAME else None
+
+    def scheme(self, qconfig: dict) -> str:
+        return scheme_of(qconfig)
+
+    def owns(self, tensor: str) -> bool:
+        return tensor.endswith((SUFFIXES["packed"], SUFFIXES["global"], SUFFIXES["input"]))
+
+    def find_modules(self, reader: CheckpointReader) -> list[QuantModule]:
+        return plain_modules(reader, SUFFIXES, ("global", "input", "block", "packed"))
+
+    def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
+        return fp32_multiplier(divisor)
+
+    # writing and reading by module name: the module functions of the same names
+    planned = staticmethod(planned)
+    encode = staticmethod(encode)
+    decode = staticmethod(decode)
+    quantization_config = staticmethod(quantization_config)
+
+    def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
+        return ignore_from(patterns)
+
+
+DIALECT = CompressedTensors()

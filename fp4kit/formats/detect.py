@@ -1,9 +1,9 @@
 """Which NVFP4 dialect and scheme a checkpoint is, and its quantized modules read into canonical form.
 
-Reads compressed-tensors checkpoints (fp4kit's, llm-compressor's `oneshot` and `model_free_ptq`) and ModelOpt ones
-(per-module names, and Llama-4's fused expert tensors, which are listed as per-expert modules here). The dialect is
-what config.json / hf_quant_config.json declare, checked against the tensor names; anything unusable (unknown or
-mixed dialects, a missing scale tensor, a wrong dtype or shape) is an Fp4kitError with one line.
+Reads every dialect registered in fp4kit/registry.py (compressed-tensors: fp4kit's, llm-compressor's `oneshot` and
+`model_free_ptq`; ModelOpt: per-module names, and Llama-4's fused expert tensors, which are listed as per-expert
+modules here). The dialect is what its config files declare, checked against the tensor names; anything unusable
+(unknown or mixed dialects, a missing scale tensor, a wrong dtype or shape) is an Fp4kitError with one line.
 
 Exact scales: each dialect stores its per-tensor scales as fp32, the multiplier G (compressed-tensors) or the
 divisor D (ModelOpt), and the canonical float64 divisor does not always survive a trip through the other form. A
@@ -14,7 +14,6 @@ it encodes to the fp32 value actually stored, so a tool that edits the tensor wi
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,62 +23,43 @@ from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect as detect_family
 from fp4kit.families.base import Family
-from fp4kit.formats import compressed_tensors as ct
-from fp4kit.formats import modelopt as mo
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.formats.base import Dialect, QuantModule
+from fp4kit.nvfp4 import NVFP4Tensor
+from fp4kit.registry import dialect, dialects
 from fp4kit.safetensors_files import loads, read_json
 
-CT, MO = "compressed-tensors", "modelopt"
-DIALECTS = (CT, MO)
+__all__ = ["EXACT_SCALES_KEY", "QuantModule", "QuantizedCheckpoint", "config_files", "decoded_scale",
+           "needs_exact_record", "open_checkpoint", "stored_scale"]
+
 EXACT_SCALES_KEY = "fp4kit.exact_scales"
-HF_QUANT_CONFIG = "hf_quant_config.json"
-
-CT_SUFFIXES = {"packed": ".weight_packed", "block": ".weight_scale", "global": ".weight_global_scale",
-               "input": ".input_global_scale"}
-MO_SUFFIXES = {"packed": ".weight", "block": ".weight_scale", "global": ".weight_scale_2", "input": ".input_scale"}
-_FUSED_MO = re.compile(rf"^(?P<experts>.*\.experts)\.(?P<leaf>{'|'.join(mo.FUSED_LEAVES)})_weight_scale_2$")
-_DTYPES = {"packed": torch.uint8, "block": torch.float8_e4m3fn, "global": torch.float32, "input": torch.float32}
 
 
-def stored_scale(dialect: str, divisor: torch.Tensor) -> torch.Tensor:
-    """The fp32 value a dialect stores for a float64 divisor."""
-    return (1.0 / divisor.double()).float() if dialect == CT else mo.fp32_divisor(divisor)
+def stored_scale(name: str, divisor: torch.Tensor) -> torch.Tensor:
+    """The fp32 value dialect ``name`` stores for a float64 divisor."""
+    return dialect(name).store_scale(divisor)
 
 
-def decoded_scale(dialect: str, stored: torch.Tensor) -> torch.Tensor:
-    return 1.0 / stored.double() if dialect == CT else stored.double()
+def decoded_scale(name: str, stored: torch.Tensor) -> torch.Tensor:
+    """The float64 divisor a value stored by dialect ``name`` holds, as the dialect's own reader sees it."""
+    return dialect(name).load_scale(stored, None)
 
 
-def needs_exact_record(dialect: str, divisor: torch.Tensor) -> torch.Tensor:
-    """Where storing ``divisor`` in ``dialect`` would not give back what either dialect stores for it."""
-    back = decoded_scale(dialect, stored_scale(dialect, divisor))
-    return torch.stack([stored_scale(d, back) != stored_scale(d, divisor) for d in DIALECTS]).any(0)
+def needs_exact_record(name: str, divisor: torch.Tensor) -> torch.Tensor:
+    """Where storing ``divisor`` in dialect ``name`` would not give back what every dialect stores for it."""
+    back = decoded_scale(name, stored_scale(name, divisor))
+    return torch.stack([d.store_scale(back) != d.store_scale(divisor) for d in dialects()]).any(0)
 
 
-@dataclass(frozen=True)
-class QuantModule:
-    """One quantized Linear [N, K], with the names of its tensors on disk.
-
-    For a ModelOpt fused expert tensor, ``expert`` is the index along dim 0 and ``rows`` the output rows of the
-    expert's canonical [N_total, K] matrix that belong to this Linear (gate or up of gate_up_proj).
-    """
-
-    name: str
-    packed: str
-    block_scale: str
-    global_scale: str
-    input_scale: str | None
-    out_features: int
-    in_features: int
-    expert: int | None = None
-    rows: tuple[int, int] | None = None
+def config_files() -> tuple[str, ...]:
+    """Every registered dialect's config files beside config.json (copied with it by layout and shard)."""
+    return tuple(name for d in dialects() for name in d.config_files)
 
 
 @dataclass
 class QuantizedCheckpoint:
     root: Path
     config: dict
-    dialect: str
+    dialect: str  # its registered name (fp4kit.registry)
     scheme: str  # nvfp4 (W4A4) or nvfp4a16 (weight-only)
     family: Family | None
     modules: list[QuantModule]
@@ -90,6 +70,11 @@ class QuantizedCheckpoint:
     _rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     _divisors: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def format(self) -> Dialect:
+        """The dialect object (fp4kit.formats.base.Dialect)."""
+        return dialect(self.dialect)
+
     def divisor(self, name: str) -> torch.Tensor:
         """The canonical float64 divisor held by scale tensor ``name``."""
         if name not in self._divisors:
@@ -98,15 +83,11 @@ class QuantizedCheckpoint:
             stored = self.reader.read(name, check_finite=False).reshape(())
             if self.reader.check_finite and bool(stored.isnan()):
                 raise Fp4kitError(f"{self.reader.info(name).file}: scale tensor {name} is NaN")
-            value = decoded_scale(self.dialect, stored)
-            if self.dialect == MO and self.reader.metadata.get("producer") == "fp4kit":
-                multiplier = mo.multiplier_behind(stored)  # the multiplier fp4kit wrote this divisor for
-                if multiplier is not None:
-                    value = 1.0 / multiplier.double()
+            value = self.format.load_scale(stored, self.reader.metadata.get("producer"))
             exact = self.exact_scales.get(name)
             if exact is not None:
                 candidate = torch.tensor(exact, dtype=torch.float64)
-                if torch.equal(stored_scale(self.dialect, candidate), stored):
+                if torch.equal(self.format.store_scale(candidate), stored):
                     value = candidate
             self._divisors[name] = value
         return self._divisors[name]
@@ -157,125 +138,42 @@ class QuantizedCheckpoint:
         self.close()
 
 
-def _declared(root: Path, config: dict) -> tuple[str | None, dict]:
+def _declared(root: Path, config: dict) -> tuple[Dialect | None, dict]:
+    """The dialect the config files declare, and its quantization section."""
     qconfig = config.get("quantization_config") or {}
     if not isinstance(qconfig, dict):
         raise Fp4kitError(f"{root / 'config.json'}: quantization_config is not an object")
     method = str(qconfig.get("quant_method", "")).lower()
-    hf_path = root / HF_QUANT_CONFIG
-    hf_quant = {}
-    if hf_path.exists():
-        hf_quant = read_json(hf_path, HF_QUANT_CONFIG)
-        if not isinstance(hf_quant, dict):
-            raise Fp4kitError(f"{hf_path}: not a JSON object")
-    if method == CT and hf_quant:
-        raise Fp4kitError(f"{root}: mixed dialects: config.json says compressed-tensors but {HF_QUANT_CONFIG} exists")
-    if method == CT:
-        return CT, qconfig
-    if method.startswith(MO) or hf_quant:
-        return MO, hf_quant.get("quantization") or qconfig
+    files = {}
+    for name in config_files():
+        if (root / name).exists():
+            files[name] = read_json(root / name, name)
+            if not isinstance(files[name], dict):
+                raise Fp4kitError(f"{root / name}: not a JSON object")
+    declared = [(d, why) for d in dialects() if (why := d.declared_by(method, files))]
+    if len(declared) > 1:
+        raise Fp4kitError(f"{root}: mixed dialects: {declared[0][1]} but {declared[1][1]}")
+    if declared:
+        return declared[0][0], declared[0][0].quantization_section(qconfig, files)
     if qconfig:
         raise Fp4kitError(f"{root}: unknown quantization method {method or '?'!r}; fp4kit reads NVFP4 "
-                          f"compressed-tensors and ModelOpt checkpoints")
+                          f"{' and '.join(d.title for d in dialects())} checkpoints")
     return None, {}
 
 
 def _evidence(names: list[str]) -> dict[str, str]:
-    found = {}
+    """Dialect name -> the first tensor that only that dialect writes, in registration order."""
+    found: dict[str, str] = {}
     for name in names:
-        if name.endswith((".weight_packed", ".weight_global_scale", ".input_global_scale")):
-            found.setdefault(CT, name)
-        elif name.endswith("weight_scale_2"):
-            found.setdefault(MO, name)
-    return found
-
-
-def _scheme(dialect: str, qconfig: dict, has_input_scales: bool) -> str:
-    if not qconfig:
-        return "nvfp4" if has_input_scales else "nvfp4a16"
-    if dialect == MO:
-        algo = str(qconfig.get("quant_algo", "")).upper()
-        if algo not in mo.SCHEMES:
-            raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 "
-                              f"(fp4kit reads {', '.join(mo.SCHEMES)})")
-        return mo.SCHEMES[algo]
-    formats = {qconfig.get("format")} | {g.get("format") for g in (qconfig.get("config_groups") or {}).values()}
-    formats.discard(None)
-    if formats - {ct.FORMAT}:
-        raise Fp4kitError(f"compressed-tensors format {sorted(formats - {ct.FORMAT})[0]!r} is not NVFP4 "
-                          f"(fp4kit reads {ct.FORMAT})")
-    groups = (qconfig.get("config_groups") or {}).values()
-    return "nvfp4" if any(g.get("input_activations") for g in groups) else "nvfp4a16"
-
-
-def _check(reader: CheckpointReader, module: str, role: str, name: str | None, shape: tuple[int, ...] | None) -> None:
-    if name is None or name not in reader:
-        raise Fp4kitError(f"{module}: missing {role} scale tensor {name}" if role != "packed"
-                          else f"{module}: missing packed weight tensor {name}")
-    info = reader.info(name)
-    if info.dtype != _DTYPES[role]:
-        raise Fp4kitError(f"{name}: dtype {info.dtype}, expected {_DTYPES[role]}")
-    if shape is not None and info.shape != shape:
-        raise Fp4kitError(f"{name}: shape {list(info.shape)}, expected {list(shape)}")
-    if role in ("global", "input") and info.shape not in ((), (1,)):
-        raise Fp4kitError(f"{name}: shape {list(info.shape)}, expected a single value")
-
-
-def _plain_modules(reader: CheckpointReader, suffixes: dict[str, str], skip: set[str]) -> list[QuantModule]:
-    bases: dict[str, None] = {}
-    for name in reader.names():
-        if name in skip:
-            continue
-        for role in ("global", "input", "block") + (("packed",) if suffixes is CT_SUFFIXES else ()):
-            if name.endswith(suffixes[role]):
-                bases.setdefault(name[: -len(suffixes[role])])
+        for d in dialects():
+            if d.owns(name):
+                found.setdefault(d.name, name)
                 break
-    if suffixes is MO_SUFFIXES:  # MO's `.weight_scale` also names FP8 scales: only fp8 ones or with a scale_2
-        bases = {b: None for b in bases if f"{b}.weight_scale_2" in reader or (
-            f"{b}.weight_scale" in reader and reader.info(f"{b}.weight_scale").dtype == torch.float8_e4m3fn)}
-    modules = []
-    for base in bases:
-        names = {role: base + suffix for role, suffix in suffixes.items()}
-        _check(reader, base, "packed", names["packed"], None)
-        packed = reader.info(names["packed"]).shape
-        if len(packed) != 2:
-            raise Fp4kitError(f"{names['packed']}: shape {list(packed)}, expected a 2-D packed weight")
-        _check(reader, base, "block", names["block"], (packed[0], packed[1] * 2 // BLOCK))
-        _check(reader, base, "global", names["global"], None)
-        input_name = names["input"] if names["input"] in reader else None
-        if input_name:
-            _check(reader, base, "input", input_name, None)
-        modules.append(QuantModule(base, names["packed"], names["block"], names["global"], input_name,
-                                   packed[0], packed[1] * 2))
-    return modules
-
-
-def _fused_modules(reader: CheckpointReader) -> list[QuantModule]:
-    modules = []
-    for name in reader.names():
-        m = _FUSED_MO.match(name)
-        if not m:
-            continue
-        experts, leaf = m.group("experts"), m.group("leaf")
-        names = mo.fused_names(experts, leaf)
-        _check(reader, f"{experts}.{leaf}", "packed", names[mo.WEIGHT], None)
-        num_experts, half_k, out_features = reader.info(names[mo.WEIGHT]).shape
-        _check(reader, f"{experts}.{leaf}", "block", names[mo.BLOCK_SCALE],
-               (num_experts, half_k * 2 // BLOCK, out_features))
-        _check(reader, f"{experts}.{leaf}", "global", names[mo.GLOBAL_SCALE], None)
-        input_name = names[mo.INPUT_SCALE] if names[mo.INPUT_SCALE] in reader else None
-        parts = [("gate_proj", (0, out_features // 2)), ("up_proj", (out_features // 2, out_features))] \
-            if leaf == "gate_up_proj" else [("down_proj", None)]
-        for e in range(num_experts):
-            for proj, rows in parts:
-                n = out_features if rows is None else rows[1] - rows[0]
-                modules.append(QuantModule(f"{experts}.{e}.{proj}", names[mo.WEIGHT], names[mo.BLOCK_SCALE],
-                                           names[mo.GLOBAL_SCALE], input_name, n, half_k * 2, e, rows))
-    return modules
+    return {d.name: found[d.name] for d in dialects() if d.name in found}
 
 
 def open_checkpoint(root: str | Path, strict: bool = True) -> QuantizedCheckpoint:
-    """Open an NVFP4 checkpoint directory of either dialect (raises Fp4kitError when it is not usable).
+    """Open an NVFP4 checkpoint directory of any registered dialect (raises Fp4kitError when it is not usable).
     ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False."""
     root = Path(root)
     config = read_config(root)
@@ -284,24 +182,24 @@ def open_checkpoint(root: str | Path, strict: bool = True) -> QuantizedCheckpoin
     try:
         names = reader.names()
         evidence = _evidence(names)
-        if len(evidence) == 2:
-            raise Fp4kitError(f"{root}: mixed dialects: compressed-tensors tensor {evidence[CT]} and ModelOpt "
-                              f"tensor {evidence[MO]}")
+        if len(evidence) > 1:
+            (first, a), (second, b) = list(evidence.items())[:2]
+            raise Fp4kitError(f"{root}: mixed dialects: {dialect(first).title} tensor {a} and "
+                              f"{dialect(second).title} tensor {b}")
         found = next(iter(evidence), None)
-        if declared and found and declared != found:
-            raise Fp4kitError(f"{root}: mixed dialects: the config says {declared} but tensor {evidence[found]} is "
-                              f"{found}")
-        dialect = declared or found
-        if dialect is None:
+        if declared and found and declared.name != found:
+            raise Fp4kitError(f"{root}: mixed dialects: the config says {declared.name} but tensor {evidence[found]} "
+                              f"is {found}")
+        fmt = declared or (dialect(found) if found else None)
+        if fmt is None:
             raise Fp4kitError(f"{root}: unknown dialect: no NVFP4 quantization config and no quantized tensors")
-        if dialect == CT:
-            modules = _plain_modules(reader, CT_SUFFIXES, set())
-        else:
-            modules = _fused_modules(reader)
-            modules += _plain_modules(reader, MO_SUFFIXES, set())
+        modules = fmt.find_modules(reader)
         if not modules:
-            raise Fp4kitError(f"{root}: declares {dialect} quantization but holds no quantized tensors")
-        scheme = _scheme(dialect, qconfig, any(m.input_scale for m in modules))
+            raise Fp4kitError(f"{root}: declares {fmt.name} quantization but holds no quantized tensors")
+        if qconfig:
+            scheme = fmt.scheme(qconfig)
+        else:
+            scheme = "nvfp4" if any(m.input_scale for m in modules) else "nvfp4a16"
         used = {n for m in modules for n in (m.packed, m.block_scale, m.global_scale, m.input_scale) if n}
         ignore = list(qconfig.get("ignore") or qconfig.get("exclude_modules") or [])
         try:
@@ -309,7 +207,7 @@ def open_checkpoint(root: str | Path, strict: bool = True) -> QuantizedCheckpoin
         except Fp4kitError:
             family = None
         exact = _exact_scales(root, reader.metadata.get(EXACT_SCALES_KEY, "{}"))
-        return QuantizedCheckpoint(root, config, dialect, scheme, family, modules,
+        return QuantizedCheckpoint(root, config, fmt.name, scheme, family, modules,
                                    [n for n in names if n not in used], ignore, reader,
                                    exact)
     except BaseException:

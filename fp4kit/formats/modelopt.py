@@ -24,11 +24,17 @@ adds (fp4kit.formats.detect; quantize does so for calibrated input scales, conve
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from fp4kit.checkpoint import PlannedTensor
+from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_modules
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
+
+NAME = "modelopt"
+HF_QUANT_CONFIG = "hf_quant_config.json"
 
 QUANT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4"}
 SCHEMES = {algo: scheme for scheme, algo in QUANT_ALGOS.items()}
@@ -38,6 +44,9 @@ SCALAR = ()  # ModelOpt stores per-tensor scales as 0-d tensors
 
 WEIGHT, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE = "weight", "weight_scale", "weight_scale_2", "input_scale"
 FUSED_LEAVES = ("gate_up_proj", "down_proj")
+SUFFIXES = {"packed": f".{WEIGHT}", "block": f".{BLOCK_SCALE}", "global": f".{GLOBAL_SCALE}",
+            "input": f".{INPUT_SCALE}"}
+_FUSED_GLOBAL = re.compile(rf"^(?P<experts>.*\.experts)\.(?P<leaf>{'|'.join(FUSED_LEAVES)})_{GLOBAL_SCALE}$")
 
 
 def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
@@ -46,8 +55,8 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
     nearest = divisor.float()
     if torch.equal(nearest.double(), divisor):
         return nearest
-    multiplier = (1.0 / divisor).float()
-    if torch.equal((1.0 / nearest.double()).float(), multiplier):  # the usual case: the nearest one restores G
+    multiplier = fp32_multiplier(divisor)
+    if torch.equal(fp32_multiplier(nearest), multiplier):  # the usual case: the nearest one restores G
         return nearest
     candidates = [nearest]
     up = down = nearest
@@ -56,7 +65,7 @@ def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
         down = torch.nextafter(down, torch.full_like(down, float("-inf")))
         candidates += [up, down]
     stacked = torch.stack(candidates)
-    keeps_multiplier = (1.0 / stacked.double()).float() == multiplier
+    keeps_multiplier = fp32_multiplier(stacked) == multiplier
     distance = torch.where(keeps_multiplier, (stacked.double() - divisor).abs(), torch.inf)
     best = stacked.gather(0, distance.argmin(0, keepdim=True)).squeeze(0)
     return torch.where(keeps_multiplier.any(0), best, nearest)
@@ -78,15 +87,15 @@ def multiplier_behind(stored: torch.Tensor) -> torch.Tensor | None:
     stored = stored.reshape(()).float()
     if not bool(torch.isfinite(stored)) or float(stored) <= 0:
         return None
-    nearest = (1.0 / stored.double()).float()
+    nearest = fp32_multiplier(stored)
     candidates = [nearest]
     up = down = nearest
     for _ in range(DIVISOR_SEARCH_ULPS):
         up = torch.nextafter(up, torch.tensor(float("inf")))
         down = torch.nextafter(down, torch.tensor(0.0))
         candidates += [up, down]
-    behind = [g for g in candidates if bool(torch.isfinite(g)) and torch.equal(fp32_divisor(1.0 / g.double()), stored)
-              and torch.equal((1.0 / g.double()).float(), stored)]
+    behind = [g for g in candidates if bool(torch.isfinite(g)) and torch.equal(fp32_divisor(divisor_of(g)), stored)
+              and torch.equal(fp32_multiplier(g), stored)]
     preferred = [g for g in behind if bool(_bf16_valued(g))]
     return preferred[0] if len(preferred) == 1 else None
 
@@ -222,3 +231,122 @@ def quantization_config(scheme: str, exclude_modules: list[str]) -> dict:
         "producer": dict(PRODUCER),
         "quant_method": "modelopt",
     }
+
+
+def scheme_of(qconfig: dict) -> str:
+    """nvfp4 or nvfp4a16 from hf_quant_config.json's quantization section (an error for any algorithm but NVFP4)."""
+    algo = str(qconfig.get("quant_algo", "")).upper()
+    if algo not in SCHEMES:
+        raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 (fp4kit reads {', '.join(SCHEMES)})")
+    return SCHEMES[algo]
+
+
+def ignore_from(patterns: list[str], unquantized: list[str]) -> list[str]:
+    """compressed-tensors' names and `re:` regexes as ModelOpt's exclude_modules: a regex that is a plain path with
+    wildcards becomes a glob; any other is replaced by the ``unquantized`` modules it matches."""
+    out: list[str] = []
+    for p in patterns:
+        if not p.startswith("re:"):
+            out.append(p)
+            continue
+        regex = p[3:]
+        core = regex.removeprefix("^").removesuffix("$").replace(r"\.", "").replace(".*", "")
+        if not re.search(r"[.\\\[\](){}+?|^$*]", core):
+            glob = regex.removeprefix("^").removesuffix("$").replace(".*", "*").replace(r"\.", ".")
+            out.append(glob if regex.endswith("$") else glob + "*")
+        else:
+            out.extend(m for m in unquantized if re.match(regex, m))
+    return out
+
+
+def fused_modules(reader: CheckpointReader) -> list[QuantModule]:
+    """The per-expert Linears of every fused expert tensor, each naming its expert and rows."""
+    modules = []
+    for name in reader.names():
+        m = _FUSED_GLOBAL.match(name)
+        if not m:
+            continue
+        experts, leaf = m.group("experts"), m.group("leaf")
+        names = fused_names(experts, leaf)
+        check_tensor(reader, f"{experts}.{leaf}", "packed", names[WEIGHT], None)
+        num_experts, half_k, out_features = reader.info(names[WEIGHT]).shape
+        check_tensor(reader, f"{experts}.{leaf}", "block", names[BLOCK_SCALE],
+                     (num_experts, half_k * 2 // BLOCK, out_features))
+        check_tensor(reader, f"{experts}.{leaf}", "global", names[GLOBAL_SCALE], None)
+        input_name = names[INPUT_SCALE] if names[INPUT_SCALE] in reader else None
+        parts = [("gate_proj", (0, out_features // 2)), ("up_proj", (out_features // 2, out_features))] \
+            if leaf == "gate_up_proj" else [("down_proj", None)]
+        for e in range(num_experts):
+            for proj, rows in parts:
+                n = out_features if rows is None else rows[1] - rows[0]
+                modules.append(QuantModule(f"{experts}.{e}.{proj}", names[WEIGHT], names[BLOCK_SCALE],
+                                           names[GLOBAL_SCALE], input_name, n, half_k * 2, e, rows))
+    return modules
+
+
+class ModelOpt(Dialect):
+    name = NAME
+    title = "ModelOpt"
+    suffixes = SUFFIXES
+    stores = "divisor"
+    config_files = (HF_QUANT_CONFIG,)
+    fused_experts = True
+    records_exact_input_scales = True
+
+    def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
+        if files.get(HF_QUANT_CONFIG):
+            return f"{HF_QUANT_CONFIG} exists"
+        return "config.json says modelopt" if method.startswith(NAME) else None
+
+    def quantization_section(self, qconfig: dict, files: dict[str, dict]) -> dict:
+        return (files.get(HF_QUANT_CONFIG) or {}).get("quantization") or qconfig
+
+    def scheme(self, qconfig: dict) -> str:
+        return scheme_of(qconfig)
+
+    def owns(self, tensor: str) -> bool:
+        return tensor.endswith(GLOBAL_SCALE)  # `.weight_scale_2`, and the fused `_weight_scale_2`
+
+    def find_modules(self, reader: CheckpointReader) -> list[QuantModule]:
+        # `.weight_scale` also names FP8 scales: a module is NVFP4 when it has a scale_2 or an fp8 block scale
+        def is_module(base: str) -> bool:
+            block = base + SUFFIXES["block"]
+            return base + SUFFIXES["global"] in reader or (
+                block in reader and reader.info(block).dtype == torch.float8_e4m3fn)
+
+        return fused_modules(reader) + plain_modules(reader, SUFFIXES, ("global", "input", "block"), is_module)
+
+    def load_scale(self, stored: torch.Tensor, producer: str | None) -> torch.Tensor:
+        if producer == "fp4kit":
+            multiplier = multiplier_behind(stored)  # the multiplier fp4kit wrote this divisor for
+            if multiplier is not None:
+                return divisor_of(multiplier)
+        return stored.double()
+
+    def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
+        return fp32_divisor(divisor)
+
+    # writing and reading by module name: the module functions of the same names
+    planned = staticmethod(planned)
+    encode = staticmethod(encode)
+    decode = staticmethod(decode)
+    quantization_config = staticmethod(quantization_config)
+
+    def side_configs(self, scheme: str, ignore: list[str]) -> dict[str, dict]:
+        return {HF_QUANT_CONFIG: hf_quant_config(scheme, ignore)}
+
+    def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
+        return ignore_from(patterns, unquantized)
+
+    def fused_scale_names(self, experts: str, leaf: str) -> tuple[str, str]:
+        """(weight global scale, input scale) tensor names of a fused expert tensor."""
+        names = fused_names(experts, leaf)
+        return names[GLOBAL_SCALE], names[INPUT_SCALE]
+
+    # fused expert tensors (fused_experts): the module functions of the same names
+    fused_names = staticmethod(fused_names)
+    fused_planned = staticmethod(fused_planned)
+    encode_fused = staticmethod(encode_fused)
+
+
+DIALECT = ModelOpt()

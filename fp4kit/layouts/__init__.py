@@ -1,9 +1,11 @@
 """Backend layouts: pure functions from one MoE layer's canonical NVFP4 weights to the tensors a kernel reads,
 each with an exact inverse (docs/layouts.md).
 
-Every backend module (``cutlass``, ``trtllm``, ``marlin``) exposes the same four functions:
+Every backend module (registered in fp4kit/registry.py: ``cutlass``, ``trtllm``, ``marlin``) exposes the same
+functions. The layout itself:
 
-- ``check_shapes(E, H, I, ep=1)`` raises :class:`~fp4kit.errors.Fp4kitError` when the kernel cannot run the shape;
+- ``check_shapes(E, H, I, ep=1, **options)`` raises :class:`~fp4kit.errors.Fp4kitError` when the kernel cannot run
+  the shape;
 - ``transform(w13, w2, input_scale_div13, input_scale_div2, **opts, out=None) -> dict[str, Tensor]``, named by
   the kernel's argument names; ``out`` (name -> contiguous tensor of the result's dtype and shape, for any subset of
   the names) receives those results in place, e.g. tensors mapped onto the output file (``ShardWriter.destination``);
@@ -12,6 +14,18 @@ Every backend module (``cutlass``, ``trtllm``, ``marlin``) exposes the same four
 - ``undo(tensors, meta) -> (w13, w2, input_scale_div13, input_scale_div2)``, the canonical form bit for bit.
   ``undo`` also checks that the per-expert scalars and the padding in ``tensors`` are what ``transform`` writes,
   so it doubles as a verifier of a stored layout.
+
+What fp4kit's commands ask of it:
+
+- ``W4A4``: whether the kernel quantizes activations (it then needs the checkpoint's input scales);
+- ``layout_options(act_dtype, flavor)`` -> the keyword options of its ``check_shapes`` / ``transform`` /
+  ``describe`` for `fp4kit layout`'s options (an Fp4kitError for a combination it cannot run);
+- ``shape_problems(hidden, intermediate)`` -> why the kernel cannot run these sizes (empty: it can), for inspect;
+- ``padded_sizes(hidden, intermediate)`` and ``manifest_kernel(options)`` -> what fp4kit_layout.json records
+  (fp4kit/layout_manifest.py): the kernel function, its library and description, how the gate/up input divisor is
+  chosen, the formulas of its scalars, and (``options``, when any) the layout options that select the kernel;
+- ``kernel_arguments(tensors, meta, document, entry, root, device)`` -> the layer's keyword arguments of the
+  kernel call, from a stored layout (fp4kit/runtime.py).
 
 w13 is [E, 2I, H] in [w1; w3] (gate first) row order, w2 is [E, H, I]; both stacked NVFP4Tensors with a float64
 [E] divisor global scale. Input scales are float64 [E] divisors (or None for weight-only use).
@@ -25,6 +39,26 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """One MoE layer's routed experts in canonical form: what a layout transforms and undoes, and what verify
+    computes with. Input divisors are None for a weight-only checkpoint."""
+
+    w13: NVFP4Tensor  # [E, 2I, H], gate rows then up rows
+    w2: NVFP4Tensor  # [E, H, I]
+    input_scale_div13: torch.Tensor | None  # float64 [E]
+    input_scale_div2: torch.Tensor | None  # float64 [E]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.packed.shape[0]
+
+    def arguments(self) -> tuple[NVFP4Tensor, NVFP4Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The leading positional arguments of a backend's ``transform`` and ``describe``, in their order
+        (``undo`` returns the same four)."""
+        return self.w13, self.w2, self.input_scale_div13, self.input_scale_div2
 
 
 @dataclass(frozen=True)
@@ -81,6 +115,20 @@ def check_expert_parallel(num_experts: int, ep: int, kernel: str) -> None:
     if ep < 1 or num_experts % ep:
         raise Fp4kitError(f"{kernel} places E/ep experts on each rank (offset = rank * E/ep), so E = {num_experts} "
                           f"must be divisible by ep = {ep}.")
+
+
+def alignment_problems(checks: list[tuple[str, int, int]]) -> list[str]:
+    """``"I=96 not a multiple of 64"`` for each (name, value, multiple) that fails."""
+    return [f"{what}={value} not a multiple of {multiple}" for what, value, multiple in checks if value % multiple]
+
+
+# Scalar formulas the manifests record (fp4kit/layout_manifest.py, FORMULA_NOTATION says how to read them)
+W4A4_FORMULAS = {"w13_alpha": "fp32(D_w13) * fp32(D_a13)", "a13_gscale": "1 / fp32(D_a13)",
+                 "w2_alpha": "fp32(D_w2) * fp32(D_a2)", "a2_gscale": "1 / fp32(D_a2)"}
+# FlashInfer's kernels quantize the hidden states once, before routing: one gate/up input scale for all experts
+SHARED_A13 = ("max over the layer's experts of input_scale_div13 (the kernel quantizes the hidden states once for "
+              "all experts; options.collapsed_input_scales13 counts the experts whose own scale this replaces)")
+PER_EXPERT_A13 = "input_scale_div13[e]"
 
 
 def fp32(scale: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,18 @@ Facts (checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.layouts import (
+    PER_EXPERT_A13,
+    SHARED_A13,
+    W4A4_FORMULAS,
     LayoutMeta,
+    alignment_problems,
     canonical,
     check_divisible,
     check_expert_parallel,
@@ -48,6 +53,15 @@ KERNEL = {
     "vllm": "vllm cutlass_moe_fp4 (vLLM 0.33)",
 }
 BACKEND = "cutlass"
+W4A4 = True
+# (library on PyPI, function) per flavor
+FUNCTIONS = {
+    "flashinfer": ("flashinfer-python", "flashinfer.fused_moe.cutlass_fused_moe"),
+    "vllm": ("vllm", "vllm.model_executor.layers.fused_moe.cutlass_moe.cutlass_moe_fp4"),
+}
+# FlashInfer's cutlass binding reads the NVFP4 quant_scales list in this order (flashinfer_cutlass_fused_moe_binding.cu)
+QUANT_SCALES = ("fc1_act_global_scale", "fc1_weight_block_scale", "fc1_dequant_scale",
+                "fc2_act_global_scale", "fc2_weight_block_scale", "fc2_dequant_scale")
 Flavor = Literal["flashinfer", "vllm"]
 GATED_I_ALIGNMENT = 64
 HIDDEN_ALIGNMENT = 64
@@ -62,13 +76,52 @@ _NAMES = {
 _DTYPES = {"flashinfer": (torch.int64, torch.int32), "vllm": (torch.uint8, torch.float8_e4m3fn)}
 
 
-def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1, flavor: Flavor = "flashinfer") -> None:
+def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1, flavor: Flavor = "flashinfer",
+                 **options: object) -> None:
     _check_flavor(flavor)
     check_divisible("intermediate size I", intermediate, GATED_I_ALIGNMENT,
                     "the CUTLASS gated MoE GEMM1 needs I % 64 == 0")
     check_divisible("hidden size H", hidden, HIDDEN_ALIGNMENT,
                     "the CUTLASS NVFP4 MoE reads activation scales in rows padded to 64")
     check_expert_parallel(num_experts, ep, "CUTLASS fused MoE")
+
+
+def layout_options(act_dtype: torch.dtype, flavor: str) -> dict[str, object]:
+    _check_flavor(flavor)
+    return {"flavor": flavor}
+
+
+def shape_problems(hidden: int, intermediate: int) -> list[str]:
+    return alignment_problems([("I", intermediate, GATED_I_ALIGNMENT), ("H", hidden, HIDDEN_ALIGNMENT)])
+
+
+def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
+    return hidden, intermediate
+
+
+def manifest_kernel(options: dict[str, object]) -> dict[str, object]:
+    flavor = str(options["flavor"])
+    library, function = FUNCTIONS[flavor]
+    names = dict(zip(("g1", "a1", "g2", "a2"), _NAMES[flavor][2:4] + _NAMES[flavor][6:8], strict=True))
+    return {"library": library, "function": function, "description": KERNEL[flavor],
+            "gate_up_input_divisor": SHARED_A13 if flavor == "flashinfer" else PER_EXPERT_A13,
+            "scalar_formulas": {names["g1"]: W4A4_FORMULAS["w13_alpha"], names["a1"]: W4A4_FORMULAS["a13_gscale"],
+                                names["g2"]: W4A4_FORMULAS["w2_alpha"], names["a2"]: W4A4_FORMULAS["a2_gscale"]},
+            "options": {"flavor": flavor}}
+
+
+def kernel_arguments(tensors: dict[str, torch.Tensor], meta: LayoutMeta, document: dict, entry: dict,
+                     root: str | os.PathLike, device: str | torch.device) -> dict[str, object]:
+    """FlashInfer ``cutlass_fused_moe``'s layer arguments, or vLLM ``cutlass_moe_fp4``'s (its parameter names are the
+    tensor names)."""
+    if "fc1_expert_weights" not in tensors:
+        return dict(tensors)
+    return {
+        "fc1_expert_weights": tensors["fc1_expert_weights"],
+        "fc2_expert_weights": tensors["fc2_expert_weights"],
+        "quant_scales": [tensors[name] for name in QUANT_SCALES],
+        "output_dtype": {"bfloat16": torch.bfloat16, "float16": torch.float16}[document["act_dtype"]],
+    }
 
 
 def _check_flavor(flavor: str) -> None:

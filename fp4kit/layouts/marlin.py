@@ -23,12 +23,14 @@ get_weight_perm) and ``csrc/moe/marlin_moe_wna16/ops.cu``):
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.layouts import (
     LayoutMeta,
+    alignment_problems,
     canonical,
     check_divisible,
     check_input_scales,
@@ -44,6 +46,8 @@ from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, pack_codes, unpack_codes
 
 KERNEL = "vllm fused_marlin_moe / moe_wna16_marlin_gemm, float4_e2m1f weights (vLLM 0.33)"
 BACKEND = "marlin"
+W4A4 = False  # W4A16: the kernel dequantizes the weights and runs on the activations as they are
+LIBRARY, FUNCTION = "vllm", "vllm.model_executor.layers.fused_moe.fused_marlin_moe.fused_marlin_moe"
 TILE = 16
 N_ALIGNMENT = 128
 K_ALIGNMENT = 64
@@ -56,11 +60,51 @@ _CHUNK_BYTES = 1 << 21  # experts repacked / encoded per step: the working set s
 _FP8_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)  # every FP8 byte
 
 
-def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) -> None:
+def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1, **options: object) -> None:
     check_divisible("hidden size H", hidden, N_ALIGNMENT, "Marlin MoE needs n % 128 == 0 for the down GEMM")
     check_divisible("intermediate size I", intermediate, K_ALIGNMENT, "Marlin MoE needs k % 64 == 0 for the down GEMM")
     if ep < 1 or ep > num_experts:
         raise Fp4kitError(f"ep = {ep} must be between 1 and the number of experts {num_experts}.")
+
+
+def scalar_type_id(exponent: int, mantissa: int, signed: bool, bias: int, finite_values_only: bool,
+                   nan_repr: int) -> int:
+    """vLLM's ``ScalarType.id``: the fields packed into one int64 (vllm/scalar_type.py), as its custom ops take."""
+    fields = ((exponent, 8), (mantissa, 8), (int(signed), 1), (bias, 32), (int(finite_values_only), 1), (nan_repr, 8))
+    value = offset = 0
+    for member, width in fields:
+        value |= (member & ((1 << width) - 1)) << offset
+        offset += width
+    return value
+
+
+# scalar_types.float4_e2m1f = ScalarType.float_(2, 1, finite_values_only=True, NanRepr.NONE = 0)
+FLOAT4_E2M1F_ID = scalar_type_id(2, 1, True, 0, True, 0)
+
+
+def layout_options(act_dtype: torch.dtype, flavor: str) -> dict[str, object]:
+    return {"act_dtype": act_dtype}
+
+
+def shape_problems(hidden: int, intermediate: int) -> list[str]:
+    return alignment_problems([("H", hidden, N_ALIGNMENT), ("I", intermediate, K_ALIGNMENT)])
+
+
+def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
+    return hidden, intermediate
+
+
+def manifest_kernel(options: dict[str, object]) -> dict[str, object]:
+    return {"library": LIBRARY, "function": FUNCTION, "description": KERNEL, "gate_up_input_divisor": "unused (W4A16)",
+            "scalar_formulas": {"global_scale1": "fp32(D_w13) * 2^B / options.w13_scale_factor",
+                                "global_scale2": "fp32(D_w2) * 2^B / options.w2_scale_factor"}}
+
+
+def kernel_arguments(tensors: dict[str, torch.Tensor], meta: LayoutMeta, document: dict, entry: dict,
+                     root: str | os.PathLike, device: str | torch.device) -> dict[str, object]:
+    """vLLM ``fused_marlin_moe``'s layer arguments."""
+    return {**tensors, "bias1": None, "bias2": None, "quant_type_id": FLOAT4_E2M1F_ID,
+            "global_num_experts": meta.num_experts}
 
 
 def weight_permutation() -> torch.Tensor:

@@ -26,10 +26,14 @@ Facts (checked in flashinfer-python 0.7.2.post1 ``fused_moe/prepare.py::prepare_
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.layouts import (
+    SHARED_A13,
+    W4A4_FORMULAS,
     LayoutMeta,
     canonical,
     check_divisible,
@@ -52,6 +56,8 @@ from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 KERNEL = ("flashinfer.fused_moe.trtllm_fp4_block_scale_moe (flashinfer-python 0.7.2.post1, epilogue_tile_m=128; "
           "GEMM1 K = H padded to 256, GEMM2 rows = H padded to 128, I padded to 64)")
 BACKEND = "trtllm"
+W4A4 = True
+LIBRARY, FUNCTION = "flashinfer-python", "flashinfer.fused_moe.trtllm_fp4_block_scale_moe"
 EPILOGUE_TILE_M = 128
 SHUFFLE_BLOCK = 32
 HIDDEN_ALIGNMENT = 256  # GEMM1's K: the width the hidden states are padded to
@@ -59,10 +65,33 @@ GEMM2_ROW_ALIGNMENT = 128  # GEMM2's N (FC2 rows) when valid_hidden_size is give
 INTERMEDIATE_ALIGNMENT = 64
 
 
-def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1) -> None:
+# flashinfer.tllm_enums.RoutingMethodType, per fp4kit routing kind (and renormalize)
+ROUTING_METHOD = {("softmax_topk", True): 4, ("softmax_topk", False): 0, ("sigmoid_grouped_topk", True): 2,
+                  ("llama4_sigmoid_top1", True): 3, ("llama4_sigmoid_top1", False): 3}
+
+
+def check_shapes(num_experts: int, hidden: int, intermediate: int, ep: int = 1, **options: object) -> None:
     check_divisible("hidden size H", hidden, BLOCK, "NVFP4 has one FP8 scale per 16 elements")
     check_divisible("intermediate size I", intermediate, BLOCK, "NVFP4 has one FP8 scale per 16 elements")
     check_expert_parallel(num_experts, ep, "TRT-LLM-gen MoE")
+
+
+def layout_options(act_dtype: torch.dtype, flavor: str) -> dict[str, object]:
+    if act_dtype != torch.bfloat16:
+        raise Fp4kitError("trtllm_fp4_block_scale_moe always outputs bfloat16: use --act-dtype bf16")
+    return {}
+
+
+def shape_problems(hidden: int, intermediate: int) -> list[str]:
+    return []  # pads H (256 for GEMM1's K, 128 for GEMM2's rows) and I (64) itself
+
+
+def manifest_kernel(options: dict[str, object]) -> dict[str, object]:
+    return {"library": LIBRARY, "function": FUNCTION, "description": KERNEL, "gate_up_input_divisor": SHARED_A13,
+            "scalar_formulas": {
+                "output1_scale_gate_scalar": W4A4_FORMULAS["w13_alpha"],
+                "output1_scale_scalar": f"({W4A4_FORMULAS['w13_alpha']}) * (1 / fp32(D_a2))",
+                "output2_scale_scalar": W4A4_FORMULAS["w2_alpha"]}}
 
 
 def padded_sizes(hidden: int, intermediate: int) -> tuple[int, int]:
@@ -222,3 +251,46 @@ def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tenso
                    _crop("gemm2_weights_scale", scales2.view(torch.uint8)[:, back2], hidden, intermediate // BLOCK)
                    .view(torch.float8_e4m3fn), meta.w2_global_scale_div)
     return w13, w2, meta.input_scale_div13, meta.input_scale_div2
+
+
+def _routing_bias(root: str | os.PathLike, experts: str) -> torch.Tensor | None:
+    """The router's selection bias (GLM's `<moe>.gate.e_score_correction_bias`), which the TRT-LLM-gen router takes."""
+    from fp4kit.checkpoint import CheckpointReader
+    from fp4kit.families.base import router_bias_name
+
+    name = router_bias_name(experts)
+    with CheckpointReader(root) as reader:
+        return reader.read(name) if name in reader else None
+
+
+def _routing(root: str | os.PathLike) -> dict[str, object]:
+    from fp4kit.checkpoint import read_config
+    from fp4kit.families import detect
+
+    config = read_config(root)
+    try:
+        family = detect(config)
+        spec = family.routing(family.text_config(config))
+    except (Fp4kitError, KeyError, TypeError, ValueError):
+        return {}
+    grouped = spec.kind == "sigmoid_grouped_topk"
+    method = ROUTING_METHOD.get((spec.kind, spec.renormalize))
+    if method is None:
+        raise Fp4kitError(f"TRT-LLM-gen routing has no method for {spec.kind} with renormalize={spec.renormalize}")
+    return {"top_k": spec.top_k, "n_group": spec.n_group if grouped else None,
+            "topk_group": spec.topk_group if grouped else None,
+            "routed_scaling_factor": spec.routed_scaling_factor if grouped else None, "routing_method_type": method}
+
+
+def kernel_arguments(tensors: dict[str, torch.Tensor], meta: LayoutMeta, document: dict, entry: dict,
+                     root: str | os.PathLike, device: str | torch.device) -> dict[str, object]:
+    """``trtllm_fp4_block_scale_moe``'s layer arguments (fp4kit/runtime.py says which)."""
+    bias = _routing_bias(root, entry["module"])
+    return {
+        **tensors,
+        "routing_bias": None if bias is None else bias.to(device),
+        "gemm1_bias": None, "gemm1_alpha": None, "gemm1_beta": None, "gemm1_clamp_limit": None, "gemm2_bias": None,
+        "num_experts": meta.num_experts,
+        **call_arguments(meta, ep_rank=0),
+        **_routing(root),
+    }

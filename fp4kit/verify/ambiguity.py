@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX
+from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX, fp32_multiplier
 from fp4kit.routing import RoutingSpec
 from fp4kit.verify.reference import block_scale_input, fake_quantize_activation
 
@@ -57,7 +57,7 @@ def quantization_flips(x: Tensor, delta: Tensor, global_div: Tensor) -> tuple[Te
     """For values ``x`` [R, K] that `fake_quantize_activation` rounds with divisor ``global_div`` (0-d), and a bound
     ``delta`` [R, K] >= 0 on how far another correct computation's values can be from them: (ambiguous bool [R],
     change [R, K]), the most each dequantized element can differ between the two (0 where no rounding can flip)."""
-    global_mul = (1.0 / global_div.double()).to(torch.float32).to(x.device)
+    global_mul = fp32_multiplier(global_div).to(x.device)
     blocks, block_delta = x.float().unflatten(-1, (-1, BLOCK)), delta.float().unflatten(-1, (-1, BLOCK))
     pre = block_scale_input(blocks.abs().amax(dim=-1, keepdim=True), global_mul)  # the reference's exact value
     scale = torch.clamp(pre, max=FP8_MAX).to(torch.float8_e4m3fn).float()

@@ -186,11 +186,10 @@ def _prepare_flashinfer_cutlass(
     from flashinfer.fused_moe import cutlass_fused_moe
 
     from fp4kit.layouts import cutlass
-    from fp4kit.runtime import CUTLASS_QUANT_SCALES
 
     assert activation_div is not None
     tensors = {k: v.to(device) for k, v in cutlass.transform(moe.w13, moe.w2, *activation_div).items()}
-    quant_scales = [tensors[name] for name in CUTLASS_QUANT_SCALES]
+    quant_scales = [tensors[name] for name in cutlass.QUANT_SCALES]
     input_gscale = tensors["fc1_act_global_scale"].min()  # one activation scale for the whole input, as engines do
 
     def run(hidden: Tensor, weights: Tensor, ids: Tensor, logits: Tensor) -> Tensor:
@@ -217,7 +216,6 @@ def _prepare_flashinfer_trtllm(
     from flashinfer.fused_moe import trtllm_fp4_block_scale_moe
 
     from fp4kit.layouts import trtllm
-    from fp4kit.runtime import _ROUTING_METHOD
 
     assert activation_div is not None
     tensors = {k: v.to(device) for k, v in trtllm.transform(moe.w13, moe.w2, *activation_div).items()}
@@ -244,7 +242,7 @@ def _prepare_flashinfer_trtllm(
             n_group=spec.n_group if grouped else None,
             topk_group=spec.topk_group if grouped else None,
             routed_scaling_factor=spec.routed_scaling_factor if grouped else None,
-            routing_method_type=_ROUTING_METHOD[(spec.kind, spec.renormalize)],
+            routing_method_type=trtllm.ROUTING_METHOD[(spec.kind, spec.renormalize)],
             **trtllm.call_arguments(meta),
         )
         return (out[0] if isinstance(out, list | tuple) else out).float()
@@ -258,7 +256,6 @@ def _prepare_marlin(
     from vllm.model_executor.layers.fused_moe.fused_marlin_moe import fused_marlin_moe
 
     from fp4kit.layouts import marlin
-    from fp4kit.runtime import FLOAT4_E2M1F_ID
 
     tensors = {
         k: v.to(device) for k, v in marlin.transform(moe.w13, moe.w2, None, None, act_dtype=torch.bfloat16).items()
@@ -270,7 +267,7 @@ def _prepare_marlin(
             gating_output=logits,
             topk_weights=weights.float(),
             topk_ids=ids.to(torch.int32),
-            quant_type_id=FLOAT4_E2M1F_ID,
+            quant_type_id=marlin.FLOAT4_E2M1F_ID,
             global_num_experts=moe.num_experts,
             apply_router_weight_on_input=spec.scales_input,  # Llama-4 (top-1)
             bias1=None,

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.nvfp4 import GLOBAL_NUMERATOR
+from fp4kit.nvfp4 import amax_of_divisor
 from fp4kit.routing import RoutingSpec, route
 from fp4kit.verify.ambiguity import w4a4_flip_bound
 from fp4kit.verify.backends import BACKENDS, ActivationDiv, Runner, dequantized
@@ -174,7 +174,7 @@ class LayerVerifier:
         hidden = random_hidden(num_tokens, self.moe.w13.shape[2], seed, self.device)
         if self.act is not None:
             # W4A4: bring unit-scale states to the range the static activation scales were calibrated for
-            calibrated_amax = float(self.act[0].median()) * GLOBAL_NUMERATOR
+            calibrated_amax = amax_of_divisor(float(self.act[0].median()))
             hidden = (hidden * (calibrated_amax / UNIT_BATCH_AMAX)).to(torch.bfloat16).float()
         return hidden
 

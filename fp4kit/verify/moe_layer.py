@@ -14,7 +14,6 @@ The BF16 source reads the same layer as fp32 dense experts, whichever expert lay
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +23,19 @@ from torch import Tensor
 from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import Family
+from fp4kit.families.base import (
+    EXPERT_PROJS,
+    Family,
+    group_experts,
+    router_bias_name,
+    router_weights,
+    shared_expert_modules,
+)
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layout import find_moe_layers
 from fp4kit.layout import read_layer as read_canonical_layer
 from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
+from fp4kit.layouts import StackedExperts
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.plan import QuantGroup, read_group_weights, read_linear_weight, source_candidates, source_view
 from fp4kit.routing import RoutingSpec
@@ -36,10 +43,7 @@ from fp4kit.shard import EXPERT_MAP
 from fp4kit.shard import MANIFEST as SHARD_MANIFEST
 from fp4kit.sources import SourceFormat
 
-PROJS = ("gate_proj", "up_proj", "down_proj")
-SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")  # GLM, Llama-4
-ROUTER_MODULES = ("gate", "router")  # Qwen3 / GLM, Llama-4
-_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+PROJS = EXPERT_PROJS
 
 
 @dataclass
@@ -53,20 +57,34 @@ class Router:
 
 @dataclass
 class QuantizedMoe:
-    """A layer's routed experts in canonical NVFP4 (input divisors None for weight-only checkpoints)."""
+    """A layer's routed experts in canonical NVFP4 (input divisors None for weight-only checkpoints), its router and
+    shared expert."""
 
     layer: int
     experts_module: str
-    w13: NVFP4Tensor
-    w2: NVFP4Tensor
-    input_div13: Tensor | None
-    input_div2: Tensor | None
+    experts: StackedExperts
     router: Router
     shared: tuple[Tensor, Tensor] | None  # dense fp32 shared expert (w13 [2Is, H], w2 [H, Is])
 
     @property
+    def w13(self) -> NVFP4Tensor:
+        return self.experts.w13
+
+    @property
+    def w2(self) -> NVFP4Tensor:
+        return self.experts.w2
+
+    @property
+    def input_div13(self) -> Tensor | None:
+        return self.experts.input_scale_div13
+
+    @property
+    def input_div2(self) -> Tensor | None:
+        return self.experts.input_scale_div2
+
+    @property
     def num_experts(self) -> int:
-        return self.w13.packed.shape[0]
+        return self.experts.num_experts
 
 
 @dataclass
@@ -85,14 +103,12 @@ def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
 
 
 def _router(reader: CheckpointReader, experts_module: str) -> Router:
-    parent = experts_module.removesuffix(".experts")
-    for leaf in ROUTER_MODULES:
-        if f"{parent}.{leaf}.weight" in reader:
-            bias = f"{parent}.gate.e_score_correction_bias"
-            return Router(
-                reader.read(f"{parent}.{leaf}.weight").float(), reader.read(bias).float() if bias in reader else None
-            )
-    raise Fp4kitError(f"{experts_module}: no router weight ({parent}.gate.weight or {parent}.router.weight)")
+    candidates = router_weights(experts_module)
+    for weight in candidates:
+        if weight in reader:
+            bias = router_bias_name(experts_module)
+            return Router(reader.read(weight).float(), reader.read(bias).float() if bias in reader else None)
+    raise Fp4kitError(f"{experts_module}: no router weight ({' or '.join(candidates)})")
 
 
 def _dense_or_quantized(
@@ -110,11 +126,9 @@ def _shared_expert(
     reader: CheckpointReader, experts_module: str, ckpt: QuantizedCheckpoint | None,
     source: SourceFormat | None = None,
 ) -> tuple[Tensor, Tensor] | None:
-    parent = experts_module.removesuffix(".experts")
     quantized = {m.name: m for m in ckpt.modules} if ckpt is not None else {}
-    for leaf in SHARED_EXPERT_MODULES:
-        gate, up, down = (_dense_or_quantized(reader, quantized, ckpt, f"{parent}.{leaf}.{p}", source)
-                          for p in PROJS)
+    for shared in shared_expert_modules(experts_module):
+        gate, up, down = (_dense_or_quantized(reader, quantized, ckpt, f"{shared}.{p}", source) for p in PROJS)
         if gate is not None and up is not None and down is not None:
             return torch.cat([gate, up]), down
     return None
@@ -163,12 +177,12 @@ class QuantizedModel:
             )
         module = self.experts_modules[index]
         if self.layout is not None:
-            w13, w2, div13, div2 = undo_layout(self.root, index)
+            experts = undo_layout(self.root, index)
         else:
-            w13, w2, div13, div2 = read_canonical_layer(self.ckpt, self._layers[index])
+            experts = read_canonical_layer(self.ckpt, self._layers[index])
         reader = self.ckpt.reader
         return QuantizedMoe(
-            index, module, w13, w2, div13, div2, _router(reader, module), _shared_expert(reader, module, self.ckpt)
+            index, module, experts, _router(reader, module), _shared_expert(reader, module, self.ckpt)
         )
 
     def close(self) -> None:
@@ -181,29 +195,24 @@ class QuantizedModel:
         self.close()
 
 
-def undo_layout(root: str | Path, layer: int) -> tuple[NVFP4Tensor, NVFP4Tensor, Tensor | None, Tensor | None]:
+def undo_layout(root: str | Path, layer: int) -> StackedExperts:
     """A layout checkpoint's layer back in canonical form (Fp4kitError when the stored tensors are inconsistent)."""
-    from fp4kit.layout import BACKENDS
+    from fp4kit.registry import backend
     from fp4kit.runtime import read_layer
 
     tensors, meta, document = read_layer(root, layer)
-    return BACKENDS[document["backend"]].undo(tensors, meta)
+    return StackedExperts(*backend(document["backend"]).undo(tensors, meta))
 
 
-def layout_transform(
-    root: str | Path, layer: int, w13: NVFP4Tensor, w2: NVFP4Tensor, div13: Tensor | None, div2: Tensor | None
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def layout_transform(root: str | Path, layer: int, experts: StackedExperts
+                     ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(stored kernel tensors, what the layout's transform writes for these canonical weights) of one layer."""
-    from fp4kit.layout import BACKENDS
+    from fp4kit.layout_manifest import stored_options
+    from fp4kit.registry import backend
     from fp4kit.runtime import read_layer
 
     tensors, _, document = read_layer(root, layer)
-    options: dict[str, object] = {}
-    if document["backend"] == "marlin":
-        options = {"act_dtype": getattr(torch, document["act_dtype"])}
-    elif document["backend"] == "cutlass":
-        options = {"flavor": document["options"].get("flavor", "flashinfer")}
-    return tensors, BACKENDS[document["backend"]].transform(w13, w2, div13, div2, **options)
+    return tensors, backend(document["backend"]).transform(*experts.arguments(), **stored_options(document))
 
 
 def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -> SourceMoe:
@@ -252,11 +261,7 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
         )
     mapped = torch.tensor([int(local) >= 0 for local in expert_map])
     with open_checkpoint(rank_dir) as ckpt:
-        found: dict[int, dict[str, QuantModule]] = {}
-        for module in ckpt.modules:
-            match = _EXPERT.match(module.name)
-            if match and match["experts"] == experts_module:
-                found.setdefault(int(match["expert"]), {})[match["proj"]] = module
+        found = group_experts((m.name, m) for m in ckpt.modules).get(experts_module, {})
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
         moe = _stack_held(ckpt, found, held, full)
     return RankExperts(rank, held, mapped, moe)
@@ -291,4 +296,4 @@ def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModul
     router = _router(ckpt.reader, full.experts_module)
     if not has_input:
         div13 = div2 = None
-    return QuantizedMoe(full.layer, full.experts_module, w13, w2, div13, div2, router, None)
+    return QuantizedMoe(full.layer, full.experts_module, StackedExperts(w13, w2, div13, div2), router, None)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.layouts import StackedExperts
 from fp4kit.routing import route
 from fp4kit.verify.backends import BACKENDS, dequantized
 from fp4kit.verify.checks import (
@@ -29,9 +30,7 @@ from fp4kit.verify.reference import moe_reference
 def check_layouts(v: LayerVerifier, source: SourceMoe | None) -> None:
     moe = v.moe
     if v.model.layout is not None:
-        stored, rebuilt = layout_transform(
-            v.model.root, moe.layer, moe.w13, moe.w2, moe.input_div13, moe.input_div2
-        )
+        stored, rebuilt = layout_transform(v.model.root, moe.layer, moe.experts)
         differ = [k for k in stored if not _same_bytes(stored[k], rebuilt[k])]
         v.add(
             "layout",
@@ -41,11 +40,11 @@ def check_layouts(v: LayerVerifier, source: SourceMoe | None) -> None:
         )
     for path in v.options.layouts:
         try:
-            w13, w2, div13, div2 = undo_layout(path, moe.layer)
+            undone_experts = undo_layout(path, moe.layer)
         except Fp4kitError as exc:
             v.add("layout", str(path), False, detail=f"undo failed: {exc}")
             continue
-        differ = _canonical_differences(moe, w13, w2, div13, div2)
+        differ = _canonical_differences(moe.experts, undone_experts)
         v.add(
             "layout",
             str(path),
@@ -53,7 +52,7 @@ def check_layouts(v: LayerVerifier, source: SourceMoe | None) -> None:
             detail=("differs from the checkpoint: " + "; ".join(differ)) if differ else "bit exact",
         )
         if source is not None:
-            undone = QuantizedMoe(moe.layer, moe.experts_module, w13, w2, div13, div2, moe.router, moe.shared)
+            undone = QuantizedMoe(moe.layer, moe.experts_module, undone_experts, moe.router, moe.shared)
             _layout_source_error(v, str(path), undone, source)
 
 def _layout_source_error(v: LayerVerifier, target: str, undone: QuantizedMoe, source: SourceMoe) -> None:
@@ -135,17 +134,19 @@ def _same_bytes(a: Tensor, b: Tensor) -> bool:
     )
 
 
-def _canonical_differences(moe: QuantizedMoe, w13, w2, div13: Tensor | None, div2: Tensor | None) -> list[str]:
+def _canonical_differences(checkpoint: StackedExperts, undone: StackedExperts) -> list[str]:
     pairs = {
-        "w13 packed": (moe.w13.packed, w13.packed),
-        "w13 block scales": (moe.w13.block_scale, w13.block_scale),
-        "w13 global scales": (moe.w13.global_scale_div, w13.global_scale_div),
-        "w2 packed": (moe.w2.packed, w2.packed),
-        "w2 block scales": (moe.w2.block_scale, w2.block_scale),
-        "w2 global scales": (moe.w2.global_scale_div, w2.global_scale_div),
+        "w13 packed": (checkpoint.w13.packed, undone.w13.packed),
+        "w13 block scales": (checkpoint.w13.block_scale, undone.w13.block_scale),
+        "w13 global scales": (checkpoint.w13.global_scale_div, undone.w13.global_scale_div),
+        "w2 packed": (checkpoint.w2.packed, undone.w2.packed),
+        "w2 block scales": (checkpoint.w2.block_scale, undone.w2.block_scale),
+        "w2 global scales": (checkpoint.w2.global_scale_div, undone.w2.global_scale_div),
     }
-    if moe.input_div13 is not None and div13 is not None and moe.input_div2 is not None and div2 is not None:
-        pairs.update({"w13 input scales": (moe.input_div13, div13), "w2 input scales": (moe.input_div2, div2)})
+    scales = (checkpoint.input_scale_div13, undone.input_scale_div13, checkpoint.input_scale_div2,
+              undone.input_scale_div2)
+    if all(s is not None for s in scales):
+        pairs.update({"w13 input scales": scales[:2], "w2 input scales": scales[2:]})  # type: ignore[dict-item]
     differ = []
     for what, (ours, theirs) in pairs.items():
         if ours.shape != theirs.shape:

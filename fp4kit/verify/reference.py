@@ -16,7 +16,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp4kit.nvfp4 import BLOCK, E2M1_MAGNITUDES, FP4_MAX, FP8_MAX, NVFP4Tensor, e2m1_codes, global_scale_mul, quantize
+from fp4kit.nvfp4 import (
+    BLOCK,
+    FP4_MAX,
+    FP8_MAX,
+    NVFP4Tensor,
+    e2m1_codes,
+    e2m1_values,
+    fp32_multiplier,
+    global_scale_mul,
+    quantize,
+)
 from fp4kit.routing import RoutingSpec
 
 
@@ -62,14 +72,13 @@ def block_scale_input(block_amax: Tensor, global_mul: Tensor) -> Tensor:
 
 def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:
     """Quantize-dequantize fp32 activations [..., K] per 16-block with a static divisor global scale D_a (0-d)."""
-    global_mul = (1.0 / global_div.double()).to(torch.float32).to(x.device)
+    global_mul = fp32_multiplier(global_div).to(x.device)
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)
     block_scale = torch.clamp(block_scale_input(block_amax, global_mul), max=FP8_MAX).to(torch.float8_e4m3fn).float()
     divisor = block_scale / global_mul
     safe_divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
-    code_values = torch.tensor(E2M1_MAGNITUDES + tuple(-v for v in E2M1_MAGNITUDES), device=x.device)
-    values = code_values[e2m1_codes(blocks / safe_divisor).long()]
+    values = e2m1_values(e2m1_codes(blocks / safe_divisor))
     dequantized = torch.where(divisor > 0, values * block_scale / global_mul, torch.zeros_like(values))
     return dequantized.flatten(-2)
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
+from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, fp32_multiplier
 from fp4kit.routing import RoutingSpec
 
 
@@ -221,7 +221,7 @@ class TritonMoeWeights:
         device = torch.device(device) if device is not None else w13.packed.device
 
         def multiplier(divisor: Tensor) -> Tensor:
-            return (1.0 / divisor.double().reshape(num_experts)).to(torch.float32)
+            return fp32_multiplier(divisor.reshape(num_experts))
 
         def raw(t: Tensor) -> Tensor:
             return t.contiguous().view(torch.uint8).to(device)
