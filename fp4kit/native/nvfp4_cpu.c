@@ -129,15 +129,16 @@ static const uint16_t *thresholds_of(Tables *t, uint8_t code8) {
 }
 
 /* The E2M1 codes of one block from its thresholds: integer compares on bf16 bit patterns give the same codes as
- * dividing in fp32 and comparing with the boundaries; the sign bit is set where x < 0 and x / divisor is not 0. */
+ * dividing in fp32 and comparing with the boundaries; the sign bit is set where x < 0 and x / divisor is not 0.
+ * The thresholds sit in locals, so that the byte stores cannot alias them and the loop vectorizes. */
 static inline void encode_block(const uint16_t *block, const uint16_t *th, uint8_t *out) {
-    uint8_t codes[BLOCK];
+    const int16_t t0 = (int16_t)th[0], t1 = (int16_t)th[1], t2 = (int16_t)th[2], t3 = (int16_t)th[3],
+                  t4 = (int16_t)th[4], t5 = (int16_t)th[5], t6 = (int16_t)th[6], t7 = (int16_t)th[7];
+    int16_t codes[BLOCK];
     for (int i = 0; i < BLOCK; i++) {
-        uint16_t a = block[i] & 0x7FFFu;
-        uint16_t c = (uint16_t)((a >= th[0]) + (a >= th[1]) + (a >= th[2]) + (a >= th[3]) + (a >= th[4]) +
-                                (a >= th[5]) + (a >= th[6]));
-        uint16_t negative = (uint16_t)((block[i] >> 15) & (a >= th[7]));
-        codes[i] = (uint8_t)(c | (negative << 3));
+        int16_t a = (int16_t)(block[i] & 0x7FFFu);
+        int16_t c = (int16_t)((a >= t0) + (a >= t1) + (a >= t2) + (a >= t3) + (a >= t4) + (a >= t5) + (a >= t6));
+        codes[i] = (int16_t)(c | (((block[i] >> 15) & (a >= t7)) << 3));
     }
     for (int j = 0; j < BLOCK / 2; j++) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
 }
