@@ -3,7 +3,8 @@
 
 Documents are tokenized with SRC's tokenizer (its own special tokens, e.g. BOS, per document), concatenated and cut
 into ``samples`` windows of ``seq_len`` tokens: every sample is full length, so no padding and no attention mask is
-involved. ``input_ids`` are taken as they are. Fewer windows than ``samples`` is fine; less than one is an error.
+involved. ``input_ids`` are taken as they are. Fewer windows than ``samples`` is fine (``warn`` says so); less
+than one is an error.
 
 With no file, the small English set shipped in ``fp4kit/data/calib_default.jsonl`` is used so that the demo and the
 tests run offline. Real models want real text (ideally like what they will serve) and a few hundred samples.
@@ -31,8 +32,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 Document = tuple[str, "str | list[int]"]
 
 
-def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int, seq_len: int) -> torch.Tensor:
-    """int64 [S, seq_len] token ids, S = min(samples, whole windows available); errors raise Fp4kitError."""
+def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int, seq_len: int,
+                     warn: Callable[[str], None] | None = None) -> torch.Tensor:
+    """int64 [S, seq_len] token ids, S = min(samples, whole windows available); errors raise Fp4kitError.
+    ``warn(text)`` hears when fewer than ``samples`` windows are available, and how many are used."""
     if samples < 1 or seq_len < 1:
         raise Fp4kitError(f"--samples and --seq-len must be at least 1 (got {samples} and {seq_len})")
     if path is None:
@@ -63,6 +66,9 @@ def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int
     windows = min(samples, len(stream) // seq_len)
     if windows == 0:
         raise Fp4kitError(f"{label}: only {len(stream)} tokens, fewer than one sample of --seq-len {seq_len}")
+    if windows < samples and warn is not None:
+        warn(f"--samples {samples}: {label} holds {len(stream)} tokens, {windows} samples of --seq-len {seq_len}; "
+             f"using those {windows}")
     return torch.tensor(stream[: windows * seq_len], dtype=torch.int64).view(windows, seq_len)
 
 

@@ -318,22 +318,30 @@ def calibrate(
     dtype: torch.dtype | None = None,
     on_layer: LayerCallback | None = None,
     batch_share: tuple[int, int] = (0, 1),
+    progress: Callable[[int, int], None] | None = None,
 ) -> CalibrationResult:
     """Input amax of every Linear (``modules``: only those names) and routing counts, streaming SRC by layer.
 
     ``token_ids`` int64 [S, L]; ``dtype`` defaults to the checkpoint's (config.json), bf16 if it names none.
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
     ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.distributed to combine.
+    ``progress(done, total)`` counts batch forwards, layers x batches in all (called with 0 before the first).
     """
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, batch_share) as (reader, text, dtype, torch_device,
                                                                                  hidden_batches, layer_args):
+        total, done = len(text.layers) * len(hidden_batches), 0
+        if progress:
+            progress(0, total)
         for index in range(len(text.layers)):
             layer = _load_layer(text, reader, index, dtype, torch_device)
             recorder = _AmaxRecorder(text, layer, index, modules)
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)
+                done += 1
+                if progress:
+                    progress(done, total)
             recorder.flush(result, index)
             text.layers[index] = None  # its weights go with it
             del layer, recorder

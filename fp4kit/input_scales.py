@@ -47,11 +47,15 @@ def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: 
     return divisors
 
 
-def write_routing_stats(path: Path, plan: ModelPlan, routing_counts: dict[int, list[int]]) -> None:
-    """Tokens routed to each expert per MoE layer, in the schema `fp4kit shard --stats` reads (fp4kit.placement)."""
+def write_routing_stats(path: Path, plan: ModelPlan, routing_counts: dict[int, list[int]],
+                        calibration: dict | None = None) -> None:
+    """Tokens routed to each expert per MoE layer, in the schema `fp4kit shard --stats` reads (fp4kit.placement),
+    and the calibration set they were counted over (docs/formats.md)."""
     stats = {
         "model_type": plan.config.get("model_type"),
         "num_experts": plan.family.num_experts(plan.text_config),
         "layers": {str(layer): list(counts) for layer, counts in sorted(routing_counts.items())},
     }
+    if calibration:
+        stats["calibration"] = calibration
     path.write_text(json.dumps(stats, indent=1) + "\n")

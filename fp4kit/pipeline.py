@@ -29,13 +29,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 
 from fp4kit import __version__, distributed
 from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
+from fp4kit.progress import BYTES, Reporter
 from fp4kit.recipe import LoadedRecipe, check_against_model, load_recipe
 
 MARKER_SUFFIX = ".done.json"
+STEP_WORK = {"quantize": "quantizing", "repair": "converting", "layout": "laying out", "shard": "sharding",
+             "verify": "verifying"}
 SMALL_FILE = 1 << 20  # files up to this size are fingerprinted by content, larger ones by size and mtime
 
 
@@ -64,6 +66,14 @@ class Summary:
     def passed(self) -> bool | None:
         return None if self.verify is None else bool(self.verify.get("passed"))
 
+    def quantized(self) -> str | None:
+        """The quantize step's scheme, dialect, method and calibration data (None: no quantize step, or a marker
+        from an fp4kit that did not record them)."""
+        from fp4kit.quantize import describe
+
+        report = next((s.report for s in self.steps if s.name == "quantize"), None)
+        return describe(report) if report and "scheme" in report else None
+
     def to_json(self) -> dict:
         return asdict(self) | {"passed": self.passed}
 
@@ -72,6 +82,8 @@ class Summary:
                  f"({self.family})", f"- workdir: `{self.workdir}`", f"- this run: {self.seconds:.1f} s", "",
                  "| step | status | seconds | output |", "|---|---|---:|---|"]
         lines += [f"| {s.name} | {s.status} | {s.seconds:.2f} | `{s.output}` |" for s in self.steps]
+        if quantized := self.quantized():
+            lines += ["", f"quantize: {quantized}"]
         if self.verify is not None:
             lines += ["", f"## verify: {'PASS' if self.passed else 'FAIL'}", ""]
             lines += [f"- note: {note}" for note in self.verify.get("notes", [])]
@@ -137,19 +149,12 @@ def write_marker(workdir: Path, step: str, marker: dict) -> None:
     os.replace(partial, path)
 
 
-def _bar(console: Console, step: str) -> Progress:
-    # verify reports checks done (layers x checks); the other steps report bytes
-    amount = MofNCompleteColumn() if step == "verify" else DownloadColumn()
-    return Progress("[progress.description]{task.description}", BarColumn(), amount, TimeElapsedColumn(),
-                    console=console, transient=True, disable=not console.is_terminal)
-
-
-def _notify(bar: Progress, task: TaskID, step: str, text: str) -> None:
+def _notify(reporter: Reporter, text: str) -> None:
     """A warning is printed (above the bar on a terminal); other lines only name the bar's current phase."""
     if text.startswith("warning: "):
-        bar.console.print(f"{step}: {text}", markup=False, highlight=False)
+        reporter.warn(text[len("warning: "):])
     else:
-        bar.update(task, description=f"{step} {text}")
+        reporter.describe(text)
 
 
 # steps whose library function splits its work across torchrun's ranks; the others run on rank 0
@@ -168,10 +173,11 @@ def _run_step(step: str, ctx: StepContext, workdir: Path, key: str, console: Con
         marker_path(workdir, step).unlink(missing_ok=True)
     start = time.perf_counter()
     report: dict = {}
-    with _bar(console, step) as bar:
-        task = bar.add_task(step, total=None)
-        ctx.progress = lambda done, total: bar.update(task, completed=done, total=total)
-        ctx.notify = lambda text: _notify(bar, task, step, text)
+    # verify reports checks done (layers x checks); the other steps report bytes, or phases of their own
+    unit = "checks" if step == "verify" else BYTES
+    with Reporter(step, console=console, default_phase=STEP_WORK[step], default_unit=unit) as reporter:
+        ctx.progress = reporter
+        ctx.notify = lambda text: _notify(reporter, text)
         if step in DISTRIBUTED_STEPS:
             report = STEP_FUNCTIONS[step](ctx, output)
         else:

@@ -22,6 +22,8 @@ from fp4kit.formats.base import Dialect
 from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
 from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
+from fp4kit.progress import start_phase
+from fp4kit.progress import warn as warn_progress
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.streaming import BackgroundWriter, prefetched
@@ -81,6 +83,19 @@ class QuantizeReport:
     seconds: float
     method: str = "rtn"
     fallback_modules: list[str] = field(default_factory=list)  # gptq / weighted mse: quantized by data-free mse
+    scheme: str = "nvfp4a16"
+    format: str = "compressed-tensors"
+    calibration: dict = field(default_factory=dict)  # data, samples, seq_len, tokens used; empty: none
+    warnings: list[str] = field(default_factory=list)  # what the options asked for and did not get, and why
+
+
+def describe(report: QuantizeReport | dict) -> str:
+    """Scheme, dialect, method and calibration data of a QuantizeReport (or its dict, as `fp4kit run` keeps it)."""
+    get = report.get if isinstance(report, dict) else lambda key, default=None: getattr(report, key, default)
+    calibration = get("calibration") or {}
+    data = (f"{calibration['samples']} samples x {calibration['seq_len']} tokens = {calibration['tokens']} tokens "
+            f"of {calibration['data']}" if calibration else "no calibration data")
+    return f"{get('scheme')} {get('format')}, method {get('method')}, {data}"
 
 
 def input_scale_source(options: QuantizeOptions) -> str:
@@ -290,21 +305,46 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
     return planned
 
 
+def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn: Callable[[str], None]
+                      ) -> tuple[torch.Tensor | None, dict]:
+    """The calibration token ids [S, L] when a calibration pass runs (W4A4, or a calibrated method), and their record
+    for the report and the output (``calibration`` in fp4kit_routing_stats.json: docs/formats.md)."""
+    if options.scheme != "nvfp4" and not calibrated_method(options):
+        if options.calib is not None:
+            warn(f"--calib {options.calib}: not used: --scheme nvfp4a16 with --method {options.method} quantizes "
+                 "the weights alone, from no data (--method gptq or mse calibrate on it)")
+        return None, {}
+    from fp4kit.calib_data import DEFAULT_SET, load_calibration
+
+    vocab_size = int(plan.text_config["vocab_size"])
+    token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len, warn)
+    samples, seq_len = token_ids.shape
+    return token_ids, {"data": str(options.calib) if options.calib is not None else f"fp4kit:{DEFAULT_SET}",
+                       "samples": samples, "seq_len": seq_len, "tokens": samples * seq_len}
+
+
+def _batches(samples: int, batch_size: int, batch_share: tuple[int, int]) -> int:
+    rank, world = batch_share
+    return len(range(batch_size * rank, samples, batch_size * world))
+
+
 def _calibrate(
-    src: Path, plan: ModelPlan, options: QuantizeOptions, ranks: distributed.Ranks
+    src: Path, plan: ModelPlan, options: QuantizeOptions, ranks: distributed.Ranks, token_ids: torch.Tensor | None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
     """W4A4: a layer-streaming calibration pass over SRC before the quantization pass (weights are read twice,
     activations for all samples stay in memory, one layer's weights at a time). Under torchrun each rank runs its
     share of the batches and the statistics are combined."""
-    if options.scheme != "nvfp4":
+    if options.scheme != "nvfp4" or token_ids is None:
         return {}, {}
-    from fp4kit.calib_data import load_calibration
     from fp4kit.calibrate import calibrate
 
-    vocab_size = int(plan.text_config["vocab_size"])
-    token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
     modules = {c.linear.module for g in plan.groups for c in g.members}
-    result = calibrate(src, token_ids, options.device, options.batch_size, modules, batch_share=ranks.batch_share)
+    batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)
+    phase = start_phase(progress, "calibrating", None, "batches", f"{token_ids.shape[0]} samples x "
+                        f"{token_ids.shape[1]} tokens, {batches} batches through each decoder layer")
+    result = calibrate(src, token_ids, options.device, options.batch_size, modules, batch_share=ranks.batch_share,
+                       progress=phase)
     result = ranks.combine_calibration(result, sorted(modules))
     return input_scale_divisors(plan, result.input_amax, options.moe_input_scales), result.routing_counts
 
@@ -318,17 +358,17 @@ def calibrated_method(options: QuantizeOptions) -> bool:
 def _quantize_calibrated(
     src: Path, reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions,
     source_input_divs: dict[str, torch.Tensor] | None, put: Callable[[dict[str, torch.Tensor]], None],
-    progress: Callable[[int, int], None] | None,
+    progress: Callable[[int, int], None] | None, token_ids: torch.Tensor,
 ) -> tuple[list[str], dict[int, list[int]]]:
     """The calibrated methods: passthrough tensors first, then layer by layer the calibration pass quantizes each
     layer's groups (fp4kit.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are known;
     groups outside the text model's decoder layers last, by data-free mse. Returns the modules that fell back to
     data-free or weighted mse, and the routing counts."""
-    from fp4kit.calib_data import load_calibration
     from fp4kit.calibrate import calibrate_quantized
     from fp4kit.gptq import GptqOptions, LayerQuantizer
 
     total = sum(_job_bytes(reader, job) for job in plan.jobs)
+    progress = start_phase(progress, f"quantizing layer by layer ({options.method})", total, main=True)
     done = 0
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
@@ -364,8 +404,6 @@ def _quantize_calibrated(
         if progress:
             progress(done, total)
 
-    vocab_size = int(plan.text_config["vocab_size"])
-    token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len)
     modules = {c.linear.module for g in plan.groups for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
                                  full_hessians=options.method == "gptq", on_layer=on_layer, input_amax=with_input)
@@ -395,7 +433,7 @@ def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
 
 
 def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, options: QuantizeOptions,
-                      routing_counts: dict[int, list[int]]) -> None:
+                      routing_counts: dict[int, list[int]], calibration: dict) -> None:
     """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics."""
     fmt = _format_module(options)
     for name, document in fmt.side_configs(options.scheme, plan.ignored_modules).items():
@@ -403,7 +441,7 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     write_config(work, config, fmt.quantization_config(options.scheme, plan.ignored_modules))
     copy_side_files(src, work)
     if routing_counts:
-        write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts)
+        write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts, calibration)
 
 
 def quantize_checkpoint(
@@ -443,8 +481,16 @@ def _quantize_checkpoint(
         if calibrated and ranks.world > 1:
             raise Fp4kitError(f"--method {options.method} runs in one process; start it without torchrun")
         jobs = ranks.assign(plan.jobs, [_job_bytes(reader, job) for job in plan.jobs])
+        warnings: list[str] = []
+
+        def warn(text: str) -> None:
+            warnings.append(text)
+            warn_progress(progress, text)
+
+        token_ids, calibration = _calibration_data(src, plan, options, warn)
         source_scales = not calibrated or (options.scheme == "nvfp4" and input_scale_source(options) == "source")
-        input_divs, routing_counts = _calibrate(src, plan, options, ranks) if source_scales else ({}, {})
+        input_divs, routing_counts = (_calibrate(src, plan, options, ranks, token_ids, progress) if source_scales
+                                      else ({}, {}))
         fallbacks: list[str] = []
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
@@ -457,9 +503,13 @@ def _quantize_checkpoint(
         batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
         try:
             if calibrated:
+                assert token_ids is not None
                 fallbacks, pass_counts = _quantize_calibrated(
-                    src, reader, plan, options, input_divs if source_scales else None, background.put, progress)
+                    src, reader, plan, options, input_divs if source_scales else None, background.put, progress,
+                    token_ids)
                 routing_counts = routing_counts or pass_counts
+            else:
+                progress = start_phase(progress, "quantizing", share_bytes, main=True)
             streamed = [] if calibrated else prefetched(
                 jobs, lambda job: _read_job(reader, job, options.device), QUEUE_DEPTH)
             for job, data in streamed:
@@ -477,7 +527,7 @@ def _quantize_checkpoint(
         writer.finish()
         ranks.sync()  # every rank's tensors are in place
         if ranks.main:
-            _write_side_files(work, src, config, plan, options, routing_counts)
+            _write_side_files(work, src, config, plan, options, routing_counts, calibration)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),
@@ -489,5 +539,9 @@ def _quantize_checkpoint(
         seconds=time.perf_counter() - start,
         method=options.method,
         fallback_modules=fallbacks,
+        scheme=options.scheme,
+        format=options.format,
+        calibration=calibration,
+        warnings=warnings,
     )
 

@@ -464,7 +464,8 @@ def test_balanced_placement_from_glm_calibration_stats(tiny, tmp_path, monkeypat
                                      "--placement", "balanced"])
     main()
     captured = capsys.readouterr()
-    assert f"routing statistics: {src / ROUTING_STATS_NAME} (found in SRC" in captured.out and captured.err == ""
+    assert f"routing statistics: {src / ROUTING_STATS_NAME} (found in SRC" in captured.out
+    assert "warning" not in captured.err
     found = json.loads((tmp_path / "found" / rank_dir_name(0) / EXPERT_MAP).read_text())
     assert found == expert_map
 
@@ -480,7 +481,7 @@ def test_uneven_split_warns_and_succeeds(quantized, tmp_path, monkeypatch, capsy
                                          *extra])
         main()  # no SystemExit: exit 0
         err = capsys.readouterr().err
-        assert err.splitlines() == [
+        assert [line for line in err.splitlines() if not line.startswith("shard: sharding (")] == [
             "warning: 8 experts over 3 ranks is uneven (3/3/2 per rank): vLLM's Triton and Marlin MoE run it, "
             "TRT-LLM-gen and FlashInfer CUTLASS MoE need E % ep == 0 (an EP size dividing 8)"], err
         assert [json.loads((out / rank_dir_name(r) / EXPERT_MAP).read_text())["layers"]["0"].count(-1)

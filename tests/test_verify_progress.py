@@ -5,49 +5,22 @@ purpose), `--json -` on stdout, and a warning before a layer that will be slow o
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from _terminal import under_terminal
 from _verify_sources import add_input_scales, run_cli
 
 from fp4kit.verify.checks import VerifyOptions
 from fp4kit.verify.runner import checks_per_layer, slow_layer_warning, verify_checkpoint
 
-ROOT = Path(__file__).parents[1]
-
 
 @pytest.fixture(scope="module")
 def w4a4(tiny_nvfp4a16, tmp_path_factory) -> Path:
     return add_input_scales(tiny_nvfp4a16("qwen3_moe"), tmp_path_factory.mktemp("progress") / "nvfp4")
-
-
-def under_terminal(*args: object) -> tuple[int, str, str]:
-    """Run `python -m fp4kit ARGS` with stderr on a pseudo-terminal: (exit code, stdout, the terminal's text)."""
-    leader, follower = pty.openpty()
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "100", "TERM": "xterm"}
-    process = subprocess.Popen([sys.executable, "-m", "fp4kit", *map(str, args)], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=follower, env=env)
-    os.close(follower)
-    terminal = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:  # the follower side closed: the process exited
-            break
-        if not chunk:
-            break
-        terminal += chunk
-    os.close(leader)
-    stdout = process.stdout.read().decode()  # type: ignore[union-attr]
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.decode(errors="replace"))  # colours, cursor moves
-    return process.wait(timeout=300), stdout, text
 
 
 def test_terminal_shows_a_determinate_bar_and_quiet_shows_nothing(w4a4) -> None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import TypeVar
+
+from fp4kit.progress import Reporter
 
 T = TypeVar("T")
 
@@ -17,13 +18,8 @@ def human_bytes(nbytes: float) -> str:
     return f"{nbytes:.1f} TB"
 
 
-def with_progress(fn: Callable[[Callable[[int, int], None] | None], T], quiet: bool, label: str) -> T:
-    """Run ``fn(progress)`` with a rich byte-progress bar on an interactive terminal."""
-    if quiet or not sys.stderr.isatty():
-        return fn(None)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), TimeRemainingColumn(), transient=True) as bar:
-        task = bar.add_task(label, total=None)
-        return fn(lambda done, total: bar.update(task, completed=done, total=total))
+def with_progress(fn: Callable[[Reporter], T], quiet: bool, label: str, phase: str, warnings: bool = True) -> T:
+    """Run ``fn(progress)`` with a Reporter for command ``label`` (fp4kit.progress): a bar per phase on a terminal, a
+    line per phase otherwise; ``phase`` names the work of a function that reports bytes without naming phases."""
+    with Reporter(label, quiet, warnings=warnings, default_phase=phase) as reporter:
+        return fn(reporter)

@@ -32,7 +32,7 @@ def convert(
 
     shard_bytes = parse_size(max_shard_size)
     report = with_progress(lambda progress: convert_checkpoint(src, dst, to, overwrite, shard_bytes, progress, repair),
-                           quiet, "converting")
+                           quiet, "convert", "converting")
     if quiet:
         return
     for note in report.notes:

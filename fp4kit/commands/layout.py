@@ -35,7 +35,8 @@ def layout(
     gc.freeze()
     options = LayoutOptions(backend=backend, act_dtype=act_dtype, cutlass_flavor=cutlass_flavor,
                             max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite)
-    report = with_progress(lambda progress: layout_checkpoint(src, dst, options, progress), quiet, "laying out")
+    report = with_progress(lambda progress: layout_checkpoint(src, dst, options, progress), quiet, "layout",
+                           "laying out")
     if not quiet:
         rate = report.input_bytes / max(report.seconds, 1e-9)
         typer.echo(

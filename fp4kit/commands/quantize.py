@@ -69,9 +69,10 @@ def quantize(
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
     from fp4kit import distributed
     from fp4kit.checkpoint import parse_size
-    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.quantize import QuantizeOptions, describe, quantize_checkpoint
 
-    quiet = quiet or not distributed.is_main()  # under torchrun, rank 0 speaks for all
+    main = distributed.is_main()  # under torchrun, rank 0 speaks for all
+    quiet = quiet or not main
 
     options = QuantizeOptions(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
@@ -81,18 +82,20 @@ def quantize(
         method=method, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_scales=gptq_scales,
         input_scales_from=input_scales_from,
     )
-    report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantizing")
+    # warnings even with -q (they say what an option did not do), on rank 0 only
+    report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",
+                           "quantizing", warnings=main)
     if not quiet:
-        rate = report.input_bytes / max(report.seconds, 1e-9)
-        typer.echo(
-            f"{report.family}: {report.quantized_linears} Linears quantized, {report.passthrough_tensors} tensors "
-            f"kept, {human_bytes(report.input_bytes)} -> {human_bytes(report.output_bytes)} in {report.seconds:.1f} s "
-            f"({human_bytes(rate)}/s) -> {dst}"
-        )
         if report.fallback_modules:
             shown = ", ".join(report.fallback_modules[:8]) + (" ..." if len(report.fallback_modules) > 8 else "")
             typer.echo(f"{report.method}: {len(report.fallback_modules)} Linears fell back to mse (too few "
                        f"calibration tokens, or outside the calibrated layers): {shown}")
+        rate = report.input_bytes / max(report.seconds, 1e-9)
+        typer.echo(
+            f"{report.family}: {describe(report)}: {report.quantized_linears} Linears quantized, "
+            f"{report.passthrough_tensors} tensors kept, {human_bytes(report.input_bytes)} -> "
+            f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
+        )
 
 
 def register(app: typer.Typer) -> None:

@@ -34,7 +34,9 @@ def run(
         return
     if not quiet:
         typer.echo(summary.markdown())
-    typer.echo(f"summary: {Path(summary.workdir) / 'summary.md'} and summary.json")
+    quantized = summary.quantized()
+    typer.echo(f"summary: {Path(summary.workdir) / 'summary.md'} and summary.json"
+               + (f" (quantize: {quantized})" if quantized else ""))
     verify = loaded.recipe.verify
     if summary.passed is False and verify is not None and verify.fail_run:
         raise SystemExit(1)

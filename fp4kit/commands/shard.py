@@ -31,7 +31,7 @@ def shard(
 
     options = ShardOptions(ep=ep, placement=placement, stats=stats, max_shard_bytes=parse_size(max_shard_size),
                            overwrite=overwrite)
-    report = with_progress(lambda progress: shard_checkpoint(src, dst, options, progress), quiet, "sharding")
+    report = with_progress(lambda progress: shard_checkpoint(src, dst, options, progress), quiet, "shard", "sharding")
     for warning in report.warnings:  # even with -q: the split works, but not with every serving kernel
         typer.echo(f"warning: {warning}", err=True)
     if quiet:
