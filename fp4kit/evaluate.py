@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -225,8 +225,11 @@ def evaluate(
     device: str = "cpu",
     batch_size: int = 8,
     dtype: torch.dtype = torch.float32,
+    progress: Callable[[int, int], None] | None = None,
 ) -> EvalResult:
-    """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L]."""
+    """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L].
+    ``progress(done, total)`` counts batch forwards: per decoder layer one per batch of each model, then one
+    scoring pass per batch."""
     from fp4kit.calibrate import _layer_inputs, _load_layer, _text_model
 
     start = time.perf_counter()
@@ -252,6 +255,9 @@ def evaluate(
         inputs = [_layer_inputs(text, ids, batch_size, (0, 1)) for text in texts]
         hidden = [hidden_batches for hidden_batches, _ in inputs]
         layer_errors = []
+        total, done = (2 * len(texts[0].layers) + 1) * len(hidden[0]), 0
+        if progress:
+            progress(0, total)
         for index in range(len(texts[0].layers)):
             for side, (model, text) in enumerate(zip(models, texts, strict=True)):
                 layer = _load_layer(text, model.reader, index, dtype, torch_device)
@@ -261,6 +267,9 @@ def evaluate(
                 for b, states in enumerate(hidden[side]):
                     args, kwargs = layer_args[tuple(states.shape)][index]
                     hidden[side][b] = layer(states, *args, **kwargs)
+                    done += 1
+                    if progress:
+                        progress(done, total)
                 text.layers[index] = None
                 del layer
                 memory.trim_freed_memory()
@@ -279,6 +288,9 @@ def evaluate(
                         x = _fake_quantized(x, head_divisors[side])
                     logits.append(F.linear(x, head).float())
                 totals += _scores(logits[0], logits[1], targets[chunk])
+            done += 1
+            if progress:
+                progress(done, total)
     tokens = token_ids.shape[0] * (token_ids.shape[1] - 1)
     kl, ce_source, ce_quantized, agree = (totals / tokens).tolist()
     return EvalResult(str(src), str(ckpt), models[1].scheme, token_ids.shape[0], token_ids.shape[1], tokens, kl,

@@ -20,7 +20,9 @@ def eval_command(
     device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="compute dtype")] = "float32",
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print nothing (with --json)")] = False,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="no progress and no results (with --json: the file alone); warnings still print")
+    ] = False,
 ) -> None:
     """Next-token KL, cross-entropy and top-1 agreement of a quantized checkpoint against its source, streaming one
     decoder layer at a time (W4A4 checkpoints with their activations quantized as the kernels do)."""
@@ -30,12 +32,17 @@ def eval_command(
     from fp4kit.checkpoint import read_config
     from fp4kit.evaluate import evaluate
     from fp4kit.families import detect
+    from fp4kit.progress import Reporter
 
     config = read_config(src)
     text_config = detect(config).text_config(config)
     vocab_size = int(text_config.get("vocab_size") or config["vocab_size"])
-    token_ids = load_calibration(text, src, vocab_size, samples, seq_len)
-    result = evaluate(src, ckpt, token_ids, device, batch_size, getattr(torch, dtype))
+    with Reporter("eval", quiet) as reporter:
+        token_ids = load_calibration(text, src, vocab_size, samples, seq_len, reporter.warn)
+        batches = -(-token_ids.shape[0] // batch_size)
+        reporter.phase("evaluating", None, "batches", f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, "
+                       f"{batches} batches through each decoder layer of both models")
+        result = evaluate(src, ckpt, token_ids, device, batch_size, getattr(torch, dtype), reporter)
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
     if quiet:

@@ -38,8 +38,10 @@ def inspect(
     report = inspect_checkpoint(ckpt, backend or [], ep, engine)
     if source is not None:
         from fp4kit.audit import audit_input_scales
+        from fp4kit.progress import Reporter
 
-        report.problems.extend(audit_input_scales(ckpt, source, calib, samples, seq_len)[0])
+        with Reporter("inspect") as reporter:
+            report.problems.extend(audit_input_scales(ckpt, source, calib, samples, seq_len, progress=reporter)[0])
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(report) | {"clean": report.clean}, indent=2))
     else:
