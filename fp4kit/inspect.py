@@ -33,6 +33,9 @@ from fp4kit.layouts import marlin
 from fp4kit.registry import BACKEND_NAMES, backends
 
 EMBEDDING = re.compile(r"(embed_tokens|embedding|embeddings)$")
+# vision towers and projectors (the families' default ignores): their own "layers.N" are not decoder layers
+VISION = re.compile(r"(^|\.)(visual|vision_model|vision_tower|multi_modal_projector)\.")
+FORMAT = "fp4kit.inspect/1"  # the JSON report's format and version
 EP_SIZES = (2, 4, 8, 16, 32, 64)
 BACKENDS = tuple(sorted(BACKEND_NAMES))
 
@@ -48,12 +51,13 @@ class Finding:
 
 @dataclass
 class LayerSummary:
-    layer: int | None
+    layer: int | None  # decoder layer; None: outside the decoder layers (embeddings, lm_head, the vision tower)
     quantized_linears: int
     experts: int
     shapes: dict[str, list[int]]  # projection -> [N, K]
     quantized_bytes: int
     other_bytes: int
+    part: str = "text"  # "text" or "vision" (vision towers and projectors)
 
 
 @dataclass
@@ -72,6 +76,15 @@ class InspectReport:
     # experts module + ".w13" / ".w2" -> block scales vLLM's Marlin path (bf16) stores as 0 (only where some are)
     marlin_zeroed_scales: dict[str, int] = field(default_factory=dict)
     engine: str | None = None
+    format: str = FORMAT
+    # checkpoint (NVFP4), source (not NVFP4: precision says what), layout, ep-root, ep-rank (fp4kit.inspect_artifacts)
+    kind: str = "checkpoint"
+    precision: str | None = None  # a source's: bf16, fp8-block, int4-pack-quantized (fp4kit.sources)
+    unquantized_modules: list[str] = field(default_factory=list)  # Linears (and fused experts) stored unquantized
+    layout: dict | None = None  # a layout directory's backend, kernel and MoE layers
+    expert_parallel: dict | None = None  # an EP root's or rank's split: ranks, placement, expert map
+    routing: dict | None = None  # the routing statistics beside the checkpoint, summarised
+    notes: list[str] = field(default_factory=list)  # what is worth knowing and is not a problem
 
     @property
     def clean(self) -> bool:
@@ -187,29 +200,43 @@ def _backends(num_experts: int | None, hidden: int | None, inter: int | None) ->
 
 
 def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
-    by_layer: dict[int | None, LayerSummary] = {}
+    by_layer: dict[tuple[str, int | None], LayerSummary] = {}
     counted: set[str] = set()
 
     def entry(name: str) -> LayerSummary:
-        layer = layer_of(name)
-        return by_layer.setdefault(layer, LayerSummary(layer, 0, 0, {}, 0, 0))
+        part = "vision" if VISION.search(name) else "text"
+        layer = layer_of(name) if part == "text" else None
+        return by_layer.setdefault((part, layer), LayerSummary(layer, 0, 0, {}, 0, 0, part))
 
-    experts: dict[int | None, set[int]] = {}
+    experts: dict[tuple[str, int | None], set[int]] = {}
     for m in ckpt.modules:
         summary = entry(m.name)
         summary.quantized_linears += 1
         summary.shapes.setdefault(m.name.rsplit(".", 1)[-1], [m.out_features, m.in_features])
         if expert := expert_module(m.name):
-            experts.setdefault(summary.layer, set()).add(expert.expert)
+            experts.setdefault((summary.part, summary.layer), set()).add(expert.expert)
         for name in (m.packed, m.block_scale, m.global_scale, m.input_scale):
             if name and name not in counted:
                 counted.add(name)
                 summary.quantized_bytes += ckpt.reader.info(name).nbytes
     for name in ckpt.passthrough:
         entry(name).other_bytes += ckpt.reader.info(name).nbytes
-    for layer, found in experts.items():
-        by_layer[layer].experts = len(found)
-    return sorted(by_layer.values(), key=lambda s: -1 if s.layer is None else s.layer)
+    for key, found in experts.items():
+        by_layer[key].experts = len(found)
+    return sorted(by_layer.values(), key=lambda s: (s.part == "vision", -1 if s.layer is None else s.layer))
+
+
+def unquantized_modules(ckpt: QuantizedCheckpoint) -> list[str]:
+    """The Linears (and fused expert tensors) the checkpoint stores unquantized: every floating-point passthrough
+    tensor of two or more dimensions but the embeddings, by module name."""
+    modules = []
+    for name in ckpt.passthrough:
+        info = ckpt.reader.info(name)
+        module = name.removesuffix(".weight")
+        if len(info.shape) >= 2 and info.dtype.is_floating_point and info.dtype.itemsize > 1 and \
+                not EMBEDDING.search(module):
+            modules.append(module)
+    return modules
 
 
 def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
@@ -265,4 +292,5 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
             str(path), ckpt.dialect, ckpt.scheme, ckpt.family.name if ckpt.family else "unknown", num_experts,
             hidden, inter, _layers(ckpt), problems, compat,
             [s for s in EP_SIZES if num_experts and num_experts % s == 0], _marlin_zeroed(histograms), engine,
+            unquantized_modules=unquantized_modules(ckpt),
         )

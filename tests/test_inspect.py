@@ -119,8 +119,8 @@ def test_cli_exit_codes_and_json(monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_p
     report = json.loads(out)
     assert code == 1 and not report["clean"] and report["problems"][0]["check"] == "fused_scale_mismatch"
     assert report["layers"][1]["experts"] == 8
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(tiny("qwen3_moe")))
-    assert code == 2 and "unknown dialect" in out
+    code, out = run_cli(monkeypatch, capsys, "inspect", str(tiny("qwen3_moe")))  # a source: its precision, exit 0
+    assert code == 0 and "bfloat16 source, family qwen3_moe" in out
 
 
 def test_llm_compressor_model_free_ptq_defects_are_found(tiny, tmp_path):

@@ -15,7 +15,9 @@ from fp4kit.registry import BACKEND_NAMES
 
 
 def inspect(
-    ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (compressed-tensors or ModelOpt)")],
+    ckpt: Annotated[Path, typer.Argument(
+        help="a checkpoint (NVFP4 of either dialect, or a bf16 / FP8 / INT4 source), or what fp4kit made from one: "
+             "a layout directory, an EP split or one of its rank directories")],
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     backend: Annotated[
         list[str] | None, typer.Option(help="count this backend's shape constraints as problems: "
@@ -32,10 +34,11 @@ def inspect(
     samples: Annotated[int, typer.Option(help="audit samples")] = 64,
     seq_len: Annotated[int, typer.Option(help="audit tokens per sample")] = 256,
 ) -> None:
-    """Dialect, scheme, family, per-layer summary and health checks. Exit 0 clean, 1 problems, 2 unusable."""
-    from fp4kit.inspect import inspect_checkpoint
+    """What CKPT is (its kind, dialect, scheme, family), a per-layer summary and the checks of its kind. Exit 0
+    clean, 1 problems, 2 unusable."""
+    from fp4kit.inspect_artifacts import inspect_path
 
-    report = inspect_checkpoint(ckpt, backend or [], ep, engine)
+    report = inspect_path(ckpt, backend or [], ep, engine)
     if source is not None:
         from fp4kit.audit import audit_input_scales
         from fp4kit.progress import Reporter
@@ -43,7 +46,9 @@ def inspect(
         with Reporter("inspect") as reporter:
             report.problems.extend(audit_input_scales(ckpt, source, calib, samples, seq_len, progress=reporter)[0])
     if as_json:
-        typer.echo(json.dumps(dataclasses.asdict(report) | {"clean": report.clean}, indent=2))
+        document = dataclasses.asdict(report)
+        head = {key: document.pop(key) for key in ("format", "kind")}
+        typer.echo(json.dumps(head | document | {"clean": report.clean}, indent=2))
     else:
         for line in _text(report):
             typer.echo(line)
@@ -51,18 +56,51 @@ def inspect(
         sys.exit(1)
 
 
+SHOWN_MODULES = 6
+
+
 def _text(report) -> list[str]:
+    what = (f"{report.precision} source" if report.kind == "source" else
+            f"{report.dialect}, {report.scheme}" + ("" if report.kind == "checkpoint" else f", {report.kind}"))
     lines = [
-        f"{report.path}: {report.dialect}, {report.scheme}, family {report.family}",
+        f"{report.path}: {what}, family {report.family}",
         f"experts per layer {report.num_experts}, hidden {report.hidden_size}, "
         f"moe intermediate {report.moe_intermediate_size}",
-        f"{'layer':>6} {'linears':>8} {'experts':>8} {'quantized':>11} {'other':>11}  shapes [N, K]",
     ]
-    for s in report.layers:
-        shapes = ", ".join(f"{k} {v}" for k, v in s.shapes.items())
-        layer = "-" if s.layer is None else str(s.layer)
-        lines.append(f"{layer:>6} {s.quantized_linears:>8} {s.experts:>8} {human_bytes(s.quantized_bytes):>11} "
-                     f"{human_bytes(s.other_bytes):>11}  {shapes}")
+    lines.extend(f"note: {note}" for note in report.notes)
+    if report.layers:
+        lines.append(f"{'layer':>6} {'linears':>8} {'experts':>8} {'quantized':>11} {'other':>11}  shapes [N, K]"
+                     if report.kind != "source" else f"{'layer':>6} {'linears':>8} {'experts':>8} {'bytes':>11}")
+        for s in report.layers:
+            layer = s.part if s.part != "text" else "-" if s.layer is None else str(s.layer)
+            if report.kind == "source":
+                lines.append(f"{layer:>6} {s.quantized_linears:>8} {s.experts:>8} {human_bytes(s.other_bytes):>11}")
+                continue
+            shapes = ", ".join(f"{k} {v}" for k, v in s.shapes.items())
+            lines.append(f"{layer:>6} {s.quantized_linears:>8} {s.experts:>8} {human_bytes(s.quantized_bytes):>11} "
+                         f"{human_bytes(s.other_bytes):>11}  {shapes}")
+    if report.expert_parallel and "ranks" in report.expert_parallel:
+        lines.append(f"{'rank':>6}  {'directory':<12} {'experts':>8} {'problems':>9}")
+        for rank in report.expert_parallel["ranks"]:
+            counts = "/".join(map(str, rank["experts_per_layer"]))
+            lines.append(f"{rank['rank']:>6}  {rank['directory']:<12} {counts:>8} {rank['problems']:>9}")
+    elif report.expert_parallel:
+        split = report.expert_parallel
+        for layer, ids in split["experts"].items():
+            lines.append(f"layer {layer}: experts {', '.join(map(str, ids))} (local 0..{len(ids) - 1})")
+    if report.routing:
+        routing = report.routing
+        calibration = routing.get("calibration") or {}
+        data = (f"{calibration.get('samples')} samples x {calibration.get('seq_len')} tokens of "
+                f"{calibration.get('data')}" if calibration else "calibration data not recorded")
+        lines.append(f"routing statistics ({routing['file']}): {routing['layers']} MoE layers, {data}; busiest "
+                     f"expert / mean {routing['max_over_mean_expert']}; experts no token reached: "
+                     f"{sum(routing['unrouted_experts'].values())}")
+    if report.kind != "source":
+        modules = report.unquantized_modules
+        shown = ", ".join(modules[:SHOWN_MODULES]) + (f", ... ({len(modules)} in all)" if len(modules) >
+                                                      SHOWN_MODULES else "")
+        lines.append(f"kept unquantized: {shown or 'nothing'}")
     lines.append("backends: " + "; ".join(f"{b}: {why}" for b, why in report.backends.items()))
     lines.append(f"even EP splits: {report.even_ep_sizes or 'none'}")
     if report.marlin_zeroed_scales:
