@@ -65,3 +65,11 @@ def add_input_scales(src: Path, dst: Path) -> Path:
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = ct.quantization_config("nvfp4", config["quantization_config"]["ignore"])
     return copy_with(src, dst, tensors, config)
+
+
+def text_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """The module that runs a text-only forward of a transformers model: Llama-4's language model (the same
+    computation for text input, and the only one transformers 5.24 runs: its Llama4ForConditionalGeneration.forward
+    reads ``image_outputs`` from the language model's output, which has none; models/llama4/modeling_llama4.py),
+    the model itself for every other family."""
+    return model.language_model if type(model).__name__ == "Llama4ForConditionalGeneration" else model

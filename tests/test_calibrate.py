@@ -20,6 +20,7 @@ import textwrap
 
 import pytest
 import torch
+from _verify_sources import text_forward
 
 from fp4kit.calibrate import calibrate
 from fp4kit.checkpoint import CheckpointReader, read_config
@@ -101,7 +102,7 @@ def full_model_forward(path, name: str, ids: torch.Tensor, dtype: torch.dtype) -
                 handles.append(module.register_forward_pre_hook(moe_hook))
                 handles.append(router.register_forward_hook(router_hook))
     with torch.no_grad():
-        found["hidden_states"] = model(input_ids=ids, output_hidden_states=True).hidden_states
+        found["hidden_states"] = text_forward(model)(input_ids=ids, output_hidden_states=True).hidden_states
     for handle in handles:
         handle.remove()
     return found

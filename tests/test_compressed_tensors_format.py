@@ -12,6 +12,7 @@ from fp4kit.formats import compressed_tensors as ct
 IGNORES = [[], ["lm_head"], ["lm_head", "model.layers.0.mlp.gate", "re:.*mlp.gate$"]]
 
 
+@pytest.mark.pinned
 def test_snapshot_is_what_the_installed_classes_build(tmp_path):
     packaged = json.loads(ct.write_config_snapshot(tmp_path / "fresh.json").read_text())
     assert ct._config_snapshot() == packaged, (
@@ -19,6 +20,7 @@ def test_snapshot_is_what_the_installed_classes_build(tmp_path):
         "python -c 'from fp4kit.formats.compressed_tensors import write_config_snapshot; write_config_snapshot()'")
 
 
+@pytest.mark.pinned
 @pytest.mark.parametrize("scheme", sorted(ct.SCHEMES))
 @pytest.mark.parametrize("ignore", IGNORES)
 def test_config_is_byte_for_byte_the_classes_config(scheme, ignore):

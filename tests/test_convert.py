@@ -124,6 +124,7 @@ def llm_compressor_outputs(tiny, tmp_path_factory):
     return {"oneshot": root / "oneshot", "model_free": root / "model_free"}
 
 
+@pytest.mark.pinned
 @pytest.mark.parametrize("producer", ["oneshot", "model_free"])
 def test_llm_compressor_checkpoints_convert_to_equal_weights(producer, llm_compressor_outputs, tmp_path):
     src = llm_compressor_outputs[producer]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from _verify_sources import run_cli
+from _verify_sources import run_cli, text_forward
 
 from fp4kit.checkpoint import CheckpointReader
 from fp4kit.fixtures import FIXTURES, fixture_spec
@@ -79,7 +79,7 @@ def test_transformers_loads_the_dequantized_weights(family, monkeypatch, capsys,
     assert not differ, differ[:5]
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+        assert torch.equal(text_forward(model)(input_ids=ids).logits, text_forward(reference)(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("family", ["llama4", "qwen3_moe"])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from _verify_sources import run_cli
+from _verify_sources import run_cli, text_forward
 
 from fp4kit.fixtures import FIXTURES, fixture_spec
 
@@ -68,7 +68,7 @@ def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path
     with torch.inference_mode():
         for start in range(0, SAMPLES, BATCH):
             ids = token_ids[start : start + BATCH]
-            logits = [m(input_ids=ids, use_cache=False).logits[:, :-1].reshape(-1, 256).float()
+            logits = [text_forward(m)(input_ids=ids, use_cache=False).logits[:, :-1].reshape(-1, 256).float()
                       for m in (source, quantized)]
             totals += _scores(*logits, ids[:, 1:].reshape(-1))
     return totals / (SAMPLES * (SEQ_LEN - 1))

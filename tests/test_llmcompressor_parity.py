@@ -23,6 +23,8 @@ import torch
 
 from fp4kit.checkpoint import CheckpointReader
 
+pytestmark = pytest.mark.pinned  # llm-compressor's pins (.ci/run)
+
 FAMILIES = ["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4"]
 LLMC_IGNORE = ["re:.*lm_head", "re:.*mlp.gate$", "re:.*router", "re:.*vision_model.*", "re:.*visual.*",
                "re:.*multi_modal_projector.*"]

@@ -18,7 +18,7 @@ def convert(
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
     to: Annotated[Literal[(*DIALECT_NAMES, DENSE)], typer.Option(  # type: ignore[valid-type]
         "--to", help="target dialect, or bf16: a dense dequantized checkpoint (weight-only emulation)")],
-    max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option(metavar="SIZE", help="output shard size, e.g. 5GB")] = "5GB",
     repair: Annotated[bool, typer.Option(
         help="one weight global scale per fused group (q/k/v, gate/up) and one input scale per expert projection; "
              "moves values by at most half an FP8 block-scale step")] = False,

@@ -17,7 +17,7 @@ def eval_command(
     samples: Annotated[int, typer.Option(help="windows of --seq-len tokens")] = 48,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
     batch_size: Annotated[int, typer.Option(help="windows per forward")] = 8,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
+    device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]", help="where to run")] = "cpu",
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="compute dtype")] = "float32",
     json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
     quiet: Annotated[bool, typer.Option(

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -19,13 +19,12 @@ def inspect(
         help="a checkpoint (NVFP4 of either dialect, or a bf16 / FP8 / INT4 source), or what fp4kit made from one: "
              "a layout directory, an EP split or one of its rank directories")],
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
-    backend: Annotated[
-        list[str] | None, typer.Option(help="count this backend's shape constraints as problems: "
-                                            f"{', '.join(sorted(BACKEND_NAMES))} (repeatable)")
+    backend: Annotated[list[str] | None, typer.Option(
+        metavar="|".join(sorted(BACKEND_NAMES)), help="count this backend's shape constraints as problems (repeatable)")
     ] = None,
     ep: Annotated[int | None, typer.Option(help="count E % ep != 0 as a problem")] = None,
     engine: Annotated[
-        str | None, typer.Option(help="also check what this engine loads but serves wrongly: vllm")
+        Literal["vllm"] | None, typer.Option(help="also check what this engine loads but serves wrongly: vllm")
     ] = None,
     source: Annotated[
         Path | None, typer.Option(help="BF16 source: audit input scales against its own causal forward")

@@ -20,7 +20,7 @@ def layout(
         help="activation dtype the kernel runs with")] = "bf16",
     cutlass_flavor: Annotated[Literal["flashinfer", "vllm"], typer.Option(
         help="cutlass only: whose CUTLASS kernel")] = "flashinfer",
-    max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option(metavar="SIZE", help="output shard size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:

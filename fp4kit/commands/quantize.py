@@ -18,14 +18,16 @@ def quantize(
         help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
     format: Annotated[Literal[DIALECT_NAMES], typer.Option(  # type: ignore[valid-type]
         "--format", help="checkpoint dialect")] = DEFAULT_DIALECT,
-    device: Annotated[str, typer.Option(help="cpu or cuda[:N]")] = "cpu",
-    ignore: Annotated[list[str] | None, typer.Option(help="regex on module names to keep in bf16 (repeatable)")] = None,
+    device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]", help="where to quantize")] = "cpu",
+    ignore: Annotated[list[str] | None, typer.Option(
+        metavar="REGEX", help="regex on module names to keep in bf16 (repeatable)")] = None,
     targets: Annotated[
-        list[str] | None, typer.Option(help="regex: quantize only matching modules, e.g. 'experts\\.' (repeatable)")
+        list[str] | None, typer.Option(metavar="REGEX",
+                                       help="regex: quantize only matching modules, e.g. 'experts\\.' (repeatable)")
     ] = None,
     no_default_ignore: Annotated[bool, typer.Option(
         "--no-default-ignore", help="drop the family's default ignore list")] = False,
-    max_shard_size: Annotated[str, typer.Option(help="output shard size, e.g. 5GB")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option(metavar="SIZE", help="output shard size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     exact_fp32_global_scale: Annotated[
         bool, typer.Option(help="compute weight global scales in fp32 (default: as llm-compressor, in bf16)")
@@ -41,22 +43,20 @@ def quantize(
         typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
                           "per-expert: each expert's own")
     ] = "shared",
-    method: Annotated[
-        str, typer.Option(help="rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error "
-                               "search (weighted by calibration activations when calibrating: scheme nvfp4 or "
-                               "--calib); gptq: GPTQ on calibration data")
+    method: Annotated[Literal["rtn", "mse", "gptq"], typer.Option(
+        help="rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (weighted by "
+             "calibration activations when calibrating: scheme nvfp4 or --calib); gptq: GPTQ on calibration data")
     ] = "rtn",
     gptq_damp: Annotated[float, typer.Option(help="GPTQ damping, a fraction of the Hessian's mean diagonal")] = 0.01,
     gptq_min_tokens: Annotated[
         int, typer.Option(help="GPTQ: routed experts with fewer calibration tokens fall back to mse")
     ] = 32,
-    gptq_scales: Annotated[
-        str, typer.Option(help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")
-    ] = "mse",
-    input_scales_from: Annotated[
-        str, typer.Option(help="gptq/mse W4A4 input scales: quantized (the calibrated pass's forward of the quantized "
-                               "model, the activations it will serve; no extra pass), source (the source model's "
-                               "forward, a pass of its own, as rtn) or auto (quantized; source for ModelOpt output)")
+    gptq_scales: Annotated[Literal["mse", "rtn"], typer.Option(
+        help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")] = "mse",
+    input_scales_from: Annotated[Literal["auto", "quantized", "source"], typer.Option(
+        help="gptq/mse W4A4 input scales: quantized (the calibrated pass's forward of the quantized model, the "
+             "activations it will serve; no extra pass), source (the source model's forward, a pass of its own, as "
+             "rtn) or auto (quantized; source for ModelOpt output)")
     ] = "auto",
     native: Annotated[
         bool, typer.Option("--native/--no-native",

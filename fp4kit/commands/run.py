@@ -11,7 +11,8 @@ import typer
 def run(
     recipe: Annotated[Path, typer.Argument(help="recipe YAML (see recipes/ and docs/pipelines.md)")],
     set_: Annotated[list[str] | None, typer.Option(
-        "--set", help="override a recipe key, e.g. --set model=/models/qwen3 --set shard.ep=4 (repeatable)")] = None,
+        "--set", metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set model=/models/qwen3 --set shard.ep=4 (repeatable)")] = None,
     workdir: Annotated[Path | None, typer.Option(
         help="where step outputs, markers and the summary go (default: the recipe's workdir, else "
              "fp4kit-runs/NAME)")] = None,

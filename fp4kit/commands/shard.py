@@ -21,7 +21,7 @@ def shard(
         Path | None, typer.Option(help="routing statistics JSON: per-layer token counts per expert (default for "
                                        "balanced: the fp4kit_routing_stats.json of a calibrated quantize in SRC)")
     ] = None,
-    max_shard_size: Annotated[str, typer.Option(help="safetensors file size, e.g. 5GB")] = "5GB",
+    max_shard_size: Annotated[str, typer.Option(metavar="SIZE", help="safetensors file size, e.g. 5GB")] = "5GB",
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:

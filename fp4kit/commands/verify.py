@@ -56,13 +56,16 @@ def verify_progress(quiet: bool) -> Iterator[tuple[Callable[[int, int], None] | 
 def verify(
     ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint (compressed-tensors, ModelOpt or `fp4kit layout`)")],
     source: Annotated[Path | None, typer.Option(help="the BF16 checkpoint CKPT was made from")] = None,
-    layers: Annotated[str | None, typer.Option(help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
-    tokens: Annotated[str, typer.Option(help="batch sizes of random hidden states")] = "1,16,256,4096",
+    layers: Annotated[str | None, typer.Option(
+        metavar="N,N,...", help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
+    tokens: Annotated[str, typer.Option(
+        metavar="N,N,...", help="batch sizes of random hidden states")] = "1,16,256,4096",
     backend: Annotated[Literal["auto", "reference", "triton", "flashinfer-cutlass", "flashinfer-trtllm", "marlin"],
                        typer.Option(help="the MoE kernel to check against the reference")] = "auto",
     ep_shards: Annotated[Path | None, typer.Option(help="output of `fp4kit shard` made from CKPT")] = None,
     layout: Annotated[list[Path] | None, typer.Option(
-        help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")] = None,
+        metavar="DIR", help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")
+    ] = None,
     mode: Annotated[Literal["w4a16", "w4a4"] | None, typer.Option(
         help="default: w4a4 when CKPT has activation scales")] = None,
     json_path: Annotated[Path | None, typer.Option(
@@ -70,7 +73,7 @@ def verify(
     ] = None,
     plot: Annotated[Path | None, typer.Option(
         help="write a per-layer error plot (PNG; needs matplotlib: pip install 'fp4kit[plot]')")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
+    device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="default: cuda when available")] = None,
     seed: Annotated[int, typer.Option(help="seed of the random hidden states")] = 0,
     tol_kernel: Annotated[float, typer.Option(help="kernel vs reference, relative error")] = 1e-2,
     tol_source: Annotated[float | None, typer.Option(
