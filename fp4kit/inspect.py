@@ -21,6 +21,7 @@ Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,9 +241,9 @@ def unquantized_modules(ckpt: QuantizedCheckpoint) -> list[str]:
 
 
 def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
-                       engine: str | None = None) -> InspectReport:
+                       engine: str | None = None, progress: Callable[[int, int], None] | None = None) -> InspectReport:
     """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems, ``engine`` adds that
-    engine's load-contract checks (fp4kit.engine_checks)."""
+    engine's load-contract checks (fp4kit.engine_checks); ``progress(done, total)`` counts quantized modules."""
     from fp4kit.engine_checks import ENGINES, SOURCES, vllm_checks
     from fp4kit.errors import Fp4kitError
 
@@ -264,12 +265,16 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                     ckpt.divisor(name)
         scales: dict[str, tuple[float, float | None]] = {}
         histograms: dict[str, numpy.ndarray] = {}
-        for m in ckpt.modules:
+        for done, m in enumerate(ckpt.modules):
+            if progress:
+                progress(done, len(ckpt.modules))
             scales[m.name] = _module_scales(ckpt, m, problems)
             counts = _block_scale_problems(ckpt, m, problems)
             if expert := expert_module(m.name):
                 key = f"{expert.experts}.{'w2' if expert.proj == 'down_proj' else 'w13'}"
                 histograms[key] = histograms[key] + counts if key in histograms else counts
+        if progress:
+            progress(len(ckpt.modules), len(ckpt.modules))
         _group_checks(scales, problems)
         if engine == "vllm":
             vllm_checks(ckpt, scales, lambda check, module, detail: problems.append(

@@ -22,6 +22,7 @@ the directory unusable: Fp4kitError, exit 2. Contents that disagree are problems
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ import torch
 from fp4kit.checkpoint import DTYPE_NAMES, CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.inspect import EP_SIZES, Finding, InspectReport, LayerSummary, _backends, inspect_checkpoint
+from fp4kit.progress import start_phase
 
 KINDS = ("source", "checkpoint", "layout", "ep-root", "ep-rank")
 SHOWN = 8  # ids or names listed in one finding before "..."
@@ -82,16 +84,18 @@ def _source_precision(path: Path) -> str | None:
 
 
 def inspect_path(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
-                 engine: str | None = None) -> InspectReport:
-    """Inspect ``path`` as the kind of artifact it is (the module docstring)."""
+                 engine: str | None = None, progress: Callable[[int, int], None] | None = None) -> InspectReport:
+    """Inspect ``path`` as the kind of artifact it is (the module docstring); ``progress``: fp4kit.progress (the
+    checkpoint checks count modules, an EP root's ranks one phase each)."""
     path = Path(path)
     kind = artifact_kind(path)
     if kind == "ep-root":
-        report = _ep_root(path, backends, ep, engine)
+        report = _ep_root(path, backends, ep, engine, progress)
     elif kind == "source":
         report = _source(path)
     else:
-        report = inspect_checkpoint(path, backends, ep, engine)
+        phase = start_phase(progress, "checking", None, "modules", main=True)
+        report = inspect_checkpoint(path, backends, ep, engine, phase)
         report.kind = kind
         if kind == "layout":
             _layout(report, path)
@@ -283,7 +287,8 @@ def _ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:SHOWN])) + (" ..." if len(ids) > SHOWN else "")
 
 
-def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str | None) -> InspectReport:
+def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str | None,
+             progress: Callable[[int, int], None] | None) -> InspectReport:
     from fp4kit.shard import FORMAT, MANIFEST, SHARED_DIR, VERSION, uneven_split_warning
 
     manifest = _read_json(path / MANIFEST, "the EP split's manifest")
@@ -305,7 +310,8 @@ def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str
         if not rank_dir.is_dir():
             problems.append(Finding("ep_split", name, "listed in the manifest, missing"))
             continue
-        report = inspect_checkpoint(rank_dir, backends, None, engine)
+        phase = start_phase(progress, f"checking {name} ({index + 1} of {len(names)})", None, "modules", main=True)
+        report = inspect_checkpoint(rank_dir, backends, None, engine, phase)
         record = _ep_rank(report, rank_dir, alone=False)
         problems.extend(Finding(p.check, p.module if p.module.startswith(name) else f"{name}: {p.module}", p.detail,
                                 p.ratio, p.source) for p in report.problems)

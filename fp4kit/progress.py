@@ -35,12 +35,12 @@ class Reporter:
     """Progress of one command (see the module docstring). Use as a context manager around the work."""
 
     def __init__(self, label: str, quiet: bool = False, console: Console | None = None, warnings: bool = True,
-                 default_phase: str = "", default_unit: str = BYTES):
+                 default_phase: str = "", default_unit: str = BYTES, lines: bool = True):
         """``label``: the command ('quantize'); ``default_phase`` / ``default_unit``: the phase a caller that reports
         without opening a phase is in ('sharding', bytes); ``warnings`` False silences warnings too (torchrun's
-        ranks but 0)."""
+        ranks but 0); ``lines`` False: no phase lines without a terminal (a command whose output is its report)."""
         self.label, self.quiet, self.warnings = label, quiet or console is not None and console.quiet, warnings
-        self.default_phase, self.default_unit = default_phase, default_unit
+        self.default_phase, self.default_unit, self.lines = default_phase, default_unit, lines
         self._in_phase = False
         self.console = console or Console(stderr=True)
         self.terminal = self.console.is_terminal and not quiet
@@ -66,6 +66,8 @@ class Reporter:
         if self.quiet:
             return
         if self._bar is None:
+            if not self.lines:
+                return
             amount = detail or (decimal(total) if unit == BYTES and total is not None else f"{total} {unit}")
             self._print(f"{self.label}: {name} ({amount})" if amount else f"{self.label}: {name}")
             return

@@ -93,3 +93,30 @@ def test_a_plain_callable_sees_the_main_phase_only() -> None:
     assert start_phase(None, "quantizing", 10, main=True) is None
     with Reporter("x", quiet=True) as reporter:
         assert start_phase(reporter, "calibrating", 4, "batches") is reporter
+
+
+def _counts(terminal: str, unit: str) -> list[tuple[int, int]]:
+    return [(int(done), int(of)) for done, of in re.findall(rf"(\d+)/(\d+) {unit}", terminal)]
+
+
+def test_run_and_inspect_bars_under_a_terminal(tmp_path) -> None:
+    from importlib import resources
+
+    from fp4kit.demo import build_demo_model
+
+    src = build_demo_model("qwen3_moe", tmp_path / "bf16")
+    recipe = resources.files("fp4kit.data").joinpath("demo.yaml")
+    code, stdout, terminal = under_terminal("run", recipe, "--set", f"model={src}", "--workdir", tmp_path / "run")
+    assert code == 0, terminal[-3000:]
+    for unit in ("batches", "checks"):  # the quantize step's calibration, the verify step's checks
+        counts = _counts(terminal, unit)
+        assert counts and len({of for _, of in counts}) == 1, (unit, terminal[-3000:])
+        assert max(done for done, _ in counts) == counts[0][1]
+    assert "quantize: calibrating" in terminal and "verify" in terminal
+    assert stdout.splitlines()[-1].endswith("(quantize: nvfp4 compressed-tensors, method rtn, 16 samples x 64 tokens "
+                                            "= 1024 tokens of fp4kit:calib_default.jsonl)")
+
+    code, stdout, terminal = under_terminal("inspect", tmp_path / "run" / "quantize")
+    counts = _counts(terminal, "modules")
+    assert code == 0 and counts and max(counts) == (counts[0][1], counts[0][1]), terminal
+    assert "no problems found" in stdout
