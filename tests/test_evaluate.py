@@ -160,6 +160,10 @@ def test_cli_json(monkeypatch, capsys, tiny, quantized, tmp_path):
     report = json.loads(out.read_text())
     assert {"kl", "ce_source", "ce_quantized", "top1", "layers", "samples", "tokens"} <= set(report)
     assert report["samples"] == 2 and report["tokens"] == 2 * 15
+    code, stdout, _ = run_cli(monkeypatch, capsys, "eval", tiny("llama4_text"),
+                              quantized("llama4_text", "nvfp4a16", "compressed-tensors"), "--samples", 2,
+                              "--seq-len", 16, "--json", "-")
+    assert code == 0 and json.loads(stdout)["kl"] == report["kl"]  # the JSON alone on stdout
 
 
 def _bad(monkeypatch, capsys, *args, needle: str) -> None:

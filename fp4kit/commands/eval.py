@@ -19,7 +19,9 @@ def eval_command(
     batch_size: Annotated[int, typer.Option(help="windows per forward")] = 8,
     device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]", help="where to run")] = "cpu",
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="compute dtype")] = "float32",
-    json_path: Annotated[Path | None, typer.Option("--json", help="also write the results as JSON")] = None,
+    json_path: Annotated[Path | None, typer.Option(
+        "--json", metavar="FILE", help="also write the results as JSON (`--json -`: print them on stdout, instead of "
+                                       "the text)")] = None,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="no progress and no results (with --json: the file alone); warnings still print")
     ] = False,
@@ -43,6 +45,9 @@ def eval_command(
         reporter.phase("evaluating", None, "batches", f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, "
                        f"{batches} batches through each decoder layer of both models")
         result = evaluate(src, ckpt, token_ids, device, batch_size, getattr(torch, dtype), reporter)
+    if json_path == Path("-"):  # as `fp4kit verify --json -`
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_json(), indent=2) + "\n")
     if quiet:
