@@ -67,11 +67,12 @@ def artifact_kind(path: Path) -> str:
 
 def _source_precision(path: Path) -> str | None:
     """The precision of a checkpoint that is not NVFP4 (None: it is, or claims to be, NVFP4)."""
+    from fp4kit.formats.detect import config_files
     from fp4kit.sources import detect_source
 
     config = read_config(path)
     quantization = config.get("quantization_config")
-    if (path / "hf_quant_config.json").exists():
+    if any((path / name).exists() for name in config_files()):  # a dialect's own config file: NVFP4
         return None
     with CheckpointReader(path) as reader:
         headers = {name: (info.dtype, info.shape) for name, info in reader.tensors.items()}
@@ -109,6 +110,7 @@ def _source(path: Path) -> InspectReport:
     from fp4kit.families import detect
     from fp4kit.families.base import expert_module, layer_of
     from fp4kit.inspect import VISION
+    from fp4kit.sources import PACKED_SUFFIXES
 
     config = read_config(path)
     family = detect(config)
@@ -122,7 +124,7 @@ def _source(path: Path) -> InspectReport:
             layer = layer_of(name) if part == "text" else None
             summary = by_layer.setdefault((part, layer), LayerSummary(layer, 0, 0, {}, 0, 0, part))
             summary.other_bytes += info.nbytes
-            if name.endswith((".weight", ".weight_packed")) and len(info.shape) == 2:
+            if name.endswith((".weight", PACKED_SUFFIXES[0])) and len(info.shape) == 2:
                 summary.quantized_linears += 1  # here: Linears (the column counts them, quantized or not)
                 if expert := expert_module(name.rsplit(".", 1)[0]):
                     experts.setdefault((part, layer), set()).add(expert.expert)

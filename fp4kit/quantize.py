@@ -84,7 +84,7 @@ class QuantizeReport:
     method: str = "rtn"
     fallback_modules: list[str] = field(default_factory=list)  # gptq / weighted mse: quantized by data-free mse
     scheme: str = "nvfp4a16"
-    format: str = "compressed-tensors"
+    format: str = DEFAULT_DIALECT
     calibration: dict = field(default_factory=dict)  # data, samples, seq_len, tokens used; empty: none
     warnings: list[str] = field(default_factory=list)  # what the options asked for and did not get, and why
 
