@@ -1,0 +1,1 @@
+"""Expert parallelism: splitting a checkpoint's experts by rank, placement, per-rank scales."""

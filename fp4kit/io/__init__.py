@@ -1,0 +1,1 @@
+"""Reading and writing checkpoints: safetensors files, output directories, sources in other precisions."""

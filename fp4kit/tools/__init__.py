@@ -1,0 +1,1 @@
+"""Commands over existing checkpoints: convert, repair, inspect, audit, eval."""
