@@ -146,14 +146,14 @@ def _fail(exc: BaseException, *lines: str) -> int:
     return exit code 2."""
     ranks = os.environ.get("WORLD_SIZE", "1") != "1"
     if ranks:
-        from fp4kit import distributed
+        from fp4kit.quantize import distributed
 
         exc = distributed.shared_failure(exc)  # a silent RankFailed where another rank failed first
     if not getattr(exc, "silent", False):
         for line in lines:
             typer.echo(f"error: {one_line(line)}", err=True)
     if ranks:
-        from fp4kit import distributed
+        from fp4kit.quantize import distributed
 
         distributed.settle()
     return EXIT_FAILED

@@ -3,7 +3,7 @@
     python scripts/bench_calibrate.py --layers 2 [--samples 8] [--seq-len 128] [--device cpu|cuda] [--repeats 3]
                                       [--nproc N] [--method rtn|gptq] [--scheme nvfp4|nvfp4a16]
 
-Source: the synthetic Qwen3-30B-A3B-shaped bf16 checkpoint of scripts/bench_quantize.py (fp4kit.synthetic).
+Source: the synthetic Qwen3-30B-A3B-shaped bf16 checkpoint of scripts/bench_quantize.py (fp4kit.testing.synthetic).
 Calibration data: ``samples`` x ``seq-len`` seeded random token ids, written once to an ``input_ids`` jsonl that both
 tools read, so both see exactly the same tokens:
 
@@ -86,7 +86,7 @@ def write_calibration(path: Path, samples: int, seq_len: int, vocab_size: int) -
 
 def scale_ratios(ours: Path, theirs: Path) -> dict[str, float]:
     """fp4kit / oneshot input_global_scale for a few layer-0 modules."""
-    from fp4kit.checkpoint import CheckpointReader
+    from fp4kit.io.checkpoint import CheckpointReader
 
     names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
              "model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.down_proj"]
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     bq = _bench_quantize()
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = bq.build_source(args.workdir, args.layers)
-    from fp4kit.checkpoint import read_config
+    from fp4kit.io.checkpoint import read_config
 
     calib = args.workdir / f"calib-{args.samples}x{args.seq_len}.jsonl"
     write_calibration(calib, args.samples, args.seq_len, int(read_config(src)["vocab_size"]))

@@ -5,10 +5,10 @@
 
 (--repeats 0: the memory runs only.)
 
-Checkpoints: a bf16 checkpoint of one decoder layer with Qwen3-30B-A3B's shapes (fp4kit.synthetic) is quantized once
-with `fp4kit quantize` (compressed-tensors NVFP4A16); `fp4kit.synthetic.repeat_first_layer` copies that layer into
-checkpoints of --small-layers and --layers layers (~350 MB of NVFP4 per layer), which `fp4kit convert` turns into
-ModelOpt ones. All are kept in the workdir and reused.
+Checkpoints: a bf16 checkpoint of one decoder layer with Qwen3-30B-A3B's shapes (fp4kit.testing.synthetic) is quantized
+once with `fp4kit quantize` (compressed-tensors NVFP4A16); `fp4kit.testing.synthetic.repeat_first_layer` copies that
+layer into checkpoints of --small-layers and --layers layers (~350 MB of NVFP4 per layer), which `fp4kit convert` turns
+into ModelOpt ones. All are kept in the workdir and reused.
 
 Speed, on the --layers checkpoints, interleaved so that load on the machine hits every tool alike, medians of R runs:
 
@@ -81,9 +81,9 @@ def time_run(command: list[str], src: Path, dst: Path | None) -> dict:
 
 def checkpoints(work: Path, layers: list[int], experts: int) -> dict[tuple[str, int], Path]:
     """(dialect, layers) -> checkpoint directory, built once and reused."""
-    from fp4kit.convert import convert_checkpoint
-    from fp4kit.quantize import quantize_checkpoint
-    from fp4kit.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
+    from fp4kit.quantize.checkpoint import quantize_checkpoint
+    from fp4kit.testing.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
+    from fp4kit.tools.convert import convert_checkpoint
 
     one = work / "ct-1"
     if not (one / "config.json").exists():

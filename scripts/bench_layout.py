@@ -3,14 +3,14 @@
     python scripts/bench_layout.py --layers 2 [--backends trtllm,cutlass,marlin] [--repeats 3] [--workdir DIR]
                                    [--experts 128 --hidden 2048 --intermediate 768]
 
-Input: a synthetic bf16 Qwen3-MoE (fp4kit.synthetic, Qwen3-30B-A3B's MoE shapes by default) quantized by
+Input: a synthetic bf16 Qwen3-MoE (fp4kit.testing.synthetic, Qwen3-30B-A3B's MoE shapes by default) quantized by
 `fp4kit quantize` (NVFP4A16), plus a W4A4 copy with per-expert activation scales added (the trtllm and cutlass
 kernels are W4A4; the values are arbitrary, the bytes and shapes are what matter here). Both are built once and
 reused when --workdir already holds them.
 
 Each run is a whole process timed from start to exit (docs/BENCHMARKS.md):
   copy     safetensors safe_open/get_tensor of every tensor, written to shards of the same layout with
-           fp4kit.checkpoint.ShardWriter (which fsyncs, as `fp4kit layout` does), config and side files copied
+           fp4kit.io.checkpoint.ShardWriter (which fsyncs, as `fp4kit layout` does), config and side files copied
   layout   python -m fp4kit layout SRC DST --backend B (the W4A4 source for trtllm / cutlass, NVFP4A16 for marlin)
 Before every timed run the source is read once into the page cache (untimed) and the previous output deleted.
 Reported: the median of R runs per tool (wall and CPU seconds, user + system, of the child) and speed relative to
@@ -40,8 +40,8 @@ def add_input_scales(src: Path, dst: Path) -> Path:
     """A W4A4 copy of an NVFP4A16 compressed-tensors checkpoint: one input_global_scale per quantized module."""
     import torch
 
-    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
     from fp4kit.formats import compressed_tensors as ct
+    from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
     from fp4kit.nvfp4 import GLOBAL_NUMERATOR
 
     dst.mkdir(parents=True)
@@ -64,7 +64,7 @@ def add_input_scales(src: Path, dst: Path) -> Path:
 
 def build_sources(work: Path, args: argparse.Namespace) -> tuple[Path, Path]:
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     bf16, a16, w4a4 = work / "bf16", work / "nvfp4a16", work / "nvfp4"
     if not (a16 / "config.json").exists():

@@ -4,7 +4,7 @@ checkpoint, and print each method's time as a ratio to rtn's measured in the sam
     python scripts/bench_methods.py [--layers 1] [--methods rtn,mse] [--repeats 3] [--device cpu|cuda]
                                     [--workdir DIR] [--samples 64] [--seq-len 512]
 
-The checkpoint is fp4kit.synthetic's (hidden 2048, moe_intermediate 768, 128 experts, 32/4 heads of 128, bf16).
+The checkpoint is fp4kit.testing.synthetic's (hidden 2048, moe_intermediate 768, 128 experts, 32/4 heads of 128, bf16).
 One run = the wall and CPU time of `python -m fp4kit quantize SRC DST --scheme nvfp4a16 --method M -q` (gptq adds
 ``--samples/--seq-len`` of the packaged calibration set); the median of R runs is reported, with the source read
 into the page cache once before (untimed). rtn and mse runs alternate so that both see the same machine load.
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args(argv)
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     src = args.workdir / f"src-{args.layers}L"
     if not (src / "config.json").exists():

@@ -7,7 +7,7 @@
 Model: a small Qwen3-MoE trained on text (6 layers, 16 experts, byte vocabulary) with its own ``calib.jsonl`` and
 held-out ``eval.jsonl`` (``input_ids`` windows of 512). Every row quantizes it in a process of its own (wall time
 with the output's fsync, peak RSS, as scripts/bench_quantize.py times them), then scores the output with
-``fp4kit.evaluate`` on the first ``--eval-samples`` eval windows:
+``fp4kit.tools.evaluate`` on the first ``--eval-samples`` eval windows:
 
   fp4kit <method> <scheme>  python -m fp4kit quantize SRC DST --scheme S [--method M] [--calib calib.jsonl ...];
                             rtn is fp4kit's default (no --method); "+calib" gives a W4A16 method the calibration
@@ -233,7 +233,7 @@ def plan_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def run_row(row: Row, bq, src: Path, calib: Path, token_ids, windows, args: argparse.Namespace) -> None:
-    from fp4kit.evaluate import evaluate
+    from fp4kit.tools.evaluate import evaluate
 
     dst = args.workdir / row.label.replace(" ", "-")
     shutil.rmtree(dst, ignore_errors=True)

@@ -57,7 +57,7 @@ def child_copy(src: Path, dst: Path) -> None:
     import torch  # noqa: F401  (safe_open(framework="pt") needs it)
     from safetensors import safe_open
 
-    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
+    from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files
 
     dst.mkdir(parents=True, exist_ok=True)
     with CheckpointReader(src) as header_only:  # headers only: names, shapes, shard of each tensor
@@ -228,7 +228,7 @@ def tool_command(tool: str, src: Path, dst: Path, device: str, nproc: int = 0) -
 
 
 def checkpoint_bytes(src: Path) -> int:
-    from fp4kit.checkpoint import CheckpointReader
+    from fp4kit.io.checkpoint import CheckpointReader
 
     with CheckpointReader(src) as reader:
         return sum(info.nbytes for info in reader.tensors.values())
@@ -278,7 +278,7 @@ def _differing(ours: object, theirs: object, names: list[str]) -> list[str]:
 
 def compare_outputs(fp4kit_dir: Path, reference_dir: Path) -> str:
     """Byte-compare fp4kit's output with a reference's for the experts 0, E/2, E-1 and q/k/v/o of layer 0."""
-    from fp4kit.checkpoint import CheckpointReader, read_config
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
 
     num_experts = int(read_config(fp4kit_dir)["num_experts"])
     projections = {"gate_proj": [], "up_proj": [], "down_proj": [], "attention": []}
@@ -368,7 +368,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def build_source(workdir: Path, layers: int) -> Path:
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     src = workdir / f"qwen3-moe-{layers}L-bf16"
     if (src / "config.json").exists():

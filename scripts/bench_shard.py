@@ -3,10 +3,10 @@
     python scripts/bench_shard.py --layers 4 [--ep 8] [--placement linear] [--repeats 3] [--workdir DIR] [--bf16]
 
 Builds an NVFP4A16 compressed-tensors checkpoint laid out exactly as `fp4kit quantize` writes one for a model with
-Qwen3-30B-A3B's shapes (fp4kit.synthetic's tensor plan: hidden 2048, moe_intermediate 768, 128 experts, 32/4 heads of
-128) and N layers: the same names, dtypes, shapes and 4 GB shards, filled with random bytes instead of quantized
-weights, because quantizing on a small CPU box takes minutes and sharding never looks at the values. --bf16 shards
-fp4kit.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses (docs/BENCHMARKS.md):
+Qwen3-30B-A3B's shapes (fp4kit.testing.synthetic's tensor plan: hidden 2048, moe_intermediate 768, 128 experts, 32/4
+heads of 128) and N layers: the same names, dtypes, shapes and 4 GB shards, filled with random bytes instead of
+quantized weights, because quantizing on a small CPU box takes minutes and sharding never looks at the values. --bf16
+shards fp4kit.testing.synthetic's bf16 checkpoint instead. Then it times as whole subprocesses (docs/BENCHMARKS.md):
 
   copy         cp -r SRC DST: the I/O floor for writing the same bytes (the anchor of the >= 0.8x target)
   copy+sha256  cp -r SRC DST, then sha256sum of every copied file: a copy with the integrity record shard writes
@@ -41,7 +41,7 @@ TIME_BIN = "/usr/bin/time"
 
 
 def build_source(workdir: Path, layers: int, bf16: bool) -> Path:
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     if bf16:
         raw = workdir / f"qwen3moe-{layers}l-bf16"
@@ -59,10 +59,10 @@ def build_source(workdir: Path, layers: int, bf16: bool) -> Path:
 def write_nvfp4_like_quantize(path: Path, layers: int) -> None:
     import torch
 
-    from fp4kit.checkpoint import PlannedTensor, ShardWriter
     from fp4kit.formats import compressed_tensors as ct
+    from fp4kit.io.checkpoint import PlannedTensor, ShardWriter
     from fp4kit.nvfp4 import GLOBAL_NUMERATOR
-    from fp4kit.synthetic import REAL_SHARD_BYTES, Qwen3MoeDims, qwen3_moe_config, qwen3_moe_tensor_plan
+    from fp4kit.testing.synthetic import REAL_SHARD_BYTES, Qwen3MoeDims, qwen3_moe_config, qwen3_moe_tensor_plan
 
     dims = Qwen3MoeDims(layers)
     kept_bf16 = ("lm_head.weight", "mlp.gate.weight", "norm.weight", "embed_tokens.weight")

@@ -3,9 +3,9 @@
     python scripts/bench_sources.py --layers 2[,4] [--experts 128] [--device cpu|cuda] [--repeats 3]
                                     [--workdir DIR] [--dequant-dtype fp32|bf16]
 
-Builds a bf16 synthetic with Qwen3-30B-A3B's MoE layer shapes (fp4kit.synthetic; hidden 2048, moe_intermediate
+Builds a bf16 synthetic with Qwen3-30B-A3B's MoE layer shapes (fp4kit.testing.synthetic; hidden 2048, moe_intermediate
 768, 32/4 heads of 128) and N layers, writes the same weights as DeepSeek's FP8-block format
-(fp4kit.sources.write_fp8_block_copy), then times `fp4kit quantize --scheme nvfp4a16` on each as a whole subprocess,
+(fp4kit.io.sources.write_fp8_block_copy), then times `fp4kit quantize --scheme nvfp4a16` on each as a whole subprocess,
 bf16 and fp8 runs alternating (so a change in the machine's load hits both), the source read once into the page
 cache before each run, the output deleted. Prints per source the median seconds and the largest peak RSS of its own
 runs, and the ratio of speeds (bf16 seconds / fp8 seconds; >= 1 means the FP8 source is as fast). Several layer
@@ -56,8 +56,8 @@ def main() -> None:
     parser.add_argument("--dequant-dtype", default=None, choices=["fp32", "bf16"])
     args = parser.parse_args()
 
-    from fp4kit.sources import write_fp8_block_copy
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.io.sources import write_fp8_block_copy
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     extra = ["--dequant-dtype", args.dequant_dtype] if args.dequant_dtype else []
     for layers in (int(n) for n in args.layers.split(",")):

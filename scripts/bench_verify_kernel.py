@@ -23,8 +23,8 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
+from fp4kit.families.routing import RoutingSpec, route
 from fp4kit.nvfp4 import NVFP4Tensor, divisor_from_amax
-from fp4kit.routing import RoutingSpec, route
 from fp4kit.verify.reference import dequantize_experts, moe_reference
 from fp4kit.verify.triton_moe import (
     DECODE_CONFIG,

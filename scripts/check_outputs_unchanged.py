@@ -4,8 +4,8 @@
 
 The base (default: the merge-base of HEAD and main) is checked out with ``git worktree`` in a temporary directory;
 this tree is the working tree the script lives in (uncommitted edits included). Both trees run the same command list
-on the same seeded fixtures (fp4kit.demo's models: sized for every layout backend), each in one process per tree
-(``fp4kit.cli.run``, PYTHONPATH set to that tree) with relative paths, so reports name the same paths. Compared:
+on the same seeded fixtures (fp4kit.pipeline.demo's models: sized for every layout backend), each in one process per
+tree (``fp4kit.cli.run``, PYTHONPATH set to that tree) with relative paths, so reports name the same paths. Compared:
 exit codes; every output file byte for byte (a JSON file with keys that hold timings: without them, key order
 kept); stdout of the JSON reports likewise, and the other stdout lines with timings and rates blanked. Prints one
 row per command and exits 1 on any difference, 0 when everything matches.
@@ -112,8 +112,8 @@ def run_commands(plan_path: Path) -> None:
 
 def build_fixtures(root: Path, families: list[str]) -> None:
     sys.path.insert(0, str(REPO))
-    from fp4kit.demo import demo_overrides
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.pipeline.demo import demo_overrides
+    from fp4kit.testing.fixtures import build_fixture
 
     for family in families:
         if not (root / family).exists():

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from fp4kit import quantize as q
-from fp4kit.checkpoint import CheckpointReader
-from fp4kit.synthetic import write_synthetic_qwen3_moe
+from fp4kit.io.checkpoint import CheckpointReader
+from fp4kit.quantize import checkpoint as q
+from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
 LAYER = re.compile(r"layers\.(\d+)\.")
 GB = 1e9

@@ -3,9 +3,9 @@
     python scripts/device_eval_memory.py --layers 2,8,48 [--samples 64] [--seq-len 512] [--bf16-source-up-to 8]
                                          [--workdir DIR] [--json FILE]
 
-A one-layer synthetic Qwen3-30B-A3B-shaped bf16 checkpoint (fp4kit.synthetic) is quantized once to W4A4 NVFP4 on the
-GPU; both are then repeated to each layer count (``repeat_first_layer``: byte copies of layer 0). Each count runs
-one in-process ``fp4kit.evaluate`` on the GPU on seeded random token ids, and reports the peak
+A one-layer synthetic Qwen3-30B-A3B-shaped bf16 checkpoint (fp4kit.testing.synthetic) is quantized once to W4A4 NVFP4 on
+the GPU; both are then repeated to each layer count (``repeat_first_layer``: byte copies of layer 0). Each count runs
+one in-process ``fp4kit.tools.evaluate`` on the GPU on seeded random token ids, and reports the peak
 ``torch.cuda.max_memory_allocated`` next to the hidden states it must hold (both models, float32, all samples) and
 one layer's dequantized float32 weights. A 48-layer bf16 source is ~60 GB of disk: above ``--bf16-source-up-to``
 layers the checkpoint is compared with itself (both sides then dequantize NVFP4 layers, the larger case for memory).
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.evaluate import evaluate
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
+from fp4kit.testing.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
+from fp4kit.tools.evaluate import evaluate
 
 GB = 1e9
 

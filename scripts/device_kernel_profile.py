@@ -15,7 +15,7 @@ from functools import partial
 import torch
 from bench_verify_kernel import SHAPES, random_experts, variant_config
 
-from fp4kit.routing import RoutingSpec, route
+from fp4kit.families.routing import RoutingSpec, route
 from fp4kit.verify.triton_moe import TritonMoeWeights, default_config, fused_moe
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.fixtures import RECIPE_STAND_INS, build_fixture
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+from fp4kit.testing.fixtures import RECIPE_STAND_INS, build_fixture
 from fp4kit.verify.backends import _prepare_reference
 from fp4kit.verify.checks import LayerVerifier, VerifyOptions, activation_divisors, route_batch
 from fp4kit.verify.moe_layer import QuantizedModel

@@ -18,7 +18,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-qcheck"))
     args = parser.parse_args()
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     src = write_synthetic_qwen3_moe(args.workdir / "bf16", num_layers=args.layers, threads=8)
     outputs = {}

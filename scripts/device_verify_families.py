@@ -5,8 +5,8 @@ layout, EP shard and `verify --device cuda` with the kernels the GPU allows.
         [--sources bf16,quantized]
 
 Recipes whose model is also published quantized (QUANTIZED_RELEASES: FP8-block, Kimi-K2's INT4) run a second time
-from the stand-in written in that format (fp4kit.fixtures), dequantized on the device; DeepSeek-V3's also as W4A4
-(CUTLASS), calibrated through its dequantized FP8 layers. Prints one line per verify check that failed and a table
+from the stand-in written in that format (fp4kit.testing.fixtures), dequantized on the device; DeepSeek-V3's also as
+W4A4 (CUTLASS), calibrated through its dequantized FP8 layers. Prints one line per verify check that failed and a table
 per run: checks passed / run, the worst kernel error against the fp32 reference for each backend and mode, and the
 quantized-vs-source error. Exit 1 when a check fails.
 """
@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from fp4kit.fixtures import RECIPE_STAND_INS, build_fixture, write_fp8_block_source, write_pack_quantized_source
 from fp4kit.pipeline import run_recipe
-from fp4kit.recipe import load_recipe
+from fp4kit.pipeline.recipe import load_recipe
+from fp4kit.testing.fixtures import RECIPE_STAND_INS, build_fixture, write_fp8_block_source, write_pack_quantized_source
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 WRITERS = {"fp8-block": write_fp8_block_source, "int4": write_pack_quantized_source}

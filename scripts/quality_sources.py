@@ -3,7 +3,7 @@ intermediate, the peers' path), same run.
 
     python scripts/quality_sources.py [--model ../shared/refmodel/qwen3-moe-bytes] [--windows 128] [--workdir DIR]
 
-Writes the model as DeepSeek's FP8-block files (fp4kit.sources.write_fp8_block_copy), quantizes that to NVFP4A16
+Writes the model as DeepSeek's FP8-block files (fp4kit.io.sources.write_fp8_block_copy), quantizes that to NVFP4A16
 with ``--dequant-dtype`` fp32 and bf16, and compares each output with the FP8 source's exact
 values (its weights dequantized in fp32):
 
@@ -29,9 +29,9 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
     """SRC (an FP8-block source or an NVFP4 compressed-tensors output) as a plain fp32 checkpoint."""
     from safetensors.torch import save_file
 
-    from fp4kit.checkpoint import CheckpointReader, copy_side_files, read_config
     from fp4kit.formats import compressed_tensors as ct
-    from fp4kit.sources import dequantize, detect_source
+    from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
+    from fp4kit.io.sources import dequantize, detect_source
 
     dst.mkdir(parents=True, exist_ok=True)
     config = read_config(src)
@@ -129,8 +129,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-quality-sources"))
     args = parser.parse_args()
 
-    from fp4kit import quantize
-    from fp4kit.sources import write_fp8_block_copy
+    from fp4kit.io.sources import write_fp8_block_copy
+    from fp4kit.quantize import checkpoint as quantize
 
     shutil.rmtree(args.workdir, ignore_errors=True)
     fp8 = write_fp8_block_copy(args.model, args.workdir / "fp8")

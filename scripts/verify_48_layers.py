@@ -4,8 +4,8 @@
     python scripts/verify_48_layers.py --smoke --layers 4 --chunk 2 --tokens 1,8 --device cpu   # checks the script
     python scripts/verify_48_layers.py --repeat-first-chunk      # layers 8..47 repeat layers 0..7's weights
 
-The bf16 model (hidden 2048, moe_intermediate 768, 128 experts, top-8; fp4kit.synthetic) is 1.2 GB per layer, 58 GB
-for 48 layers, which with its NVFP4 output does not fit a 64 GiB disk. So it is built in chunks of ``--chunk``
+The bf16 model (hidden 2048, moe_intermediate 768, 128 experts, top-8; fp4kit.testing.synthetic) is 1.2 GB per layer, 58
+GB for 48 layers, which with its NVFP4 output does not fit a 64 GiB disk. So it is built in chunks of ``--chunk``
 layers: each chunk is written in bf16, quantized (`fp4kit quantize`, NVFP4A16, on the GPU when there is one) and its
 bf16 deleted, except the first chunk's, which stays as the BF16 source of layers 0..chunk-1; then the chunks are
 merged into one checkpoint with their layers renumbered. ``--repeat-first-chunk`` builds only the first chunk and
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter
+from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor, ShardWriter
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.synthetic import write_synthetic_qwen3_moe
+from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
 LAYER = re.compile(r"(?P<prefix>(^|.*\.)layers\.)(?P<layer>\d+)\.")
 

@@ -1,4 +1,4 @@
-"""Small NVFP4 checkpoints for the layout and runtime tests, built without transformers (fp4kit.synthetic).
+"""Small NVFP4 checkpoints for the layout and runtime tests, built without transformers (fp4kit.testing.synthetic).
 
 ``nvfp4_source`` quantizes a synthetic Qwen3-MoE with fp4kit (NVFP4A16) and, for ``w4a4``, adds per-expert
 activation scales (compressed-tensors ``input_global_scale`` multipliers; gate and up of one expert share one, as
@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from fp4kit.checkpoint import PlannedTensor, ShardWriter
 from fp4kit.formats import compressed_tensors as ct
-from fp4kit.quantize import quantize_checkpoint
-from fp4kit.synthetic import Qwen3MoeDims, qwen3_moe_config, write_synthetic_qwen3_moe
+from fp4kit.io.checkpoint import PlannedTensor, ShardWriter
+from fp4kit.quantize.checkpoint import quantize_checkpoint
+from fp4kit.testing.synthetic import Qwen3MoeDims, qwen3_moe_config, write_synthetic_qwen3_moe
 
 
 def add_input_scales(src: Path, dst: Path) -> Path:

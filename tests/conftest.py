@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(name) -> path of a bf16 fixture checkpoint of that family, built once per session."""
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture
 
     built: dict[str, Path] = {}
 
@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_nvfp4a16(tiny, tmp_path_factory):
     """tiny_nvfp4a16(name) -> path of that fixture quantized by fp4kit (compressed-tensors, NVFP4A16)."""
-    from fp4kit.quantize import quantize_checkpoint
+    from fp4kit.quantize.checkpoint import quantize_checkpoint
 
     built: dict[str, Path] = {}
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fp4kit.audit import audit_input_scales
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+from fp4kit.tools.audit import audit_input_scales
 
 SAMPLES, SEQ_LEN = 4, 32
 
@@ -24,7 +24,7 @@ def test_fp4kit_calibration_passes_and_llm_compressor_attention_scales_clip(tiny
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM
 
-    from fp4kit.calib_data import load_calibration
+    from fp4kit.quantize.calib_data import load_calibration
 
     ids = load_calibration(None, src, 256, SAMPLES, SEQ_LEN)
     dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})

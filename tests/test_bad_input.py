@@ -76,7 +76,7 @@ def test_unsupported_architecture(src, tmp_path):
 
 
 def test_dimension_not_divisible_by_16(tmp_path):
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture
 
     src = build_fixture("qwen3_moe", tmp_path / "src", overrides={"moe_intermediate_size": 24})
     dst = tmp_path / "out"
@@ -116,7 +116,7 @@ def test_w4a4_missing_calibration_file(src, tmp_path):
 
 
 def test_overwrite_replaces_and_interrupted_run_leaves_nothing(src, tmp_path, monkeypatch):
-    from fp4kit import quantize as q
+    from fp4kit.quantize import checkpoint as q
 
     dst = tmp_path / "out"
     dst.mkdir()

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from fp4kit.calib_data import load_calibration
 from fp4kit.errors import Fp4kitError
+from fp4kit.quantize.calib_data import load_calibration
 
 VOCAB = 256
 

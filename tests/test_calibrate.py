@@ -6,7 +6,7 @@ fixture) on the same token ids:
 - input amax of every ``nn.Linear`` (attention, dense MLP, shared expert): forward pre-hooks;
 - routed experts, all-experts semantics (llm-compressor ``moe_calibrate_all_experts``): computed here from the MoE
   block's input and router logits captured by hooks, with each expert's weights read from the checkpoint through
-  ``fp4kit.plan`` (so the names are the plan's): gate/up input = the block input (Llama-4: times
+  ``fp4kit.quantize.plan`` (so the names are the plan's): gate/up input = the block input (Llama-4: times
   sigmoid(router logit), what ``Llama4TextMoe.forward`` feeds an expert), down_proj input = silu(x Wg^T) * (x Wu^T);
 - routing counts: the top-k ids transformers' routers return.
 """
@@ -22,11 +22,11 @@ import pytest
 import torch
 from _verify_sources import text_forward
 
-from fp4kit.calibrate import calibrate
-from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
-from fp4kit.fixtures import FIXTURES, build_fixture, fixture_spec
-from fp4kit.plan import build_plan, read_group_weights
+from fp4kit.io.checkpoint import CheckpointReader, read_config
+from fp4kit.quantize.calibrate import calibrate
+from fp4kit.quantize.plan import build_plan, read_group_weights
+from fp4kit.testing.fixtures import FIXTURES, build_fixture, fixture_spec
 
 BF16_STEP = 2.0**-7  # relative spacing of bf16 values: "within one bf16 rounding step"
 # tiny_glm4v_moe.json's mrope_section [2, 2, 4] does not fit its rotary dim (16 * 0.5 / 2 = 4), so the full model
@@ -218,7 +218,7 @@ def test_bad_token_ids_are_refused(bad, checkpoint):
 
 def test_a_config_transformers_cannot_run_is_one_clear_line(tmp_path):
     """An mrope_section that does not fit the rotary dimension (16 * 0.5 / 2 = 4 frequencies, sections sum to 8)."""
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture
 
     bad_rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 2, 4], "partial_rotary_factor": 0.5}
     src = build_fixture("glm4v_moe", tmp_path / "bad", overrides={"rope_parameters": bad_rope})
@@ -245,7 +245,7 @@ def test_agrees_with_modelopt_for_attention_dense_and_shared_experts(checkpoint)
 
 MEMORY_PROBE = textwrap.dedent("""
     import json, sys, torch
-    from fp4kit.calibrate import calibrate
+    from fp4kit.quantize.calibrate import calibrate
 
     def status(key):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) * 1024
@@ -305,11 +305,11 @@ def test_peak_memory_does_not_grow_with_layer_count(tmp_path, tiny):
 
 
 def test_calibration_returns_large_frees_to_the_os(monkeypatch, checkpoint):
-    """calibrate() runs its layers within fp4kit.memory.large_frees_returned_to_os: without it, buffers of a few MB
+    """calibrate() runs its layers within fp4kit.io.memory.large_frees_returned_to_os: without it, buffers of a few MB
     freed during a layer stay resident and the peak RSS of `quantize --scheme nvfp4` varied by 1 GB between runs."""
     import contextlib
 
-    from fp4kit import memory
+    from fp4kit.io import memory
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""fp4kit.checkpoint.ShardWriter.destination: a planned tensor filled in place in the shard reads back like one
+"""fp4kit.io.checkpoint.ShardWriter.destination: a planned tensor filled in place in the shard reads back like one
 written with write(); offsets that are not 8-byte aligned fall back to write()."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp4kit.checkpoint import PlannedTensor, ShardWriter
 from fp4kit.errors import Fp4kitError
+from fp4kit.io.checkpoint import PlannedTensor, ShardWriter
 
 
 def test_destination_fills_the_shard_in_place(tmp_path):

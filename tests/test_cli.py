@@ -140,7 +140,7 @@ def fail_with(monkeypatch, capsys, exc: BaseException) -> tuple[int, str]:
     def raise_it(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr("fp4kit.demo.run_demo", raise_it)
+    monkeypatch.setattr("fp4kit.pipeline.demo.run_demo", raise_it)
     cli._register_commands()
     code = cli.run(["demo"])
     captured = capsys.readouterr()
@@ -211,8 +211,13 @@ def choices(command: str, option: str) -> set[str]:
 
 def test_choices_are_the_librarys() -> None:
     """Choices the CLI lists (and checks while parsing) are exactly those the library accepts."""
-    from fp4kit import dense, evaluate, input_scales, layout, placement, quantize, registry
+    from fp4kit import registry
+    from fp4kit.ep import placement
     from fp4kit.layouts import cutlass
+    from fp4kit.layouts import directory as layout
+    from fp4kit.quantize import checkpoint as quantize
+    from fp4kit.quantize import input_scales
+    from fp4kit.tools import dense, evaluate
     from fp4kit.verify import backends, runner
 
     expected = {

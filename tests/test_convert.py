@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4kit.checkpoint import CheckpointReader
-from fp4kit.convert import convert_checkpoint
-from fp4kit.fixtures import FIXTURES
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats.compressed_tensors import NAME as CT
 from fp4kit.formats.detect import open_checkpoint, stored_scale
 from fp4kit.formats.modelopt import NAME as MO
+from fp4kit.io.checkpoint import CheckpointReader
+from fp4kit.testing.fixtures import FIXTURES
+from fp4kit.tools.convert import convert_checkpoint
 
 
 def tensor_bytes(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]:
@@ -219,7 +219,7 @@ def dequantized_blocks(weight) -> torch.Tensor:
 
 
 def test_repair_removes_every_mismatch_within_half_an_fp8_step(tiny_nvfp4a16, tmp_path):
-    from fp4kit.inspect import inspect_checkpoint
+    from fp4kit.tools.inspect import inspect_checkpoint
 
     w4a4 = with_input_scales(tiny_nvfp4a16("qwen3_moe"), tmp_path / "w4a4")  # per-expert input scales: spread
     bad = rewrite(w4a4, tmp_path / "bad", lambda t: t.update({  # gate/up and q/k/v mismatches, not powers of 2

@@ -20,11 +20,11 @@ from safetensors import safe_open
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fp4kit.checkpoint import CheckpointReader  # noqa: E402
 from fp4kit.errors import Fp4kitError  # noqa: E402
 from fp4kit.families import detect  # noqa: E402
-from fp4kit.plan import build_plan  # noqa: E402
-from fp4kit.routing import route  # noqa: E402
+from fp4kit.families.routing import route  # noqa: E402
+from fp4kit.io.checkpoint import CheckpointReader  # noqa: E402
+from fp4kit.quantize.plan import build_plan  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -138,10 +138,10 @@ def from_fp8(tmp_path_factory) -> dict[str, Path]:
     """The DeepSeek stand-in (H 128, I 64, 8 experts: every backend's shape rules) as an FP8-block source, quantized
     to W4A4 (calibrated through the dequantized layers) and W4A16; the W4A4 one laid out for TRT-LLM-gen and CUTLASS
     and split for EP 2, the W4A16 one for Marlin."""
-    from fp4kit.fixtures import RECIPE_STAND_INS, build_fixture, write_fp8_block_source
-    from fp4kit.layout import LayoutOptions, layout_checkpoint
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
+    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-    from fp4kit.shard import ShardOptions, shard_checkpoint
+    from fp4kit.testing.fixtures import RECIPE_STAND_INS, build_fixture, write_fp8_block_source
 
     root = tmp_path_factory.mktemp("deepseek-fp8")
     paths = {"bf16": build_fixture("deepseek_v3", root / "bf16", overrides=RECIPE_STAND_INS["deepseek_v3"])}

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from fp4kit.demo import DEMO_FAMILIES, build_demo_model
-from fp4kit.fixtures import FIXTURES, fixture_spec
-from fp4kit.layout import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+from fp4kit.pipeline.demo import DEMO_FAMILIES, build_demo_model
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+from fp4kit.testing.fixtures import FIXTURES, fixture_spec
 
 
 def test_every_family_but_the_text_only_llama4_has_a_demo() -> None:

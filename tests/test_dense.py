@@ -1,5 +1,5 @@
-"""`fp4kit convert --to bf16` (fp4kit/dense.py): transformers' own loader reads the dense checkpoint into exactly the
-weights compressed-tensors' decompression gives, on every family; ModelOpt input dequantizes to the same bytes."""
+"""`fp4kit convert --to bf16` (fp4kit/tools/dense.py): transformers' own loader reads the dense checkpoint into exactly
+the weights compressed-tensors' decompression gives, on every family; ModelOpt input dequantizes to the same bytes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from _verify_sources import run_cli, text_forward
 
-from fp4kit.checkpoint import CheckpointReader
-from fp4kit.fixtures import FIXTURES, fixture_spec
+from fp4kit.io.checkpoint import CheckpointReader
+from fp4kit.testing.fixtures import FIXTURES, fixture_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -86,9 +86,9 @@ def test_transformers_loads_the_dequantized_weights(family, monkeypatch, capsys,
 def test_modelopt_input_gives_the_dense_checkpoint_of_its_conversion(family, tiny, tmp_path):
     """A ModelOpt checkpoint (Llama-4: fused expert tensors) dequantizes to the same tensors as its lossless
     conversion to compressed-tensors, which the test above checks against compressed-tensors' decompression."""
-    from fp4kit.convert import convert_checkpoint
-    from fp4kit.dense import dequantize_checkpoint
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.tools.convert import convert_checkpoint
+    from fp4kit.tools.dense import dequantize_checkpoint
 
     quantize_checkpoint(tiny(family), tmp_path / "mo", QuantizeOptions(scheme="nvfp4", format="modelopt", samples=2,
                                                                        seq_len=32))

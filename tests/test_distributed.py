@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from fp4kit.distributed import assign_jobs
 from fp4kit.errors import Fp4kitError
-from fp4kit.output import leftovers
+from fp4kit.io.output import leftovers
+from fp4kit.quantize.distributed import assign_jobs
 
 # calibrated W4A4 (4 batches: 2 per rank) in ModelOpt's dialect, in several shards and an index, then EP 2
 RECIPE = """\
@@ -37,7 +37,7 @@ shard:
 # run into the interpreter's finalization, which sometimes aborts ("terminate called without an active exception").
 RUN_COMMANDS = """\
 import json, os, sys
-from fp4kit import distributed
+from fp4kit.quantize import distributed
 from fp4kit.cli import main
 
 for argv in json.loads(sys.argv[1]):
@@ -76,8 +76,8 @@ def test_assign_jobs_balances_by_size_in_plan_order() -> None:
 def test_calibration_shares_combine_to_the_single_process_statistics(tiny) -> None:
     """Each rank's batches b % world == rank; max of the amax and sum of the counts give one process's result, also
     for a rank left without a batch."""
-    from fp4kit.calib_data import load_calibration
-    from fp4kit.calibrate import calibrate
+    from fp4kit.quantize.calib_data import load_calibration
+    from fp4kit.quantize.calibrate import calibrate
 
     src = tiny("qwen3_moe")
     ids = load_calibration(None, src, 256, 2, 8)
@@ -137,9 +137,9 @@ def test_failure_on_one_rank_is_one_line_exit_2_and_no_output(tiny, tmp_path) ->
     """A NaN in a weight that rank 1 quantizes: rank 1 reports it, rank 0 stops and removes the partial output."""
     from safetensors.torch import load_file, save_file
 
-    from fp4kit.checkpoint import CheckpointReader, read_config
-    from fp4kit.plan import QuantGroup, build_plan
-    from fp4kit.quantize import _job_bytes
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
+    from fp4kit.quantize.checkpoint import _job_bytes
+    from fp4kit.quantize.plan import QuantGroup, build_plan
 
     src = tmp_path / "nan"
     src.mkdir()

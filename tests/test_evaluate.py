@@ -1,4 +1,4 @@
-"""`fp4kit eval` (fp4kit/evaluate.py): the layer-streaming comparison equals a whole-model transformers forward of
+"""`fp4kit eval` (fp4kit/tools/evaluate.py): the layer-streaming comparison equals a whole-model transformers forward of
 the same dequantized weights, with the same activation quantization for W4A4, on every family and both dialects."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from _verify_sources import run_cli, text_forward
 
-from fp4kit.fixtures import FIXTURES, fixture_spec
+from fp4kit.testing.fixtures import FIXTURES, fixture_spec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,10 +51,10 @@ def _hf_model(path, family: str):
 def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path) -> torch.Tensor:
     """[KL, CE source, CE quantized, top-1] from transformers' whole models: the source as transformers loads it,
     the checkpoint dequantized to a dense float32 checkpoint loaded the same way, W4A4 activations emulated."""
-    from fp4kit.dense import dequantize_checkpoint
-    from fp4kit.evaluate import _scores, emulate_w4a4, input_divisors
     from fp4kit.families import detect
     from fp4kit.formats.detect import open_checkpoint
+    from fp4kit.tools.dense import dequantize_checkpoint
+    from fp4kit.tools.evaluate import _scores, emulate_w4a4, input_divisors
 
     dense = tmp_path / "dense-fp32"
     dequantize_checkpoint(ckpt, dense, dtype=torch.float32)
@@ -75,7 +75,7 @@ def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path
 
 
 def _streamed(src, ckpt, token_ids):
-    from fp4kit.evaluate import evaluate
+    from fp4kit.tools.evaluate import evaluate
 
     result = evaluate(src, ckpt, token_ids, batch_size=BATCH)
     return result, torch.tensor([result.kl, result.ce_source, result.ce_quantized, result.top1], dtype=torch.float64)
@@ -105,7 +105,7 @@ def test_quantized_lm_head(tiny, token_ids, tmp_path):
     ckpt = tmp_path / "ckpt"
     options = QuantizeOptions(scheme="nvfp4", default_ignore=False, ignore=[r"mlp\.gate$"], samples=4, seq_len=32)
     quantize_checkpoint(tiny("qwen3_moe"), ckpt, options)
-    from fp4kit.checkpoint import CheckpointReader
+    from fp4kit.io.checkpoint import CheckpointReader
 
     assert "lm_head.input_global_scale" in CheckpointReader(ckpt)
     _, streamed = _streamed(tiny("qwen3_moe"), ckpt, token_ids)
@@ -123,8 +123,8 @@ def test_w4a4_emulation_moves_the_result(tiny, quantized, token_ids):
 def test_w4a4_experts_match_the_verify_reference():
     """The routed-experts emulation (transformers' eager loop with two quantization points) equals
     fp4kit/verify/reference.py's moe_reference, an independent loop over the same math."""
-    from fp4kit.evaluate import _routed_experts_w4a4
-    from fp4kit.routing import RoutingSpec
+    from fp4kit.families.routing import RoutingSpec
+    from fp4kit.tools.evaluate import _routed_experts_w4a4
     from fp4kit.verify.reference import moe_reference
 
     generator = torch.Generator().manual_seed(1)
@@ -204,9 +204,9 @@ def _added_peak_bytes(work) -> int:
 def test_peak_memory_does_not_grow_with_layer_count(tmp_path):
     """Six more layers add far less than a layer's dequantized weights to eval's peak; holding them would add 6 x 2
     sides x that."""
-    from fp4kit.evaluate import evaluate
-    from fp4kit.quantize import quantize_checkpoint
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.quantize.checkpoint import quantize_checkpoint
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.tools.evaluate import evaluate
 
     dims = dict(hidden=256, moe_intermediate=256, num_experts=16, num_heads=4, num_kv_heads=2, head_dim=64,
                 vocab_size=1024)
@@ -232,7 +232,7 @@ def test_an_emulated_layer_is_freed_without_the_garbage_collector():
 
     from torch import nn
 
-    from fp4kit.evaluate import emulate_w4a4
+    from fp4kit.tools.evaluate import emulate_w4a4
 
     class Experts(nn.Module):
         def __init__(self):

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fp4kit.cli import main
-from fp4kit.output import leftovers
+from fp4kit.io.output import leftovers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -74,7 +74,7 @@ def sharded(tiny, tmp_path_factory, name: str) -> Path:
 @pytest.fixture(scope="module")
 def clean(tiny, tmp_path_factory):
     """(source, the bytes `fp4kit quantize` writes from it)."""
-    from fp4kit.quantize import quantize_checkpoint
+    from fp4kit.quantize.checkpoint import quantize_checkpoint
 
     src = sharded(tiny, tmp_path_factory, "qwen3_moe")
     out = tmp_path_factory.mktemp("clean") / "out"

@@ -8,11 +8,11 @@ import pytest
 import torch
 from test_convert import EXPERT0, rewrite, run_cli, with_input_scales
 
-from fp4kit.convert import convert_checkpoint
 from fp4kit.errors import Fp4kitError
-from fp4kit.fixtures import FIXTURES
-from fp4kit.inspect import inspect_checkpoint
 from fp4kit.nvfp4 import quantize_group
+from fp4kit.testing.fixtures import FIXTURES
+from fp4kit.tools.convert import convert_checkpoint
+from fp4kit.tools.inspect import inspect_checkpoint
 
 ROUTER = "model.layers.1.mlp.gate"
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from _verify_sources import run_cli
 
-from fp4kit.fixtures import write_fp8_block_source, write_pack_quantized_source
-from fp4kit.input_scales import ROUTING_STATS_NAME
-from fp4kit.inspect import FORMAT
-from fp4kit.inspect_artifacts import inspect_path
-from fp4kit.layout import LayoutOptions, layout_checkpoint
+from fp4kit.ep.shard import EXPERT_MAP, MANIFEST, ShardOptions, rank_dir_name, shard_checkpoint
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.shard import EXPERT_MAP, MANIFEST, ShardOptions, rank_dir_name, shard_checkpoint
+from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
+from fp4kit.testing.fixtures import write_fp8_block_source, write_pack_quantized_source
+from fp4kit.tools.inspect import FORMAT
+from fp4kit.tools.inspect_artifacts import inspect_path
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from test_convert import EXPERT0, rewrite, run_cli
 
-from fp4kit.convert import convert_checkpoint
-from fp4kit.engine_checks import SOURCES
-from fp4kit.fixtures import FIXTURES
 from fp4kit.formats import compressed_tensors as ct
-from fp4kit.inspect import inspect_checkpoint
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+from fp4kit.testing.fixtures import FIXTURES
+from fp4kit.tools.convert import convert_checkpoint
+from fp4kit.tools.engine_checks import SOURCES
+from fp4kit.tools.inspect import inspect_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

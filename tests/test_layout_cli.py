@@ -14,9 +14,9 @@ import torch
 from _layout_sources import random_moe_only_source, shared_source
 from safetensors.torch import load_file, save_file
 
-from fp4kit.checkpoint import DTYPES, CheckpointReader
-from fp4kit.layout_manifest import MANIFEST
-from fp4kit.output import leftovers
+from fp4kit.io.checkpoint import DTYPES, CheckpointReader
+from fp4kit.io.output import leftovers
+from fp4kit.layouts.manifest import MANIFEST
 
 
 def run_cli(monkeypatch, capsys, *args: object) -> tuple[int, str]:
@@ -127,7 +127,7 @@ def test_a_layer_failing_mid_stream_leaves_no_output(monkeypatch, capsys, w4a4, 
 
 RSS_CHILD = r"""
 import json, resource, sys
-from fp4kit.layout import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 peaks = []
 for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
     layout_checkpoint(src, dst, LayoutOptions(backend="cutlass", max_shard_bytes=32 * 10**6))
@@ -153,7 +153,7 @@ def test_memory_follows_the_layer_not_the_checkpoint(tmp_path):
 def test_read_layer_stacks_what_each_module_reads(w4a4):
     from fp4kit.errors import Fp4kitError
     from fp4kit.formats.detect import open_checkpoint
-    from fp4kit.layout import find_moe_layers, read_layer
+    from fp4kit.layouts.directory import find_moe_layers, read_layer
 
     with open_checkpoint(w4a4) as ckpt:
         layer = find_moe_layers(ckpt)[1]
@@ -181,7 +181,7 @@ def test_every_layer_equals_the_pure_transform_with_recycled_buffers(tmp_path, b
     import queue
 
     from fp4kit.formats.detect import open_checkpoint
-    from fp4kit.layout import BACKENDS, LayoutOptions, find_moe_layers, layout_checkpoint, read_layer
+    from fp4kit.layouts.directory import BACKENDS, LayoutOptions, find_moe_layers, layout_checkpoint, read_layer
 
     src = random_moe_only_source(tmp_path / "src", 6, 4, 256, 128)
     layout_checkpoint(src, tmp_path / "out", LayoutOptions(backend=backend))

@@ -21,7 +21,7 @@ import json
 import pytest
 import torch
 
-from fp4kit.checkpoint import CheckpointReader
+from fp4kit.io.checkpoint import CheckpointReader
 
 pytestmark = pytest.mark.pinned  # llm-compressor's pins (.ci/run)
 
@@ -59,7 +59,7 @@ def _without_sub_config_dtype(config: dict) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_equal_to_llm_compressor_oneshot(family, tiny, tiny_nvfp4a16, tmp_path):
     pytest.importorskip("llmcompressor")
-    from fp4kit.fixtures import fixture_spec
+    from fp4kit.testing.fixtures import fixture_spec
 
     run_oneshot(tiny(family), tmp_path / "llmc", fixture_spec(family)["model_class"])
     src, ours, theirs = CheckpointReader(tiny(family)), CheckpointReader(tiny_nvfp4a16(family)), \

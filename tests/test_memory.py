@@ -1,4 +1,4 @@
-"""fp4kit.memory: with glibc, within the block a freed buffer of a few MB leaves the resident set at once, after it
+"""fp4kit.io.memory: with glibc, within the block a freed buffer of a few MB leaves the resident set at once, after it
 the heaps serve such buffers again; elsewhere, nothing happens.
 
 glibc's dynamic mmap threshold (malloc/malloc.c, ``free``: a freed mmapped chunk larger than ``mp_.mmap_threshold``
@@ -16,11 +16,11 @@ import textwrap
 
 import pytest
 
-from fp4kit import memory
+from fp4kit.io import memory
 
 PROBE = textwrap.dedent("""
     import json, os, torch
-    from fp4kit import memory
+    from fp4kit.io import memory
 
     def rss():
         with open("/proc/self/statm") as f:

@@ -1,5 +1,5 @@
-"""The error-reducing quantization methods: the mse block-scale search (fp4kit/scale_search.py), GPTQ with NVFP4
-groups (fp4kit/gptq.py) and the calibrated layer pass behind `fp4kit quantize --method mse|gptq`."""
+"""The error-reducing quantization methods: the mse block-scale search (fp4kit/quantize/scale_search.py), GPTQ with
+NVFP4 groups (fp4kit/quantize/gptq.py) and the calibrated layer pass behind `fp4kit quantize --method mse|gptq`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fp4kit import nvfp4
-from fp4kit.checkpoint import CheckpointReader
-from fp4kit.gptq import GptqOptions, gptq_objective, gptq_quantize
+from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.scale_search import quantize_mse, round_e2m1_magnitude_
+from fp4kit.quantize.gptq import GptqOptions, gptq_objective, gptq_quantize
+from fp4kit.quantize.scale_search import quantize_mse, round_e2m1_magnitude_
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,14 +85,14 @@ def test_native_mse_makes_the_torch_choices(weighted):
 
 def test_recipe_method_reaches_quantize(tmp_path):
     from fp4kit.errors import Fp4kitError
-    from fp4kit.recipe import load_recipe
+    from fp4kit.pipeline.recipe import load_recipe
 
     path = tmp_path / "r.yaml"
     path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  scheme: nvfp4a16\n  method: gptq\n"
                     "  gptq_damp: 0.05\n")
     section = load_recipe(path).recipe.quantize
     assert section is not None and section.method == "gptq" and section.gptq_damp == 0.05
-    from fp4kit.recipe import CALIBRATION_OPTIONS  # passed by name to QuantizeOptions by the quantize step
+    from fp4kit.pipeline.recipe import CALIBRATION_OPTIONS  # passed by name to QuantizeOptions by the quantize step
 
     assert set(CALIBRATION_OPTIONS) <= set(QuantizeOptions.__dataclass_fields__)
     path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  method: awq\n")
@@ -101,7 +101,7 @@ def test_recipe_method_reaches_quantize(tmp_path):
 
 
 def test_mse_stack_and_group_share_the_rtn_global_scale():
-    from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
+    from fp4kit.quantize.scale_search import quantize_group_mse, quantize_stacked_mse
 
     gate, up = _adversarial_weights()[0].chunk(2)
     up = up * 3
@@ -272,7 +272,7 @@ def test_modelopt_dialect_and_w4a4(tiny, tmp_path, scheme):
     pass: ModelOpt output cannot take them from the quantized pass, and by default takes them from the source)."""
     from fp4kit.formats import compressed_tensors as ct
     from fp4kit.formats import modelopt as mo
-    from fp4kit.quantize import input_scale_source
+    from fp4kit.quantize.checkpoint import input_scale_source
 
     assert input_scale_source(QuantizeOptions(format="modelopt")) == "source"
     assert input_scale_source(QuantizeOptions()) == "quantized"
@@ -307,7 +307,7 @@ def test_pass_statistics_are_the_routed_tokens_second_moments(tiny):
     its router sent it (gate/up one shared tensor, down from act(gate) * up of those tokens), q/k/v one tensor."""
     from transformers import Qwen3MoeForCausalLM
 
-    from fp4kit.calibrate import calibrate_quantized
+    from fp4kit.quantize.calibrate import calibrate_quantized
 
     src = tiny("qwen3_moe")
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(7))
@@ -379,7 +379,7 @@ def test_quantized_sources_take_data_free_mse_and_calibrated_methods(tiny, tmp_p
     with dequant_dtype bf16 its output is the output of gptq on compressed-tensors' bf16 copy of the source."""
     from _quantized_sources import dequantized_bf16_copy
 
-    from fp4kit.fixtures import write_fp8_block_source
+    from fp4kit.testing.fixtures import write_fp8_block_source
 
     fp8 = write_fp8_block_source(tiny("qwen3_moe"), tmp_path / "fp8")
     report = quantize_checkpoint(fp8, tmp_path / "mse", QuantizeOptions(method="mse"))
@@ -398,7 +398,7 @@ def test_quantized_sources_take_data_free_mse_and_calibrated_methods(tiny, tmp_p
 def test_gptq_cuda_graph_replays_give_the_eager_bytes():
     """Lazy blocks replayed from CUDA graphs (every shape after its second call) equal the eager pass, also when
     one runner serves stacks of other shapes in between."""
-    from fp4kit.gptq import LazyBlocks
+    from fp4kit.quantize.gptq import LazyBlocks
 
     device = torch.device("cuda")
     graphed = LazyBlocks()

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fp4kit.convert import convert_checkpoint
 from fp4kit.formats import modelopt as mo
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+from fp4kit.tools.convert import convert_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -45,8 +45,8 @@ def test_quantize_modelopt_then_convert_equals_quantize_compressed_tensors(tiny,
     quantize_checkpoint(bf16, tmp_path / "ct", QuantizeOptions(scheme=scheme))
     quantize_checkpoint(bf16, tmp_path / "mo", QuantizeOptions(scheme=scheme, format="modelopt"))
     if scheme == "nvfp4":  # the case stays exercised: at least one input scale needed the record
-        from fp4kit.checkpoint import CheckpointReader
         from fp4kit.formats.detect import EXACT_SCALES_KEY
+        from fp4kit.io.checkpoint import CheckpointReader
 
         with CheckpointReader(tmp_path / "mo") as reader:
             assert EXACT_SCALES_KEY in reader.metadata

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from fp4kit.checkpoint import CheckpointReader
 from fp4kit.formats import modelopt as mo
 from fp4kit.formats.compressed_tensors import NAME as CT
 from fp4kit.formats.detect import decoded_scale, needs_exact_record, stored_scale
 from fp4kit.formats.modelopt import NAME as MO
+from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.nvfp4 import NVFP4Tensor, quantize
 
 TINY = torch.finfo(torch.float32).tiny
@@ -122,7 +122,7 @@ def modelopt_export(tmp_path_factory):
     import modelopt.torch.quantization as mtq
     from modelopt.torch.export import export_hf_checkpoint
 
-    from fp4kit.fixtures import build_model, fixture_spec
+    from fp4kit.testing.fixtures import build_model, fixture_spec
 
     built = {}
 
@@ -149,7 +149,7 @@ def header(path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
 def test_fp4kit_modelopt_output_matches_a_modelopt_export(family, modelopt_export, tiny_nvfp4a16, tmp_path):
-    from fp4kit.convert import convert_checkpoint
+    from fp4kit.tools.convert import convert_checkpoint
 
     theirs = modelopt_export(family, "W4A16_NVFP4_CFG")
     convert_checkpoint(tiny_nvfp4a16(family), tmp_path / "ours", MO)
@@ -177,8 +177,8 @@ def test_fp4kit_modelopt_output_matches_a_modelopt_export(family, modelopt_expor
 def test_modelopt_export_round_trips_through_compressed_tensors(family, cfg, modelopt_export, tmp_path):
     """ModelOpt -> compressed-tensors -> ModelOpt gives back every tensor byte for byte (Llama-4: the fused
     [E, H/2, 2I] experts included), and the compressed-tensors step dequantizes to the same weights."""
-    from fp4kit.convert import convert_checkpoint
     from fp4kit.formats.detect import open_checkpoint
+    from fp4kit.tools.convert import convert_checkpoint
 
     theirs = modelopt_export(family, cfg)
     convert_checkpoint(theirs, tmp_path / "ct", CT)

@@ -1,5 +1,5 @@
 """Two runs into one DST, as real processes: the second is refused at once while the first finishes byte-identical to
-a solo run; a killed run's lock dies with it and its work directory goes with the next run (fp4kit.output)."""
+a solo run; a killed run's lock dies with it and its work directory goes with the next run (fp4kit.io.output)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.output import atomic_directory, exclusive, leftovers, lock_path, partial_prefix
+from fp4kit.io.output import atomic_directory, exclusive, leftovers, lock_path, partial_prefix
 
 
 def digest(root: Path) -> dict[str, str]:

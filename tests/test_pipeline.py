@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4kit.pipeline import MARKER_SUFFIX, run_recipe
+from fp4kit.pipeline.runner import MARKER_SUFFIX, run_recipe
 
 RECIPE = """\
 model: {model}
@@ -37,7 +37,7 @@ verify:
 # shards and then the process dies, before layout's output is renamed into place and before its marker.
 KILL_IN_LAYOUT = """\
 import os, signal, sys
-from fp4kit import checkpoint
+from fp4kit.io import checkpoint
 from fp4kit.pipeline import run_recipe
 
 finish, calls = checkpoint.ShardWriter.finish, []

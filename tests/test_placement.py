@@ -1,4 +1,4 @@
-"""Expert placements (fp4kit.placement) and routing-statistics validation.
+"""Expert placements (fp4kit.ep.placement) and routing-statistics validation.
 
 Oracle for `linear` and `round-robin`: vLLM's `determine_expert_map` (vllm/model_executor/layers/fused_moe/layer.py):
 base = E // ep, rem = E % ep, local = base + 1 if rank < rem else base; linear starts at rank * base + min(rank, rem);
@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp4kit.errors import Fp4kitError
-from fp4kit.placement import (
+from fp4kit.ep.placement import (
     balanced,
     imbalance,
     linear,
@@ -24,6 +23,7 @@ from fp4kit.placement import (
     rank_loads,
     round_robin,
 )
+from fp4kit.errors import Fp4kitError
 
 
 def _vllm_expert_map(num_experts: int, ep: int, rank: int, strategy: str) -> list[int]:

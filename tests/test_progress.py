@@ -11,9 +11,9 @@ import re
 from _terminal import under_terminal
 from _verify_sources import run_cli
 
-from fp4kit.calib_data import DEFAULT_SET
-from fp4kit.input_scales import ROUTING_STATS_NAME
 from fp4kit.progress import Reporter, start_phase
+from fp4kit.quantize.calib_data import DEFAULT_SET
+from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
 
 
 def test_calibration_and_quantization_bars_under_a_terminal(tiny, tmp_path) -> None:
@@ -102,7 +102,7 @@ def _counts(terminal: str, unit: str) -> list[tuple[int, int]]:
 def test_run_and_inspect_bars_under_a_terminal(tmp_path) -> None:
     from importlib import resources
 
-    from fp4kit.demo import build_demo_model
+    from fp4kit.pipeline.demo import build_demo_model
 
     src = build_demo_model("qwen3_moe", tmp_path / "bf16")
     recipe = resources.files("fp4kit.data").joinpath("demo.yaml")

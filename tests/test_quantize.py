@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from fp4kit.checkpoint import CheckpointReader
-from fp4kit.fixtures import FIXTURES
+from fp4kit.io.checkpoint import CheckpointReader
+from fp4kit.testing.fixtures import FIXTURES
 
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -42,7 +42,7 @@ def test_compressed_tensors_decompresses_within_error_band(family, tiny, tiny_nv
     compressor = ModelCompressor(quantization_config=QuantizationConfig.model_validate(qconfig))
     scheme = compressor.quantization_config.config_groups["group_0"]
     source, quantized = CheckpointReader(tiny(family)), CheckpointReader(out)
-    from fp4kit.plan import build_plan, read_group_weights
+    from fp4kit.quantize.plan import build_plan, read_group_weights
 
     plan = build_plan(source, json.loads((tiny(family) / "config.json").read_text()))
     worst = 0.0
@@ -134,7 +134,7 @@ def test_side_files_and_sharding(tiny, tmp_path):
 def test_stacked_quantization_writes_the_same_bytes(family, tiny, tiny_nvfp4a16, tmp_path, monkeypatch):
     """The GPU path stacks consecutive same-shape groups into one quantize call; forced on the CPU it must write
     exactly what group-by-group quantization writes."""
-    from fp4kit import quantize as q
+    from fp4kit.quantize import checkpoint as q
 
     monkeypatch.setitem(q.STACK_BYTES, "cpu", 1 << 30)
     stacked_sizes: list[int] = []

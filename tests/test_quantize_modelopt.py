@@ -42,7 +42,7 @@ def test_llama4_modelopt_fused_experts_share_layer_scale(tiny, tmp_path):
         assert reader.info(f"{prefix}.gate_up_proj_weight_scale_2").shape == ()
         experts = [m for m in mo.modules if m.name.startswith(prefix)]
         assert len(experts) == 4 * 3
-        from fp4kit.checkpoint import CheckpointReader
+        from fp4kit.io.checkpoint import CheckpointReader
 
         gate_up = CheckpointReader(tiny("llama4")).read(f"{prefix}.gate_up_proj").float()  # [E, H, 2I]
         for module in experts:

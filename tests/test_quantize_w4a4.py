@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fp4kit.checkpoint import CheckpointReader
+from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 
 CALIB = dict(samples=4, seq_len=32, batch_size=4)
@@ -44,8 +44,8 @@ def test_shared_policy_gives_every_expert_one_scale_per_projection(glm_w4a4):
 
 
 def test_input_scales_are_the_calibrated_amax(tiny, glm_w4a4):
-    from fp4kit.calib_data import load_calibration
-    from fp4kit.calibrate import calibrate
+    from fp4kit.quantize.calib_data import load_calibration
+    from fp4kit.quantize.calibrate import calibrate
 
     src = tiny("glm4_moe")
     ids = load_calibration(None, src, 256, CALIB["samples"], CALIB["seq_len"])

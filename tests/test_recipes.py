@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.fixtures import RECIPE_STAND_INS
 from fp4kit.pipeline import run_recipe
-from fp4kit.recipe import MAX_VALUES, STEP_ORDER, RecipeError, check_against_model, load_recipe
+from fp4kit.pipeline.recipe import MAX_VALUES, STEP_ORDER, RecipeError, check_against_model, load_recipe
+from fp4kit.testing.fixtures import RECIPE_STAND_INS
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4.5-air", "glm-4.5v", "llama-4-scout",
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def stand_in(tmp_path_factory):
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture
 
     built: dict[str, Path] = {}
 

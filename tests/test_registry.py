@@ -55,8 +55,9 @@ def test_dialect_writes_what_it_plans_and_reads_it_back(name: str) -> None:
 def test_dialect_choices_are_the_registry() -> None:
     from test_cli import choices
 
-    from fp4kit import quantize, recipe
-    from fp4kit.shard_scales import INPUT_SCALE_LEAVES
+    from fp4kit.ep.scales import INPUT_SCALE_LEAVES
+    from fp4kit.pipeline import recipe
+    from fp4kit.quantize import checkpoint as quantize
 
     names = set(registry.DIALECT_NAMES)
     assert choices("quantize", "format") == names and set(quantize.FORMATS) == names
@@ -82,7 +83,9 @@ def test_backend_implements_the_protocol(name: str) -> None:
 def test_backend_choices_are_the_registry() -> None:
     from test_cli import choices
 
-    from fp4kit import inspect, layout, recipe
+    from fp4kit.layouts import directory as layout
+    from fp4kit.pipeline import recipe
+    from fp4kit.tools import inspect
 
     names = set(registry.BACKEND_NAMES)
     assert choices("layout", "backend") == names and set(layout.BACKENDS) == names
@@ -92,18 +95,18 @@ def test_backend_choices_are_the_registry() -> None:
 
 @pytest.fixture(scope="module")
 def demo_source(tmp_path_factory) -> Path:
-    from fp4kit.demo import build_demo_model
+    from fp4kit.pipeline.demo import build_demo_model
 
     return build_demo_model("qwen3_moe", tmp_path_factory.mktemp("registry") / "bf16")
 
 
 @pytest.mark.parametrize("name", registry.DIALECT_NAMES)
 def test_every_dialect_is_detected_converted_and_inspected(demo_source: Path, tmp_path: Path, name: str) -> None:
-    from fp4kit.checkpoint import CheckpointReader
-    from fp4kit.convert import convert_checkpoint
     from fp4kit.formats.detect import open_checkpoint
-    from fp4kit.inspect import inspect_checkpoint
+    from fp4kit.io.checkpoint import CheckpointReader
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.tools.convert import convert_checkpoint
+    from fp4kit.tools.inspect import inspect_checkpoint
 
     quantize_checkpoint(demo_source, tmp_path / name, QuantizeOptions(format=name))
     with open_checkpoint(tmp_path / name) as ckpt:
@@ -120,10 +123,10 @@ def test_every_dialect_is_detected_converted_and_inspected(demo_source: Path, tm
 
 @pytest.mark.parametrize("name", registry.BACKEND_NAMES)
 def test_every_backend_lays_out_and_loads(demo_source: Path, tmp_path: Path, name: str) -> None:
-    from fp4kit.inspect import inspect_checkpoint
-    from fp4kit.layout import LayoutOptions, layout_checkpoint
+    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+    from fp4kit.layouts.runtime import load_moe_layer
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-    from fp4kit.runtime import load_moe_layer
+    from fp4kit.tools.inspect import inspect_checkpoint
 
     scheme = "nvfp4" if registry.backend(name).W4A4 else "nvfp4a16"
     options = QuantizeOptions(scheme=scheme, samples=4, seq_len=16, batch_size=4)
@@ -159,8 +162,8 @@ def _spellings() -> set[str]:
 
 
 def test_nothing_spells_a_registered_name_elsewhere() -> None:
-    from fp4kit.checkpoint import SKIP_FILES
     from fp4kit.formats.detect import config_files
+    from fp4kit.io.checkpoint import SKIP_FILES
 
     assert set(config_files()) <= SKIP_FILES
     words = _spellings()

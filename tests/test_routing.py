@@ -1,4 +1,4 @@
-"""`fp4kit.routing.route` against the routers of transformers 5.17 and on non-finite logits.
+"""`fp4kit.families.routing.route` against the routers of transformers 5.17 and on non-finite logits.
 
 Oracles: `transformers/models/qwen3_moe/modeling_qwen3_moe.py` (Qwen3MoeTopKRouter),
 `transformers/models/glm4_moe/modeling_glm4_moe.py` (Glm4MoeTopkRouter),
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.routing import RoutingSpec, route
+from fp4kit.families.routing import RoutingSpec, route
 
 HIDDEN = 32
 

@@ -1,5 +1,5 @@
-"""fp4kit.runtime: layout files undo to the source's canonical tensors bit for bit, and load_moe_layer returns the
-arguments of the installed kernels (FlashInfer 0.7.2.post1, read by introspection) with the dtypes and shapes their
+"""fp4kit.layouts.runtime: layout files undo to the source's canonical tensors bit for bit, and load_moe_layer returns
+the arguments of the installed kernels (FlashInfer 0.7.2.post1, read by introspection) with the dtypes and shapes their
 bindings check."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 import torch
 from _layout_sources import shared_source
 
-from fp4kit.convert import convert_checkpoint
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import open_checkpoint
-from fp4kit.layout import LayoutOptions, layout_checkpoint
-from fp4kit.layout_manifest import MANIFEST
 from fp4kit.layouts import cutlass, marlin, trtllm
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.manifest import MANIFEST
 from fp4kit.layouts.marlin import FLOAT4_E2M1F_ID
-from fp4kit.runtime import load_moe_layer, read_layer
+from fp4kit.layouts.runtime import load_moe_layer, read_layer
+from fp4kit.tools.convert import convert_checkpoint
 
 UNDO = {"trtllm": trtllm.undo, "cutlass": cutlass.undo, "marlin": marlin.undo}
 CASES = {  # name -> (backend, LayoutOptions extras)

@@ -14,12 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, read_config
+from fp4kit.ep.shard import (
+    EXPERT_MAP,
+    MANIFEST,
+    SHARED_DIR,
+    ShardOptions,
+    rank_dir_name,
+    scan_experts,
+    shard_checkpoint,
+)
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
+from fp4kit.families.routing import route
 from fp4kit.formats import compressed_tensors as ct
-from fp4kit.routing import route
-from fp4kit.shard import EXPERT_MAP, MANIFEST, SHARED_DIR, ShardOptions, rank_dir_name, scan_experts, shard_checkpoint
+from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.verify.reference import moe_reference
 
 FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text")
@@ -301,7 +309,7 @@ def test_activation_scales_are_ep_invariant(quantized, tmp_path, family: str) ->
 
 def run_shard_unified_off(src: Path, out: Path) -> Path:
     """Shard with the source's per-expert scales kept (what engines see without fp4kit): for the test's teeth."""
-    import fp4kit.shard as shard_module
+    import fp4kit.ep.shard as shard_module
 
     original = shard_module.unify_input_scales
     shard_module.unify_input_scales = lambda reader, inventory: ({}, {}, 0)
@@ -352,8 +360,8 @@ def test_layout_input_needs_equal_local_counts(quantized, tmp_path) -> None:
 
 
 def test_interrupted_run_leaves_nothing_and_rerun_finishes(quantized, tmp_path, monkeypatch) -> None:
-    import fp4kit.shard_copy as shard_copy
-    from fp4kit.output import leftovers, partial_prefix
+    import fp4kit.ep.copy as shard_copy
+    from fp4kit.io.output import leftovers, partial_prefix
 
     src, dst = quantized("glm4_moe"), tmp_path / "out"
     original, calls = shard_copy.ShardCopier.fill, []
@@ -406,7 +414,7 @@ def test_cli_bad_input_is_one_line_exit_2(quantized, tmp_path, monkeypatch, caps
 def test_many_blocks_direct_or_buffered(quantized, tmp_path, monkeypatch, direct: bool) -> None:
     """Files written in many small blocks (the real block is larger than the tiny fixtures' files), with more
     blocks than buffers, through O_DIRECT and through the page cache: same bytes and checksums."""
-    import fp4kit.shard_copy as shard_copy
+    import fp4kit.ep.copy as shard_copy
 
     monkeypatch.setattr(shard_copy, "_BLOCK", 4096)
     monkeypatch.setattr(shard_copy, "_IN_FLIGHT", 2)
@@ -442,8 +450,8 @@ def test_cli_shards(quantized, tmp_path, monkeypatch, capsys) -> None:
 def test_balanced_placement_from_glm_calibration_stats(tiny, tmp_path, monkeypatch, capsys) -> None:
     """A calibrated GLM-4.5 checkpoint's own routing statistics cover its decoder layers, not its MTP layer (which
     has experts but no forward reaches it); balanced placement with them must still shard every MoE layer."""
-    from fp4kit.input_scales import ROUTING_STATS_NAME
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
 
     src = tmp_path / "w4a4"
     quantize_checkpoint(tiny("glm4_moe"), src, QuantizeOptions(scheme="nvfp4", samples=4, seq_len=16))

@@ -1,4 +1,4 @@
-"""Quantized sources (fp4kit.sources): dequantized values bit-exact against the libraries that define the formats,
+"""Quantized sources (fp4kit.io.sources): dequantized values bit-exact against the libraries that define the formats,
 and quantize end to end from FP8-block and INT4 pack-quantized tiny sources.
 
 Oracles: compressed-tensors 0.19 `entrypoints/convert/converters/fp8block_dequantizer.py` (FP8BlockDequantizer, pads
@@ -22,16 +22,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from fp4kit import cli
-from fp4kit import plan as plan_module
-from fp4kit.checkpoint import CheckpointReader
 from fp4kit.errors import Fp4kitError
-from fp4kit.fixtures import write_fp8_block_source, write_pack_quantized_source
-from fp4kit.sources import (
+from fp4kit.io.checkpoint import CheckpointReader
+from fp4kit.io.sources import (
     dequantize_fp8_block,
     dequantize_pack_quantized,
     detect_source,
     quantize_fp8_block,
 )
+from fp4kit.quantize import plan as plan_module
+from fp4kit.testing.fixtures import write_fp8_block_source, write_pack_quantized_source
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SHAPES = [(256, 384), (300, 200), (576, 128), (80, 64)]  # whole blocks, partial both ways, MLA's 576 rows, < 1 block
@@ -106,7 +106,7 @@ def sources(tmp_path_factory):
     """sources(family, kind) -> a tiny checkpoint: kind bf16, fp8 (DeepSeek's FP8-block files, every Linear but
     lm_head and the routers) or int4 (Kimi-K2-Thinking's pack-quantized routed experts; Kimi has no MTP layer, so
     the decoder layers' experts only)."""
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture
 
     built: dict[tuple[str, str], Path] = {}
 
@@ -129,7 +129,7 @@ def bf16_plan(*args, **kwargs):
 
 @pytest.fixture
 def passthrough_through_plan():
-    """quantize.py reads jobs and counts their bytes through fp4kit.plan (read_job, job_bytes)."""
+    """quantize.py reads jobs and counts their bytes through fp4kit.quantize.plan (read_job, job_bytes)."""
 
 
 def test_int4_source_matches_compressed_tensors_dequantizer(sources):
@@ -193,7 +193,7 @@ def test_bf16_mode_equals_quantizing_the_peers_bf16_copy(sources, tmp_path, monk
     compressed-tensors' FP8BlockDequantizer to bf16, quantize that; the output bytes are the same."""
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
-    from fp4kit import quantize
+    from fp4kit.quantize import checkpoint as quantize
 
     src = sources("deepseek_v3", "fp8")
     copy = tmp_path / "bf16-copy"
@@ -267,8 +267,8 @@ def test_bf16_mode_equals_model_free_ptq_with_its_fp8_converter(family, sources,
     from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
     from llmcompressor import model_free_ptq
 
-    from fp4kit import quantize
     from fp4kit.families.base import weight_scale_group
+    from fp4kit.quantize import checkpoint as quantize
 
     src = write_fp8_block_source(sources(family, "bf16"), tmp_path / "fp8-16x16", block=(16, 16))
     blocked = [n.removesuffix(".weight_scale_inv") for n in load_file(src / "model.safetensors")

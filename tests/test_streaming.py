@@ -12,7 +12,7 @@ import textwrap
 
 CHILD = r"""
 import json, resource, sys
-import torch, fp4kit.quantize as q, fp4kit.checkpoint, fp4kit.plan
+import torch, fp4kit.quantize.checkpoint as q, fp4kit.io.checkpoint, fp4kit.quantize.plan
 from compressed_tensors.quantization import QuantizationConfig  # imported by the config writer; count it as baseline
 def rss_kb():
     with open("/proc/self/status") as f:
@@ -29,7 +29,7 @@ def added_peak_rss_kb(src, dst) -> int:
 
 
 def test_peak_rss_independent_of_layer_count(tmp_path):
-    from fp4kit.synthetic import write_synthetic_qwen3_moe
+    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
     dims = dict(hidden=512, moe_intermediate=256, num_experts=16, num_heads=8, num_kv_heads=2, head_dim=64,
                 vocab_size=1024, max_shard_bytes=40 * 10**6)
@@ -48,8 +48,8 @@ def test_peak_rss_independent_of_layer_count(tmp_path):
 
 NVFP4_PROBE = textwrap.dedent("""
     import ctypes, json, sys
-    from fp4kit.convert import convert_checkpoint
-    from fp4kit.inspect import inspect_checkpoint
+    from fp4kit.tools.convert import convert_checkpoint
+    from fp4kit.tools.inspect import inspect_checkpoint
 
     def status(key):
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key)) * 1024
@@ -78,8 +78,8 @@ NVFP4_PROBE = textwrap.dedent("""
 def test_convert_and_inspect_memory_does_not_grow_with_layer_count(tmp_path):
     """Six more layers of ~30 MB add far less than a layer each to the peak of convert (both ways) and inspect
     (both dialects); holding the model would add ~6 x 30 MB."""
-    from fp4kit.quantize import quantize_checkpoint
-    from fp4kit.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
+    from fp4kit.quantize.checkpoint import quantize_checkpoint
+    from fp4kit.testing.synthetic import repeat_first_layer, write_synthetic_qwen3_moe
 
     bf16 = write_synthetic_qwen3_moe(tmp_path / "bf16", num_layers=1, hidden=1024, moe_intermediate=512,
                                      num_experts=32, num_heads=8, num_kv_heads=2, head_dim=128, vocab_size=4096)

@@ -1,4 +1,4 @@
-"""`fp4kit.synthetic`: the checkpoint is one transformers and fp4kit both read as Qwen3-MoE."""
+"""`fp4kit.testing.synthetic`: the checkpoint is one transformers and fp4kit both read as Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fp4kit.checkpoint import INDEX_NAME, CheckpointReader, read_config
-from fp4kit.plan import build_plan
-from fp4kit.synthetic import write_synthetic_qwen3_moe
+from fp4kit.io.checkpoint import INDEX_NAME, CheckpointReader, read_config
+from fp4kit.quantize.plan import build_plan
+from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
 
 SMALL = dict(num_layers=2, hidden=64, moe_intermediate=32, num_experts=4, top_k=2, num_heads=4, num_kv_heads=2,
              head_dim=16, vocab_size=128)
@@ -74,7 +74,7 @@ def test_single_shard_still_has_an_index(small_checkpoint: Path) -> None:
 
 
 def test_repeat_first_layer_copies_layer_0_into_every_layer(tmp_path: Path) -> None:
-    from fp4kit.synthetic import repeat_first_layer
+    from fp4kit.testing.synthetic import repeat_first_layer
 
     one = write_synthetic_qwen3_moe(tmp_path / "one", **{**SMALL, "num_layers": 1})
     config = json.loads((one / "config.json").read_text())

@@ -19,7 +19,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from fp4kit.errors import Fp4kitError  # noqa: E402
-from fp4kit.routing import RoutingSpec, route  # noqa: E402
+from fp4kit.families.routing import RoutingSpec, route  # noqa: E402
 from fp4kit.verify.reference import dequantize_experts, moe_reference, quantize_experts  # noqa: E402
 from fp4kit.verify.triton_moe import KernelConfig, TritonMoeWeights, fused_moe  # noqa: E402
 

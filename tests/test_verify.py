@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 from _verify_sources import SQUARE, add_input_scales, run_cli  # noqa: E402
 
 from fp4kit.errors import Fp4kitError  # noqa: E402
-from fp4kit.fixtures import FIXTURES, build_fixture  # noqa: E402
-from fp4kit.quantize import quantize_checkpoint  # noqa: E402
+from fp4kit.quantize.checkpoint import quantize_checkpoint  # noqa: E402
+from fp4kit.testing.fixtures import FIXTURES, build_fixture  # noqa: E402
 from fp4kit.verify.checks import VerifyOptions  # noqa: E402
 from fp4kit.verify.runner import verify_checkpoint  # noqa: E402
 
@@ -40,8 +40,8 @@ def _one_thread():
 @pytest.fixture(scope="session")
 def square(tmp_path_factory) -> dict[str, Path]:
     """A Qwen3-MoE with H = I = 128: bf16, NVFP4A16, W4A4, and the layouts and EP split of the W4A4 one."""
-    from fp4kit.layout import LayoutOptions, layout_checkpoint
-    from fp4kit.shard import ShardOptions, shard_checkpoint
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
+    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 
     root = tmp_path_factory.mktemp("verify-square")
     paths = {"bf16": build_fixture("qwen3_moe", root / "bf16", overrides=SQUARE)}
@@ -152,7 +152,7 @@ def test_a_check_that_cannot_run_is_skipped_not_passed(monkeypatch, capsys, tiny
 
 
 def test_run_summary_has_one_row_per_check_with_its_worst_layer_and_reads_version_1_reports() -> None:
-    from fp4kit.pipeline import _verify_row, _verify_rows
+    from fp4kit.pipeline.runner import _verify_row, _verify_rows
 
     def result(layer: int, error: float, **fields: object) -> dict:
         return {"layer": layer, "check": "kernel", "target": "triton", "tokens": 16, "error": error,
@@ -196,7 +196,7 @@ def test_ep_split_as_ckpt_is_refused(square) -> None:
 
 
 def test_modelopt_dialect_with_fused_llama4_experts(tiny, tmp_path) -> None:
-    from fp4kit.quantize import QuantizeOptions
+    from fp4kit.quantize.checkpoint import QuantizeOptions
 
     out = tmp_path / "modelopt"
     quantize_checkpoint(tiny("llama4"), out, QuantizeOptions(format="modelopt"))

@@ -13,11 +13,11 @@ from _verify_sources import copy_with, load_all, run_cli
 from safetensors.torch import load_file, save_file
 from test_verify import _one_thread, square  # noqa: F401  (shared fixtures)
 
-from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
+from fp4kit.ep.shard import EXPERT_MAP, rank_dir_name
+from fp4kit.io.safetensors_files import INDEX_NAME
+from fp4kit.layouts.manifest import MANIFEST as LAYOUT_MANIFEST
 from fp4kit.layouts.trtllm import shuffle_rows
-from fp4kit.quantize import quantize_checkpoint
-from fp4kit.safetensors_files import INDEX_NAME
-from fp4kit.shard import EXPERT_MAP, rank_dir_name
+from fp4kit.quantize.checkpoint import quantize_checkpoint
 from fp4kit.verify.checks import VerifyOptions
 from fp4kit.verify.runner import verify_checkpoint
 

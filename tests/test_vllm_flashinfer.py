@@ -16,10 +16,10 @@ import torch
 from _layout_sources import shared_source
 from _vllm_oracle import fi_layer, same_bytes, vllm_expert_inputs, vllm_module
 
-from fp4kit.convert import convert_checkpoint
-from fp4kit.layout import LayoutOptions, layout_checkpoint
 from fp4kit.layouts import trtllm
-from fp4kit.runtime import read_layer
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.runtime import read_layer
+from fp4kit.tools.convert import convert_checkpoint
 
 fi_moe = vllm_module("model_executor.layers.quantization.utils.flashinfer_fp4_moe")
 Backend = vllm_module("model_executor.layers.fused_moe.oracle.nvfp4").NvFp4MoeBackend

@@ -8,10 +8,10 @@ from _vllm_oracle import same_bytes, vllm_expert_inputs
 from test_vllm_flashinfer import Backend, vllm_prepare
 from test_vllm_marlin import ACT, assert_same, vllm_marlin
 
-from fp4kit.fixtures import build_fixture
-from fp4kit.layout import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.runtime import read_layer
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.runtime import read_layer
+from fp4kit.testing.fixtures import build_fixture
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SIZES = {"hidden_size": 128, "intermediate_size": 64}  # what Marlin's tiles need (H % 128, I % 64)

@@ -220,7 +220,7 @@ def test_vllm_parses_the_compressed_tensors_config(tiny_nvfp4a16, tmp_path, sche
 @pytest.mark.parametrize("strategy", ["linear", "round-robin"])
 @pytest.mark.parametrize("num_experts, ep", [(8, 2), (8, 4), (6, 4), (5, 3), (128, 8), (160, 6)])
 def test_placements_equal_vllm_expert_maps(num_experts, ep, strategy) -> None:
-    from fp4kit.placement import place
+    from fp4kit.ep.placement import place
 
     rank_of = place(strategy, num_experts, ep).rank_of
     for rank in range(ep):
@@ -234,7 +234,7 @@ def test_placements_equal_vllm_expert_maps(num_experts, ep, strategy) -> None:
 
 @pytest.mark.parametrize("strategy", ["linear", "round-robin"])
 def test_shard_outputs_equal_vllm_expert_maps(tiny_nvfp4a16, tmp_path, strategy) -> None:
-    from fp4kit.shard import ShardOptions, shard_checkpoint
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
 
     src = tiny_nvfp4a16("qwen3_moe")
     num_experts = json.loads((src / "config.json").read_text())["num_local_experts"]
@@ -282,7 +282,7 @@ def test_per_expert_tensors_map_onto_vllm_moe_parameters(monkeypatch, tiny_nvfp4
     # against the slot of the parameter it lands in: [w1 | w3] rows of w13 per expert, or the whole w2 expert
     from _layout_sources import add_input_scales
 
-    from fp4kit.convert import convert_checkpoint
+    from fp4kit.tools.convert import convert_checkpoint
 
     root = tiny_nvfp4a16("qwen3_moe")
     if scheme == "nvfp4":

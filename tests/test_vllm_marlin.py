@@ -13,11 +13,11 @@ import torch
 from _layout_sources import shared_source
 from _vllm_oracle import marlin_layer, patch_cuda_ops, same_bytes, vllm_expert_inputs, vllm_module
 
-from fp4kit.convert import convert_checkpoint
-from fp4kit.layout import LayoutOptions, layout_checkpoint
 from fp4kit.layouts import marlin
+from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+from fp4kit.layouts.runtime import read_layer
 from fp4kit.nvfp4 import NVFP4Tensor, quantize_group
-from fp4kit.runtime import read_layer
+from fp4kit.tools.convert import convert_checkpoint
 
 marlin_fp4 = vllm_module("model_executor.layers.quantization.utils.marlin_utils_fp4")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -109,7 +109,7 @@ def test_layout_of_a_checkpoint_with_a_near_dead_block(monkeypatch, sources, tmp
 
     from safetensors.torch import load_file, save_file
 
-    from fp4kit.inspect import inspect_checkpoint
+    from fp4kit.tools.inspect import inspect_checkpoint
 
     src = tmp_path / "src"
     shutil.copytree(sources["ct-nvfp4a16"], src)

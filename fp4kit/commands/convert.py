@@ -10,7 +10,7 @@ import typer
 from fp4kit.commands._common import human_bytes, with_progress
 from fp4kit.registry import DIALECT_NAMES
 
-DENSE = "bf16"  # fp4kit.dense.TARGET, spelled here so that the CLI imports no torch
+DENSE = "bf16"  # fp4kit.tools.dense.TARGET, spelled here so that the CLI imports no torch
 
 
 def convert(
@@ -27,8 +27,8 @@ def convert(
 ) -> None:
     """Rewrite an NVFP4 checkpoint in another dialect (packed weights and block scales byte for byte) or as a dense
     BF16 checkpoint (--to bf16)."""
-    from fp4kit.checkpoint import parse_size
-    from fp4kit.convert import convert_checkpoint
+    from fp4kit.io.checkpoint import parse_size
+    from fp4kit.tools.convert import convert_checkpoint
 
     shard_bytes = parse_size(max_shard_size)
     report = with_progress(lambda progress: convert_checkpoint(src, dst, to, overwrite, shard_bytes, progress, repair),

@@ -20,7 +20,7 @@ def demo(
     """Build a small model of the --family offline (seeded random weights, 8 experts, sized so that the TRT-LLM, CUTLASS
     and Marlin layouts all accept it) and run the demo recipe on it: calibrated W4A4 quantize to compressed-tensors,
     TRT-LLM layout, EP=2 shard, verify. Prints the run's summary. Exit 0 verified, 1 a check failed."""
-    from fp4kit.demo import run_demo
+    from fp4kit.pipeline.demo import run_demo
 
     for line in run_demo(keep, device, family):
         typer.echo(line)

@@ -30,11 +30,11 @@ def eval_command(
     decoder layer at a time (W4A4 checkpoints with their activations quantized as the kernels do)."""
     import torch
 
-    from fp4kit.calib_data import load_calibration
-    from fp4kit.checkpoint import read_config
-    from fp4kit.evaluate import evaluate
     from fp4kit.families import detect
+    from fp4kit.io.checkpoint import read_config
     from fp4kit.progress import Reporter
+    from fp4kit.quantize.calib_data import load_calibration
+    from fp4kit.tools.evaluate import evaluate
 
     config = read_config(src)
     text_config = detect(config).text_config(config)

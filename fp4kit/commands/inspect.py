@@ -35,14 +35,14 @@ def inspect(
 ) -> None:
     """What CKPT is (its kind, dialect, scheme, family), a per-layer summary and the checks of its kind. Exit 0
     clean, 1 problems, 2 unusable."""
-    from fp4kit.inspect_artifacts import inspect_path
     from fp4kit.progress import Reporter
+    from fp4kit.tools.inspect_artifacts import inspect_path
 
     # the report is the output: a bar on a terminal, no phase lines in a log (the audit's pass has one)
     with Reporter("inspect", lines=False) as reporter:
         report = inspect_path(ckpt, backend or [], ep, engine, reporter)
     if source is not None:
-        from fp4kit.audit import audit_input_scales
+        from fp4kit.tools.audit import audit_input_scales
 
         with Reporter("inspect") as reporter:
             report.problems.extend(audit_input_scales(ckpt, source, calib, samples, seq_len, progress=reporter)[0])

@@ -27,8 +27,8 @@ def layout(
     """Pre-build every MoE layer's fused-kernel layout (TRT-LLM, CUTLASS or Marlin), one layer at a time."""
     import gc
 
-    from fp4kit.checkpoint import parse_size
-    from fp4kit.layout import LayoutOptions, layout_checkpoint
+    from fp4kit.io.checkpoint import parse_size
+    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 
     # torch's imports leave many long-lived objects that every full collection would walk again while the layers'
     # tensors come and go (~0.7 of ~11 CPU s of a 2-layer Marlin layout); frozen, the collector skips them

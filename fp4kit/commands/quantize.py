@@ -67,9 +67,9 @@ def quantize(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
-    from fp4kit import distributed
-    from fp4kit.checkpoint import parse_size
-    from fp4kit.quantize import QuantizeOptions, describe, quantize_checkpoint
+    from fp4kit.io.checkpoint import parse_size
+    from fp4kit.quantize import distributed
+    from fp4kit.quantize.checkpoint import QuantizeOptions, describe, quantize_checkpoint
 
     main = distributed.is_main()  # under torchrun, rank 0 speaks for all
     quiet = quiet or not main

@@ -20,14 +20,14 @@ def run(
 ) -> None:
     """Run a recipe's steps (quantize, repair, layout, shard, verify) in order; finished steps are skipped on rerun.
     Exit 0 done, 1 a verify check failed, 2 invalid recipe or input."""
-    from fp4kit.recipe import load_recipe
+    from fp4kit.pipeline.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])  # before torch's import: a bad recipe is refused at once
 
     from rich.console import Console
 
-    from fp4kit import distributed
-    from fp4kit.pipeline import run_loaded
+    from fp4kit.pipeline.runner import run_loaded
+    from fp4kit.quantize import distributed
 
     console = Console(stderr=True, quiet=quiet)
     summary = run_loaded(loaded, workdir, console)

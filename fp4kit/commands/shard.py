@@ -26,8 +26,8 @@ def shard(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Split a checkpoint into per-rank expert-parallel checkpoints, each loadable on its own."""
-    from fp4kit.shard import ShardOptions, shard_checkpoint
-    from fp4kit.shard_io import parse_size
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
+    from fp4kit.io.shard_io import parse_size
 
     options = ShardOptions(ep=ep, placement=placement, stats=stats, max_shard_bytes=parse_size(max_shard_size),
                            overwrite=overwrite)

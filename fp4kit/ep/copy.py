@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4kit.shard_io import ShardLayout, SourceTensor
+from fp4kit.io.shard_io import ShardLayout, SourceTensor
 
 _BLOCK = 4 << 20  # a multiple of every block size O_DIRECT may ask for alignment to
 _IN_FLIGHT = 4  # queued block writes per file

@@ -154,7 +154,7 @@ def load_stats(
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise Fp4kitError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(stats, dict) or not isinstance(stats.get("layers"), dict):
-        raise Fp4kitError(f"{path}: routing statistics need an object with a 'layers' object (see fp4kit.placement)")
+        raise Fp4kitError(f"{path}: routing statistics need an object with a 'layers' object (see fp4kit.ep.placement)")
     if stats.get("model_type") != model_type:
         raise Fp4kitError(f"{path}: statistics are for model_type {stats.get('model_type')!r}, the model is "
                           f"{model_type!r}")

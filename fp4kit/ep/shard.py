@@ -18,7 +18,7 @@ On-disk layout of DST for ``--ep N`` (format ``fp4kit-ep``, version 1)::
                                               "files": {"<path>": {"sha256", "bytes"}} for every other file of the rank}
 
 Hard links share bytes: editing one rank's config.json in place edits every rank's. Local expert ids follow global
-order (fp4kit.placement). EP-invariant numerics: when the source stores activation scales per expert
+order (fp4kit.ep.placement). EP-invariant numerics: when the source stores activation scales per expert
 (compressed-tensors ``input_global_scale`` multipliers, ModelOpt ``input_scale`` divisors), every expert of a layer
 gets the one of largest amax, per fused projection (gate and up together, down alone), so ranks that reduce over
 their local experts only still use the value of EP=1; ``input_scales`` records them (``{"<layer>": {"w13"|"w2":
@@ -37,13 +37,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fp4kit.ep.copy import FileEntry, ShardCopier, file_jobs, sha256_file
+from fp4kit.ep.placement import LayerPlacement, check_ep, imbalance, load_stats, place
+from fp4kit.ep.scales import unify_input_scales
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import EXPERT_PROJS, EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
-from fp4kit.output import atomic_directory
-from fp4kit.placement import LayerPlacement, check_ep, imbalance, load_stats, place
-from fp4kit.shard_copy import FileEntry, ShardCopier, file_jobs, sha256_file
-from fp4kit.shard_io import (
+from fp4kit.io.output import atomic_directory
+from fp4kit.io.shard_io import (
     INDEX_NAME,
     ShardLayout,
     SourceTensor,
@@ -53,7 +54,6 @@ from fp4kit.shard_io import (
     read_tensors,
     write_json,
 )
-from fp4kit.shard_scales import unify_input_scales
 
 LAYOUT_MANIFEST = "fp4kit_layout.json"
 MANIFEST = "fp4kit_shard.json"
@@ -184,7 +184,7 @@ def routing_stats(src: Path, options: ShardOptions) -> Path | None:
         return Path(options.stats)
     if options.placement != "balanced":
         return None
-    from fp4kit.input_scales import ROUTING_STATS_NAME
+    from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
 
     found = src / ROUTING_STATS_NAME
     if not found.is_file():

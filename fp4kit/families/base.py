@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, TypeVar
 from fp4kit.errors import Fp4kitError
 
 if TYPE_CHECKING:
-    from fp4kit.routing import RoutingSpec
-    from fp4kit.sources import QuantizedLinear
+    from fp4kit.families.routing import RoutingSpec
+    from fp4kit.io.sources import QuantizedLinear
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ from fp4kit.families.base import Family
 
 
 def routing(tc: dict):
-    from fp4kit.routing import RoutingSpec
+    from fp4kit.families.routing import RoutingSpec
 
     return RoutingSpec(
         "sigmoid_grouped_topk",

@@ -7,7 +7,7 @@ from fp4kit.families.base import Family, sub_config
 
 
 def routing(tc: dict):
-    from fp4kit.routing import RoutingSpec
+    from fp4kit.families.routing import RoutingSpec
 
     return RoutingSpec("llama4_sigmoid_top1", int(tc["num_local_experts"]), int(tc.get("num_experts_per_tok") or 1))
 

@@ -9,7 +9,7 @@ def num_experts(tc: dict) -> int:
 
 
 def routing(tc: dict):
-    from fp4kit.routing import RoutingSpec
+    from fp4kit.families.routing import RoutingSpec
 
     return RoutingSpec("softmax_topk", num_experts(tc), int(tc["num_experts_per_tok"]),
                        renormalize=bool(tc.get("norm_topk_prob", False)))

@@ -20,8 +20,8 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.nvfp4 import BLOCK, divisor_of
 
 if TYPE_CHECKING:
-    from fp4kit.checkpoint import CheckpointReader, PlannedTensor
     from fp4kit.families.base import Family
+    from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
     from fp4kit.nvfp4 import NVFP4Tensor
 
 # the tensors of one quantized Linear, by role: packed E2M1 codes, FP8 block scales, weight global and input scale

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.base import Dialect, QuantModule, plain_modules
+from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
 NAME = "compressed-tensors"

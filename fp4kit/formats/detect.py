@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect as detect_family
 from fp4kit.families.base import Family
 from fp4kit.formats.base import Dialect, QuantModule
+from fp4kit.io.checkpoint import CheckpointReader, read_config
+from fp4kit.io.safetensors_files import loads, read_json
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.registry import dialect, dialects
-from fp4kit.safetensors_files import loads, read_json
 
 __all__ = ["EXACT_SCALES_KEY", "QuantModule", "QuantizedCheckpoint", "config_files", "decoded_scale",
            "needs_exact_record", "open_checkpoint", "stored_scale"]

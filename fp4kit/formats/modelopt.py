@@ -28,9 +28,9 @@ import re
 
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_modules
+from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
 NAME = "modelopt"

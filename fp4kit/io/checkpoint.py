@@ -1,6 +1,6 @@
 """Streaming reader and writer for HF safetensors checkpoint directories.
 
-The reader takes the tensors' byte ranges from fp4kit.safetensors_files (headers validated, index and shards
+The reader takes the tensors' byte ranges from fp4kit.io.safetensors_files (headers validated, index and shards
 reconciled) and reads one tensor's byte range (or one slice along dim 0) with
 ``os.pread`` into a buffer of its own: nothing is memory-mapped, so resident memory follows the tensor being
 processed, not the shard. The writer is told every output tensor (name, dtype, shape) before any
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for callers)
+from fp4kit.io.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for callers)
     INDEX_NAME,
     SINGLE_NAME,
     WEIGHT_SUFFIXES,
@@ -93,7 +93,7 @@ def _tensor_info(entry: HeaderEntry) -> TensorInfo:
 
 class CheckpointReader:
     """Tensor metadata of a HF checkpoint directory (validated and reconciled by
-    fp4kit.safetensors_files.checkpoint_files), and reads of one tensor at a time. Every read checks that a
+    fp4kit.io.safetensors_files.checkpoint_files), and reads of one tensor at a time. Every read checks that a
     floating-point tensor is finite, unless the caller checks it itself (``check_finite=False``)."""
 
     def __init__(self, root: str | os.PathLike, pin_memory: bool = False, check_finite: bool = True):
@@ -199,8 +199,8 @@ class ShardWriter:
     """Writes a planned set of tensors into safetensors shards inside ``directory``.
 
     ``write`` may be called in any order; ``finish`` checks that every planned tensor arrived and writes the index.
-    Several processes can fill one output (fp4kit.distributed): one writer creates the shards, the others open them
-    with ``create=False``; each is told the names it writes (``written_here``) and checks only those.
+    Several processes can fill one output (fp4kit.quantize.distributed): one writer creates the shards, the others open
+    them with ``create=False``; each is told the names it writes (``written_here``) and checks only those.
     """
 
     def __init__(

@@ -2,7 +2,7 @@
 index, shards and tensors reconciled, config.json and other JSON side files read.
 
 Nothing here reads tensor data. Every byte range it hands out has been checked against the safetensors format
-(docs/bad_input.md lists the checks), so the readers built on it (fp4kit.checkpoint for tensor reads, the
+(docs/bad_input.md lists the checks), so the readers built on it (fp4kit.io.checkpoint for tensor reads, the
 byte-moving `fp4kit shard`) never see an offset outside the data section, two tensors sharing bytes, or a tensor
 the index and the shards disagree about. `fp4kit shard`, which only moves bytes, starts without importing torch.
 """

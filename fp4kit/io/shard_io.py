@@ -1,6 +1,6 @@
 """`fp4kit shard`'s side of safetensors directories, without importing torch: tensors as their validated headers
-describe them (fp4kit.safetensors_files, the same reader fp4kit.checkpoint uses), raw byte reads, and output
-shards laid out like fp4kit.checkpoint.ShardWriter's (same split, same header format). `fp4kit shard` moves bytes
+describe them (fp4kit.io.safetensors_files, the same reader fp4kit.io.checkpoint uses), raw byte reads, and output
+shards laid out like fp4kit.io.checkpoint.ShardWriter's (same split, same header format). `fp4kit shard` moves bytes
 and never does tensor math, and the torch import would cost seconds of start-up.
 """
 
@@ -13,7 +13,7 @@ import struct
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for shard's callers)
+from fp4kit.io.safetensors_files import (  # noqa: F401  (read_config, parse_size: re-exported for shard's callers)
     INDEX_NAME,
     WEIGHT_SUFFIXES,
     HeaderEntry,
@@ -28,7 +28,7 @@ SourceTensor = HeaderEntry
 
 
 def read_tensors(root: Path) -> dict[str, SourceTensor]:
-    """Every tensor of checkpoint directory ``root`` (fp4kit.safetensors_files.checkpoint_files)."""
+    """Every tensor of checkpoint directory ``root`` (fp4kit.io.safetensors_files.checkpoint_files)."""
     return checkpoint_files(root).tensors
 
 
@@ -43,7 +43,7 @@ def read_bytes(tensor: SourceTensor) -> bytes:
 
 class ShardLayout:
     """Output shards of one directory for ``tensors`` (in that order), named ``{stem}-0000i-of-0000n.safetensors``:
-    split at ``max_shard_bytes`` like fp4kit.checkpoint.ShardWriter. The directory is created, the files are not:
+    split at ``max_shard_bytes`` like fp4kit.io.checkpoint.ShardWriter. The directory is created, the files are not:
     ``heads[file]`` is a file's first bytes (length prefix and header) and tensor ``name`` goes at
     ``slots[name] = (file, absolute offset)``."""
 

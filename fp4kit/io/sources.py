@@ -351,9 +351,9 @@ def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None
 
 
 class DequantizedView:
-    """A quantized source read tensor by tensor as the model holds it (for fp4kit.calibrate's layer loader): each
-    quantized Linear's stored tensors stand in as ``<module>.weight``, dequantized in fp32 and cast to ``dtype`` (the
-    layer's: no module transformers keeps in fp32 is a Linear the sources quantize), on ``device`` when given (the
+    """A quantized source read tensor by tensor as the model holds it (for fp4kit.quantize.calibrate's layer loader):
+    each quantized Linear's stored tensors stand in as ``<module>.weight``, dequantized in fp32 and cast to ``dtype``
+    (the layer's: no module transformers keeps in fp32 is a Linear the sources quantize), on ``device`` when given (the
     stored bytes travel); every other tensor reads as stored. The same interface as CheckpointReader's reads."""
 
     def __init__(self, reader, source: SourceFormat, dtype: torch.dtype, device: torch.device | str | None = None):
@@ -369,7 +369,7 @@ class DequantizedView:
         return name in self.weights or (name in self.reader and name not in self.stored)
 
     def info(self, name: str):
-        from fp4kit.checkpoint import PlannedTensor
+        from fp4kit.io.checkpoint import PlannedTensor
 
         linear = self.weights.get(name)
         if linear is None:
@@ -377,7 +377,7 @@ class DequantizedView:
         return PlannedTensor(name, self.dtype, (linear.out_features, linear.in_features))
 
     def read(self, name: str, check_finite: bool | None = None) -> torch.Tensor:
-        from fp4kit.checkpoint import require_finite
+        from fp4kit.io.checkpoint import require_finite
 
         linear = self.weights.get(name)
         if linear is None:
@@ -431,7 +431,7 @@ def write_fp8_block_copy(src: str | Path, dst: str | Path, block: tuple[int, int
     """Write unquantized checkpoint SRC as DeepSeek-V3's FP8 release stores it, one tensor at a time: every 2-D
     Linear weight but lm_head and the routers as float8_e4m3fn with ``weight_scale_inv`` float32 per block, config
     ``quant_method: fp8`` with ``weight_block_size``; everything else as it is."""
-    from fp4kit.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files, read_config
+    from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor, ShardWriter, copy_side_files, read_config
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from fp4kit.checkpoint import ShardWriter
+from fp4kit.io.checkpoint import ShardWriter
 
 
 def prefetched(jobs: list, produce: Callable[[object], object], depth: int) -> Iterator[tuple[object, object]]:

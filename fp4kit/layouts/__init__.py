@@ -22,10 +22,10 @@ What fp4kit's commands ask of it:
   ``describe`` for `fp4kit layout`'s options (an Fp4kitError for a combination it cannot run);
 - ``shape_problems(hidden, intermediate)`` -> why the kernel cannot run these sizes (empty: it can), for inspect;
 - ``padded_sizes(hidden, intermediate)`` and ``manifest_kernel(options)`` -> what fp4kit_layout.json records
-  (fp4kit/layout_manifest.py): the kernel function, its library and description, how the gate/up input divisor is
+  (fp4kit/layouts/manifest.py): the kernel function, its library and description, how the gate/up input divisor is
   chosen, the formulas of its scalars, and (``options``, when any) the layout options that select the kernel;
 - ``kernel_arguments(tensors, meta, document, entry, root, device)`` -> the layer's keyword arguments of the
-  kernel call, from a stored layout (fp4kit/runtime.py).
+  kernel call, from a stored layout (fp4kit/layouts/runtime.py).
 
 w13 is [E, 2I, H] in [w1; w3] (gate first) row order, w2 is [E, H, I]; both stacked NVFP4Tensors with a float64
 [E] divisor global scale. Input scales are float64 [E] divisors (or None for weight-only use).
@@ -122,7 +122,7 @@ def alignment_problems(checks: list[tuple[str, int, int]]) -> list[str]:
     return [f"{what}={value} not a multiple of {multiple}" for what, value, multiple in checks if value % multiple]
 
 
-# Scalar formulas the manifests record (fp4kit/layout_manifest.py, FORMULA_NOTATION says how to read them)
+# Scalar formulas the manifests record (fp4kit/layouts/manifest.py, FORMULA_NOTATION says how to read them)
 W4A4_FORMULAS = {"w13_alpha": "fp32(D_w13) * fp32(D_a13)", "a13_gscale": "1 / fp32(D_a13)",
                  "w2_alpha": "fp32(D_w2) * fp32(D_a2)", "a2_gscale": "1 / fp32(D_a2)"}
 # FlashInfer's kernels quantize the hidden states once, before routing: one gate/up input scale for all experts

@@ -25,16 +25,16 @@ from types import ModuleType
 
 import torch
 
-from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import EXPERT_PROJS, group_experts, layer_of
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files, open_checkpoint
-from fp4kit.layout_manifest import MANIFEST, layer_entry, manifest
+from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
+from fp4kit.io.output import atomic_directory
+from fp4kit.io.streaming import BackgroundWriter, prefetched
 from fp4kit.layouts import StackedExperts, cutlass
+from fp4kit.layouts.manifest import MANIFEST, layer_entry, manifest
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
-from fp4kit.output import atomic_directory
 from fp4kit.registry import backends
-from fp4kit.streaming import BackgroundWriter, prefetched
 
 BACKENDS: dict[str, ModuleType] = backends()
 ACT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

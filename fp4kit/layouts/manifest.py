@@ -1,5 +1,5 @@
 """`fp4kit_layout.json`, the manifest of a layout checkpoint (docs/layouts.md, "Layout checkpoints"): written by
-fp4kit.layout, read by fp4kit.runtime.
+fp4kit.layouts.directory, read by fp4kit.layouts.runtime.
 
 The float64 scales that ``undo`` needs are stored as lists of hexadecimal floats (Python ``float.hex``, C99 ``%a``,
 read back with ``float.fromhex`` / ``strtod``), so they survive any JSON parser bit for bit.
@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from fp4kit import __version__
-from fp4kit.checkpoint import DTYPE_NAMES, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import QuantizedCheckpoint
+from fp4kit.io.checkpoint import DTYPE_NAMES, PlannedTensor
 from fp4kit.layouts import LayoutMeta
 from fp4kit.registry import BACKEND_NAMES, backend
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import DTYPES, CheckpointReader
 from fp4kit.errors import Fp4kitError
-from fp4kit.layout_manifest import layer_meta, layer_record, read_manifest
+from fp4kit.io.checkpoint import DTYPES, CheckpointReader
 from fp4kit.layouts import LayoutMeta
+from fp4kit.layouts.manifest import layer_meta, layer_record, read_manifest
 from fp4kit.layouts.marlin import FLOAT4_E2M1F_ID  # noqa: F401  (re-exported: callers of the Marlin arguments)
 from fp4kit.registry import backend as registered_backend
 

@@ -255,8 +255,8 @@ def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tenso
 
 def _routing_bias(root: str | os.PathLike, experts: str) -> torch.Tensor | None:
     """The router's selection bias (GLM's `<moe>.gate.e_score_correction_bias`), which the TRT-LLM-gen router takes."""
-    from fp4kit.checkpoint import CheckpointReader
     from fp4kit.families.base import router_bias_name
+    from fp4kit.io.checkpoint import CheckpointReader
 
     name = router_bias_name(experts)
     with CheckpointReader(root) as reader:
@@ -264,8 +264,8 @@ def _routing_bias(root: str | os.PathLike, experts: str) -> torch.Tensor | None:
 
 
 def _routing(root: str | os.PathLike) -> dict[str, object]:
-    from fp4kit.checkpoint import read_config
     from fp4kit.families import detect
+    from fp4kit.io.checkpoint import read_config
 
     config = read_config(root)
     try:
@@ -284,7 +284,7 @@ def _routing(root: str | os.PathLike) -> dict[str, object]:
 
 def kernel_arguments(tensors: dict[str, torch.Tensor], meta: LayoutMeta, document: dict, entry: dict,
                      root: str | os.PathLike, device: str | torch.device) -> dict[str, object]:
-    """``trtllm_fp4_block_scale_moe``'s layer arguments (fp4kit/runtime.py says which)."""
+    """``trtllm_fp4_block_scale_moe``'s layer arguments (fp4kit/layouts/runtime.py says which)."""
     bias = _routing_bias(root, entry["module"])
     return {
         **tensors,

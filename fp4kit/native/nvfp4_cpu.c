@@ -231,7 +231,7 @@ VECTOR_CLONES int fp4kit_encode_f32(const uint32_t *x, const uint32_t *amax, int
     return 0;
 }
 
-/* FP8-block dequantization of a [rows, cols] e4m3 weight (fp4kit.sources): out = value(code) * scale_inv of its
+/* FP8-block dequantization of a [rows, cols] e4m3 weight (fp4kit.io.sources): out = value(code) * scale_inv of its
  * (bm, bn) block, one fp32 multiply as torch's; the last block of a row or column may be partial. table: the 256
  * fp32 values of the codes, as torch converts them (NaN included). */
 VECTOR_CLONES int fp4kit_dequant_fp8_block(const uint8_t *w, int64_t rows, int64_t cols, const float *scale_inv,
@@ -259,7 +259,7 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 
 
-/* Weighted squared error of one block under a block-scale code, computed as fp4kit.scale_search.block_errors does:
+/* Weighted squared error of one block under a block-scale code, computed as fp4kit.quantize.scale_search.block_errors does:
  * (E2M1 value * divisor - |x|)^2, times the channel's importance, summed as the halving tree e[i] + e[i + n/2].
  * The code is counted with the encode's threshold compares on the bf16 bit patterns; its value c/2 + max(c-4, 0)/2
  * + max(c-6, 0) (0, .5, ..., 2, 3, 4, 6) is exact, so the product with the divisor is torch's. */
@@ -293,7 +293,7 @@ static inline const v16s *wide_thresholds(Tables *t, v16s (*wide)[7], uint8_t *w
     return wide[code8];
 }
 
-/* The mse block-scale search (fp4kit.scale_search.search_block_scales) and the encode with the chosen scales:
+/* The mse block-scale search (fp4kit.quantize.scale_search.search_block_scales) and the encode with the chosen scales:
  * per block, the RTN code, the codes offset by each of n_offsets offsets (clamped to [1, 0x7E]) and "max to 4"
  * (fp8(G * amax / 4)); the first of the smallest errors wins. importance: fp32 weights per input channel of one
  * row (k_blocks blocks), or NULL. */

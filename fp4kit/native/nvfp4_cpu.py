@@ -183,7 +183,7 @@ def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple
 def dequantize_fp8_block(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                          table: torch.Tensor) -> torch.Tensor:
     """fp32 [N, K] of uint8 e4m3 codes [N, K] times their fp32 block multipliers [ceil(N/bm), ceil(K/bn)] (one pass;
-    fp4kit.sources.dequantize_fp8_block's values). ``table``: fp32 [256], the value of each code."""
+    fp4kit.io.sources.dequantize_fp8_block's values). ``table``: fp32 [256], the value of each code."""
     rows, cols = codes.shape
     codes, scale_inv, table = codes.contiguous(), scale_inv.to(torch.float32).contiguous(), table.contiguous()
     out = torch.empty((rows, cols), dtype=torch.float32)
@@ -201,7 +201,7 @@ _pool: ThreadPoolExecutor | None = None
 
 def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offsets: tuple[int, ...],
                importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode() with block scales chosen by fp4kit.scale_search's search (same bytes): the RTN code, the codes
+    """encode() with block scales chosen by fp4kit.quantize.scale_search's search (same bytes): the RTN code, the codes
     ``offsets`` away, and max-to-4, by squared error weighted by ``importance`` (fp32 [K], one per input channel)."""
     global _pool
     if not amax.is_contiguous() or amax.dtype != torch.bfloat16:

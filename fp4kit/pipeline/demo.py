@@ -1,10 +1,10 @@
 """`fp4kit demo`: the whole pipeline (fp4kit/data/demo.yaml: calibrated W4A4 quantize, TRT-LLM layout, EP=2 shard,
 verify) on a small model of one family built offline from seeded weights, in about a minute on a CPU.
 
-The demo's models are the tiny test fixtures (fp4kit.fixtures) resized so that every layout backend accepts them:
-H = 128 and I = 64 (CUTLASS: I % 64 == 0 and H % 64 == 0; Marlin: H % 128 == 0 and I % 64 == 0; TRT-LLM-gen: 16-element
-blocks, padding the rest itself) and 8 experts, which EP 2, 4 and 8 divide (TRT-LLM-gen and CUTLASS place E / ep
-experts on each rank). `fp4kit layout --backend cutlass|marlin` and `fp4kit inspect --backend ...` on the kept
+The demo's models are the tiny test fixtures (fp4kit.testing.fixtures) resized so that every layout backend accepts
+them: H = 128 and I = 64 (CUTLASS: I % 64 == 0 and H % 64 == 0; Marlin: H % 128 == 0 and I % 64 == 0; TRT-LLM-gen:
+16-element blocks, padding the rest itself) and 8 experts, which EP 2, 4 and 8 divide (TRT-LLM-gen and CUTLASS place E /
+ep experts on each rank). `fp4kit layout --backend cutlass|marlin` and `fp4kit inspect --backend ...` on the kept
 quantize output accept them as they are.
 """
 
@@ -32,14 +32,15 @@ DEMO_FAMILIES = tuple(DEMO_MODELS)
 
 
 def demo_overrides(family: str) -> dict:
-    """The fixture config keys the demo model of ``family`` changes (fp4kit.fixtures.build_fixture's overrides)."""
+    """The fixture config keys the demo model of ``family`` changes (fp4kit.testing.fixtures.build_fixture's
+    overrides)."""
     if family not in DEMO_MODELS:
         raise Fp4kitError(f"--family {family}: no demo model; choose one of {', '.join(DEMO_FAMILIES)}")
     return {"hidden_size": DEMO_HIDDEN, **DEMO_MODELS[family]}
 
 
 def build_demo_model(family: str, path: Path) -> Path:
-    from fp4kit.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture
 
     return build_fixture(family, path, overrides=demo_overrides(family))
 

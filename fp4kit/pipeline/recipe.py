@@ -49,7 +49,7 @@ def _runs_w4a4(backend: str) -> bool:
 
 
 class QuantizeStep(_Options):
-    """fp4kit.quantize.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
+    """fp4kit.quantize.checkpoint.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
 
     scheme: Literal["nvfp4", "nvfp4a16"] = "nvfp4"
     format: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
@@ -73,7 +73,8 @@ class QuantizeStep(_Options):
 
 
 class RepairStep(_Options):
-    """fp4kit.convert: rewrite in dialect ``to``; ``fix`` also puts fused groups on shared scales (convert --repair)."""
+    """fp4kit.tools.convert: rewrite in dialect ``to``; ``fix`` also puts fused groups on shared scales (convert
+    --repair)."""
 
     to: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
     fix: bool = True
@@ -392,8 +393,8 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe
 
 def check_against_model(loaded: LoadedRecipe) -> None:
     """Checks that need the model's config.json: family, backend shape rules, EP size, step availability."""
-    from fp4kit.checkpoint import read_config
     from fp4kit.families import detect
+    from fp4kit.io.checkpoint import read_config
 
     recipe, origins = loaded.recipe, loaded.origins
     model = Path(recipe.model)
@@ -414,7 +415,7 @@ def check_against_model(loaded: LoadedRecipe) -> None:
 
 
 def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) -> None:
-    from fp4kit.layout import BACKENDS, LayoutOptions
+    from fp4kit.layouts.directory import BACKENDS, LayoutOptions
 
     recipe, origins = loaded.recipe, loaded.origins
     ep = recipe.shard.ep if recipe.shard else 1
@@ -438,7 +439,7 @@ def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) 
 
 def _check_available(loaded: LoadedRecipe) -> None:
     """Options this fp4kit's quantize does not take fail here, before any step runs."""
-    from fp4kit import quantize
+    from fp4kit.quantize import checkpoint as quantize
 
     section = loaded.recipe.quantize
     if section is not None and section.format not in quantize.FORMATS:

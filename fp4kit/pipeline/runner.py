@@ -14,8 +14,8 @@ replacing its output. Since keys chain, a changed step also reruns every step th
 point leaves either no marker or a marker for a complete output (the libraries' outputs appear with one rename),
 so rerunning finishes with the same bytes as an uninterrupted run.
 
-Under torchrun (fp4kit.distributed) every rank runs this loop: the quantize step is split across ranks, the other
-steps run on rank 0 while the others wait; rank 0 alone decides what to skip and writes markers and the summary.
+Under torchrun (fp4kit.quantize.distributed) every rank runs this loop: the quantize step is split across ranks, the
+other steps run on rank 0 while the others wait; rank 0 alone decides what to skip and writes markers and the summary.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fp4kit import __version__, distributed
-from fp4kit.pipeline_steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
+from fp4kit import __version__
+from fp4kit.pipeline.recipe import LoadedRecipe, check_against_model, load_recipe
+from fp4kit.pipeline.steps import SOURCE, STEP_FUNCTIONS, StepContext, input_files, prepare, upstream
 from fp4kit.progress import BYTES, Reporter
-from fp4kit.recipe import LoadedRecipe, check_against_model, load_recipe
+from fp4kit.quantize import distributed
 
 MARKER_SUFFIX = ".done.json"
 STEP_WORK = {"quantize": "quantizing", "repair": "converting", "layout": "laying out", "shard": "sharding",
@@ -69,7 +70,7 @@ class Summary:
     def quantized(self) -> str | None:
         """The quantize step's scheme, dialect, method and calibration data (None: no quantize step, or a marker
         from an fp4kit that did not record them)."""
-        from fp4kit.quantize import describe
+        from fp4kit.quantize.checkpoint import describe
 
         report = next((s.report for s in self.steps if s.name == "quantize"), None)
         return describe(report) if report and "scheme" in report else None

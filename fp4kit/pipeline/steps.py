@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4kit.recipe import CALIBRATION_OPTIONS, Recipe
+from fp4kit.pipeline.recipe import CALIBRATION_OPTIONS, Recipe
 
 Progress = Callable[[int, int], None] | None
 SOURCE = "model"  # the upstream name of the recipe's model directory
@@ -59,7 +59,7 @@ def report_dict(report: object) -> dict:
 
 
 def run_quantize(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.checkpoint import parse_size
+    from fp4kit.io.checkpoint import parse_size
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 
     section = ctx.recipe.quantize
@@ -79,8 +79,8 @@ def run_quantize(ctx: StepContext, dst: Path) -> dict:
 
 
 def run_repair(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.checkpoint import parse_size
-    from fp4kit.convert import convert_checkpoint
+    from fp4kit.io.checkpoint import parse_size
+    from fp4kit.tools.convert import convert_checkpoint
 
     section = ctx.recipe.repair
     assert section is not None
@@ -92,8 +92,8 @@ def run_repair(ctx: StepContext, dst: Path) -> dict:
 
 
 def run_layout(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.checkpoint import parse_size
-    from fp4kit.layout import LayoutOptions, layout_checkpoint
+    from fp4kit.io.checkpoint import parse_size
+    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 
     section = ctx.recipe.layout
     assert section is not None
@@ -103,14 +103,14 @@ def run_layout(ctx: StepContext, dst: Path) -> dict:
 
 
 def run_shard(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.checkpoint import parse_size
-    from fp4kit.shard import ShardOptions, shard_checkpoint
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
+    from fp4kit.io.checkpoint import parse_size
 
     section = ctx.recipe.shard
     assert section is not None
     stats = Path(section.stats) if section.stats else None
     if stats is None and section.placement == "balanced":
-        from fp4kit.input_scales import ROUTING_STATS_NAME
+        from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
 
         stats = ctx.outputs["quantize"] / ROUTING_STATS_NAME  # written by the calibrated quantize step
     options = ShardOptions(ep=section.ep, placement=section.placement, stats=stats,
@@ -146,7 +146,7 @@ def _backend(requested: str, device: str) -> tuple[str, list[str]]:
 
 
 def run_verify(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.output import atomic_directory
+    from fp4kit.io.output import atomic_directory
     from fp4kit.verify.checks import VerifyOptions
     from fp4kit.verify.runner import verify_checkpoint
 

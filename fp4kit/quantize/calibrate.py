@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fp4kit import memory
-from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.sources import dequantized_view
+from fp4kit.io import memory
+from fp4kit.io.checkpoint import CheckpointReader, read_config
+from fp4kit.io.sources import dequantized_view
 
 READ_THREADS = 8  # concurrent expert reads while a layer loads
 
@@ -250,7 +250,7 @@ class _AmaxRecorder:
                 result.input_amax[name] = float(amax)
         if self.counts is not None:
             result.routing_counts[index] = [int(c) for c in self.counts.cpu()]
-        elif self.num_experts is not None:  # a rank given no batch (fp4kit.distributed): nothing was routed here
+        elif self.num_experts is not None:  # a rank given no batch (fp4kit.quantize.distributed): none routed here
             result.routing_counts[index] = [0] * self.num_experts
 
 
@@ -297,7 +297,7 @@ def _layer_pass(src: Path, token_ids: torch.Tensor, device: str, batch_size: int
     dtype = dtype or _checkpoint_dtype(src)
     # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
     with CheckpointReader(src) as stored, memory.large_frees_returned_to_os():
-        # a quantized source's Linears (fp4kit.sources) come dequantized: fp32 products cast to the layer's dtype
+        # a quantized source's Linears (fp4kit.io.sources) come dequantized: fp32 products cast to the layer's dtype
         reader = dequantized_view(stored, read_config(src), dtype, torch_device)
         text = _text_model(reader, src, dtype, torch_device)
         vocab_size = text.model.config.vocab_size
@@ -324,8 +324,8 @@ def calibrate(
 
     ``token_ids`` int64 [S, L]; ``dtype`` defaults to the checkpoint's (config.json), bf16 if it names none.
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
-    ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.distributed to combine.
-    ``progress(done, total)`` counts batch forwards, layers x batches in all (called with 0 before the first).
+    ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.quantize.distributed to
+    combine. ``progress(done, total)`` counts batch forwards, layers x batches in all (called with 0 before the first).
     """
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, batch_share) as (reader, text, dtype, torch_device,

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import torch
 
-from fp4kit import distributed
-from fp4kit.checkpoint import CheckpointReader, copy_side_files, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.base import Dialect
-from fp4kit.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
+from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
+from fp4kit.io.streaming import BackgroundWriter, prefetched
 from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
-from fp4kit.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
 from fp4kit.progress import start_phase
 from fp4kit.progress import warn as warn_progress
+from fp4kit.quantize import distributed
+from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
+from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
+from fp4kit.quantize.scale_search import quantize_group_mse, quantize_stacked_mse
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
-from fp4kit.scale_search import quantize_group_mse, quantize_stacked_mse
-from fp4kit.streaming import BackgroundWriter, prefetched
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 METHODS = ("rtn", "mse", "gptq")
@@ -314,7 +314,7 @@ def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn
             warn(f"--calib {options.calib}: not used: --scheme nvfp4a16 with --method {options.method} quantizes "
                  "the weights alone, from no data (--method gptq or mse calibrate on it)")
         return None, {}
-    from fp4kit.calib_data import DEFAULT_SET, load_calibration
+    from fp4kit.quantize.calib_data import DEFAULT_SET, load_calibration
 
     vocab_size = int(plan.text_config["vocab_size"])
     token_ids = load_calibration(options.calib, src, vocab_size, options.samples, options.seq_len, warn)
@@ -337,7 +337,7 @@ def _calibrate(
     share of the batches and the statistics are combined."""
     if options.scheme != "nvfp4" or token_ids is None:
         return {}, {}
-    from fp4kit.calibrate import calibrate
+    from fp4kit.quantize.calibrate import calibrate
 
     modules = {c.linear.module for g in plan.groups for c in g.members}
     batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)
@@ -361,11 +361,11 @@ def _quantize_calibrated(
     progress: Callable[[int, int], None] | None, token_ids: torch.Tensor,
 ) -> tuple[list[str], dict[int, list[int]]]:
     """The calibrated methods: passthrough tensors first, then layer by layer the calibration pass quantizes each
-    layer's groups (fp4kit.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are known;
-    groups outside the text model's decoder layers last, by data-free mse. Returns the modules that fell back to
+    layer's groups (fp4kit.quantize.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are
+    known; groups outside the text model's decoder layers last, by data-free mse. Returns the modules that fell back to
     data-free or weighted mse, and the routing counts."""
-    from fp4kit.calibrate import calibrate_quantized
-    from fp4kit.gptq import GptqOptions, LayerQuantizer
+    from fp4kit.quantize.calibrate import calibrate_quantized
+    from fp4kit.quantize.gptq import GptqOptions, LayerQuantizer
 
     total = sum(_job_bytes(reader, job) for job in plan.jobs)
     progress = start_phase(progress, f"quantizing layer by layer ({options.method})", total, main=True)
@@ -452,7 +452,7 @@ def quantize_checkpoint(
 ) -> QuantizeReport:
     """Quantize checkpoint ``src`` into ``dst`` (created atomically). ``progress(done_bytes, total_bytes)``.
 
-    Under torchrun every rank calls this and the work is split (fp4kit.distributed); the bytes are the same."""
+    Under torchrun every rank calls this and the work is split (fp4kit.quantize.distributed); the bytes are the same."""
     options = options or QuantizeOptions()
     ranks = distributed.ranks(options.device)
     with ranks.together():

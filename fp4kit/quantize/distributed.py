@@ -30,8 +30,8 @@ import torch
 from fp4kit.errors import Fp4kitError
 
 if TYPE_CHECKING:
-    from fp4kit.calibrate import CalibrationResult
-    from fp4kit.checkpoint import PlannedTensor, ShardWriter
+    from fp4kit.io.checkpoint import PlannedTensor, ShardWriter
+    from fp4kit.quantize.calibrate import CalibrationResult
 
 T = TypeVar("T")
 # A rank that failed waits at its next sync for the others to reach theirs, which can take as long as one rank's share
@@ -135,9 +135,9 @@ class Ranks:
 
     @contextlib.contextmanager
     def output_directory(self, dst: Path, src: Path, overwrite: bool) -> Iterator[Path]:
-        """fp4kit.output.atomic_directory on rank 0 (it holds the lock, checks ``dst`` and renames the work
+        """fp4kit.io.output.atomic_directory on rank 0 (it holds the lock, checks ``dst`` and renames the work
         directory into place at the end); the other ranks get the same work directory once rank 0 created it."""
-        from fp4kit.output import atomic_directory
+        from fp4kit.io.output import atomic_directory
 
         if self.world == 1:
             with atomic_directory(dst, src, overwrite) as work:
@@ -153,8 +153,8 @@ class Ranks:
 
     @contextlib.contextmanager
     def exclusive(self, path: Path) -> Iterator[None]:
-        """fp4kit.output.exclusive held by rank 0 for the block; every rank raises if rank 0 cannot take it."""
-        from fp4kit.output import exclusive
+        """fp4kit.io.output.exclusive held by rank 0 for the block; every rank raises if rank 0 cannot take it."""
+        from fp4kit.io.output import exclusive
 
         if self.world == 1:
             with exclusive(path):
@@ -192,7 +192,7 @@ class Ranks:
     def shard_writer(self, work: Path, planned: list[PlannedTensor], max_shard_bytes: int,
                      metadata: dict[str, str], written_here: list[PlannedTensor]) -> ShardWriter:
         """Rank 0 creates every planned shard (headers, sizes); then each rank opens them for its own tensors."""
-        from fp4kit.checkpoint import ShardWriter
+        from fp4kit.io.checkpoint import ShardWriter
 
         if self.world == 1:
             return ShardWriter(work, planned, max_shard_bytes, metadata)
@@ -211,7 +211,7 @@ class Ranks:
         amax (NaN wins, as torch.maximum lets it) and the sum of the routing counts."""
         if self.world == 1:
             return result
-        from fp4kit.calibrate import CalibrationResult
+        from fp4kit.quantize.calibrate import CalibrationResult
 
         self.sync()  # nobody enters the collectives below while another rank has failed
         nccl = "nccl" in str(torch.distributed.get_backend())

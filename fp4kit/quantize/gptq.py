@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4kit.calibrate import LayerStatistics
-from fp4kit.checkpoint import CheckpointReader
 from fp4kit.errors import Fp4kitError
+from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, _per_leading_index, encode_blocks, rtn_block_scale
-from fp4kit.plan import QuantGroup, read_group_weights
-from fp4kit.scale_search import (
+from fp4kit.quantize.calibrate import LayerStatistics
+from fp4kit.quantize.plan import QuantGroup, read_group_weights
+from fp4kit.quantize.scale_search import (
     GPTQ_CODE_OFFSETS,
     group_global_mul,
     quantize_mse,
@@ -202,10 +202,11 @@ class _Unit:
 
 @dataclass
 class LayerQuantizer:
-    """Quantizes the groups of each layer as the calibration pass reaches it (fp4kit.calibrate.calibrate_quantized)
-    with ``method`` gptq or mse (importance-weighted by diag H), hands each group's NVFP4 tensors to ``emit``, and
-    returns the dequantized weights for the propagating forward. Routed experts with fewer than ``min_tokens``
-    calibration tokens, and modules the pass saw no input for, fall back to mse (weighted when any token came)."""
+    """Quantizes the groups of each layer as the calibration pass reaches it
+    (fp4kit.quantize.calibrate.calibrate_quantized) with ``method`` gptq or mse (importance-weighted by diag H), hands
+    each group's NVFP4 tensors to ``emit``, and returns the dequantized weights for the propagating forward. Routed
+    experts with fewer than ``min_tokens`` calibration tokens, and modules the pass saw no input for, fall back to mse
+    (weighted when any token came)."""
 
     reader: CheckpointReader
     groups_by_layer: dict[int, list[QuantGroup]]

@@ -11,7 +11,7 @@ import torch
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import input_scale_group
 from fp4kit.nvfp4 import divisor_from_amax
-from fp4kit.plan import ModelPlan
+from fp4kit.quantize.plan import ModelPlan
 
 POLICIES = ("shared", "per-expert")
 ROUTING_STATS_NAME = "fp4kit_routing_stats.json"
@@ -49,7 +49,7 @@ def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: 
 
 def write_routing_stats(path: Path, plan: ModelPlan, routing_counts: dict[int, list[int]],
                         calibration: dict | None = None) -> None:
-    """Tokens routed to each expert per MoE layer, in the schema `fp4kit shard --stats` reads (fp4kit.placement),
+    """Tokens routed to each expert per MoE layer, in the schema `fp4kit shard --stats` reads (fp4kit.ep.placement),
     and the calibration set they were counted over (docs/formats.md)."""
     stats = {
         "model_type": plan.config.get("model_type"),

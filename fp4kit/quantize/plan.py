@@ -7,12 +7,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fp4kit.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
+from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
+from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype
 from fp4kit.nvfp4 import BLOCK
-from fp4kit.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype
 
 
 def _compile(patterns: list[str], what: str) -> list[re.Pattern[str]]:
@@ -88,7 +88,7 @@ def build_plan(
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
     on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down).
 
-    A source that stores Linears quantized (fp4kit.sources) plans them as their dequantized [N, K] weights:
+    A source that stores Linears quantized (fp4kit.io.sources) plans them as their dequantized [N, K] weights:
     ``dequant_dtype`` fp32 (one rounding) or bf16 (the peers' bf16 intermediate); their scale tensors are consumed,
     and those left unquantized are written dequantized in the model's dtype."""
     family = detect(config)

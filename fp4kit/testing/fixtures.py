@@ -83,7 +83,7 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
 
 
 def _linear_modules(tensors: dict[str, torch.Tensor]):
-    from fp4kit.sources import KEPT_BY_FP8_SOURCES
+    from fp4kit.io.sources import KEPT_BY_FP8_SOURCES
 
     for tname, t in tensors.items():
         if tname.endswith(".weight") and t.dim() == 2 and not KEPT_BY_FP8_SOURCES.search(tname[: -len(".weight")]):
@@ -105,8 +105,8 @@ def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantizatio
 
 
 def write_fp8_block_source(src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)) -> Path:
-    """Fixture SRC as DeepSeek-V3's FP8 release stores it (fp4kit.sources.write_fp8_block_copy)."""
-    from fp4kit.sources import write_fp8_block_copy
+    """Fixture SRC as DeepSeek-V3's FP8 release stores it (fp4kit.io.sources.write_fp8_block_copy)."""
+    from fp4kit.io.sources import write_fp8_block_copy
 
     return write_fp8_block_copy(src, dst, block)
 

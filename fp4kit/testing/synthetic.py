@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, PlannedTensor, ShardWriter
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of
+from fp4kit.io.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, PlannedTensor, ShardWriter
 
 WEIGHT_STD = 0.02
 NORM_STD = 0.1

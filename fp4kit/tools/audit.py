@@ -1,5 +1,5 @@
 """Activation-scale audit: recompute every quantized Linear's input amax from the BF16 model's own causal forward
-(fp4kit.calibrate) and compare it with the input scale the checkpoint stores.
+(fp4kit.quantize.calibrate) and compare it with the input scale the checkpoint stores.
 
 ratio = stored amax / true amax, where stored amax = 448*6 * divisor. Below 1 the scale clips real activations;
 far above 1 (``waste``, default 16) it wastes FP4 range; a shared per-layer expert scale (EP-invariant) sits
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import open_checkpoint
-from fp4kit.inspect import Finding
 from fp4kit.nvfp4 import amax_of_divisor
 from fp4kit.progress import start_phase, warn
+from fp4kit.tools.inspect import Finding
 
 CLIP_TOLERANCE = 2**-7  # one bf16 rounding step: statistics taken in bf16 may differ by that much
 
@@ -27,10 +27,10 @@ def audit_input_scales(
 ) -> tuple[list[Finding], dict[str, float]]:
     """Findings for input scales that clip or waste range, and every module's ratio (``progress``: see
     fp4kit.progress; the source's calibration pass counts layers x batches)."""
-    from fp4kit.calib_data import load_calibration
-    from fp4kit.calibrate import calibrate
-    from fp4kit.checkpoint import read_config
     from fp4kit.families import detect
+    from fp4kit.io.checkpoint import read_config
+    from fp4kit.quantize.calib_data import load_calibration
+    from fp4kit.quantize.calibrate import calibrate
 
     config = read_config(source)
     text_config = detect(config).text_config(config)

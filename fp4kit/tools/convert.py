@@ -6,7 +6,7 @@ fp32 cannot carry in the target form are kept exact). One tensor group at a time
 and re-encodes the next groups while the main thread writes, through a queue of bounded depth.
 
 With ``repair``, fused groups are put on one weight global scale and expert projections on one input scale first
-(fp4kit/repair.py); that changes values by at most half an FP8 block-scale step and is reported.
+(fp4kit/tools/repair.py); that changes values by at most half an FP8 block-scale step and is reported.
 
 Llama-4 experts become ModelOpt's fused [E, K/2, N] tensors when every expert of the layer shares the weight and
 input scales (as ModelOpt's own export does); otherwise they stay per-expert, which vLLM also loads, since fusing
@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from fp4kit import dense
-from fp4kit.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of, routed_expert
 from fp4kit.formats.base import Dialect
@@ -35,11 +33,13 @@ from fp4kit.formats.detect import (
     needs_exact_record,
     open_checkpoint,
 )
+from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
+from fp4kit.io.output import atomic_directory
+from fp4kit.io.streaming import prefetched
 from fp4kit.nvfp4 import NVFP4Tensor
-from fp4kit.output import atomic_directory
 from fp4kit.registry import DIALECT_NAMES, dialect
-from fp4kit.repair import RepairReport, rescale, unified_scales
-from fp4kit.streaming import prefetched
+from fp4kit.tools import dense
+from fp4kit.tools.repair import RepairReport, rescale, unified_scales
 
 QUEUE_DEPTH = 4
 
@@ -197,8 +197,8 @@ def convert_checkpoint(
     repair: bool = False,
 ) -> ConvertReport:
     """Rewrite NVFP4 checkpoint ``src`` in dialect ``to`` into ``dst`` (created atomically); ``repair`` unifies
-    fused-group weight scales and per-projection expert input scales (fp4kit/repair.py). ``to`` "bf16": a dense
-    dequantized checkpoint instead (fp4kit/dense.py)."""
+    fused-group weight scales and per-projection expert input scales (fp4kit/tools/repair.py). ``to`` "bf16": a dense
+    dequantized checkpoint instead (fp4kit/tools/dense.py)."""
     if to == dense.TARGET:
         if repair:
             raise Fp4kitError("--repair rewrites scales for a dialect target; --to bf16 has none")

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import PlannedTensor, ShardWriter, TensorInfo, copy_side_files
 from fp4kit.families.base import layer_of
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
-from fp4kit.layout import MoELayer, find_moe_layers
-from fp4kit.output import atomic_directory, check_destination
+from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, TensorInfo, copy_side_files
+from fp4kit.io.output import atomic_directory, check_destination
+from fp4kit.layouts.directory import MoELayer, find_moe_layers
 
 TARGET = "bf16"
 
@@ -93,7 +93,7 @@ def dequantize_checkpoint(
 ):
     """Write NVFP4 checkpoint ``src`` as a dense checkpoint into ``dst`` (created atomically): dequantized weights in
     ``dtype`` (BF16 for `convert --to bf16`; float32 keeps the dequantized values exact), other tensors as stored."""
-    from fp4kit.convert import ConvertReport
+    from fp4kit.tools.convert import ConvertReport
 
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)

@@ -46,7 +46,7 @@ def _finite_positive(value: float | None) -> bool:
 
 
 def vllm_checks(ckpt: QuantizedCheckpoint, scales: dict[str, tuple[float, float | None]], report: Report) -> None:
-    """``scales``: module -> (weight divisor, input divisor or None), as fp4kit.inspect reads them."""
+    """``scales``: module -> (weight divisor, input divisor or None), as fp4kit.tools.inspect reads them."""
     _input_scales(ckpt, scales, report)
     _experts(scales, report)
     _mtp(ckpt, report)

@@ -1,10 +1,10 @@
 """`fp4kit eval`: a quantized checkpoint's next-token distribution against its source, one decoder layer at a time.
 
-Both models run the calibration pass's streaming forward (fp4kit/calibrate.py): embeddings and every layer's
+Both models run the calibration pass's streaming forward (fp4kit/quantize/calibrate.py): embeddings and every layer's
 arguments from a forward of the meta-device text model, then each decoder layer built with transformers' own class,
 loaded alone, run over every sample's hidden states and dropped. A quantized checkpoint is read through
-``fp4kit.dense.DenseView``: its NVFP4 weights dequantized from the canonical form, in the family's HF layout, so the
-quantized layer loads exactly as the source's does. Hidden states of both models for all samples stay in memory;
+``fp4kit.tools.dense.DenseView``: its NVFP4 weights dequantized from the canonical form, in the family's HF layout, so
+the quantized layer loads exactly as the source's does. Hidden states of both models for all samples stay in memory;
 weights of one layer at a time.
 
 W4A4 checkpoints (input scales present) run with their activations quantized as the Blackwell kernels do: the
@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4kit import memory
-from fp4kit.checkpoint import CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
+from fp4kit.io import memory
+from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.verify.reference import fake_quantize_activation
 
 DTYPES = ("float32", "bfloat16")  # compute dtypes
@@ -154,7 +154,7 @@ class _Model:
     """One side of the comparison: a dense or NVFP4 checkpoint read as dense tensors."""
 
     def __init__(self, root: Path, stack: contextlib.ExitStack):
-        from fp4kit.dense import DenseView
+        from fp4kit.tools.dense import DenseView
 
         self.root = root
         self.config = read_config(root)
@@ -230,7 +230,7 @@ def evaluate(
     """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L].
     ``progress(done, total)`` counts batch forwards: per decoder layer one per batch of each model, then one
     scoring pass per batch."""
-    from fp4kit.calibrate import _layer_inputs, _load_layer, _text_model
+    from fp4kit.quantize.calibrate import _layer_inputs, _load_layer, _text_model
 
     start = time.perf_counter()
     src, ckpt = Path(src), Path(ckpt)

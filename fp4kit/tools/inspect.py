@@ -14,8 +14,8 @@ Checks (each finding names the check, the module and a ratio where one applies):
   H % 128, I % 64; TRT-LLM and FlashInfer CUTLASS: E % ep). Without a request they are listed, not counted.
 - marlin_zeroed_scales (reported, not a problem): per MoE projection, how many block scales vLLM's Marlin
   preparation (bf16) stores as 0 (docs/layouts.md, marlin).
-- ``--engine vllm`` adds load-contract checks (fp4kit/engine_checks.py), each citing the vLLM source it comes from.
-Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M1 codes have no NaN).
+- ``--engine vllm`` adds load-contract checks (fp4kit/tools/engine_checks.py), each citing the vLLM source it comes
+from. Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M1 codes have no NaN).
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ class InspectReport:
     marlin_zeroed_scales: dict[str, int] = field(default_factory=dict)
     engine: str | None = None
     format: str = FORMAT
-    # checkpoint (NVFP4), source (not NVFP4: precision says what), layout, ep-root, ep-rank (fp4kit.inspect_artifacts)
+    # checkpoint (NVFP4), source (not NVFP4: precision says what), layout, ep-root, ep-rank
+    # (fp4kit.tools.inspect_artifacts)
     kind: str = "checkpoint"
-    precision: str | None = None  # a source's: bf16, fp8-block, int4-pack-quantized (fp4kit.sources)
+    precision: str | None = None  # a source's: bf16, fp8-block, int4-pack-quantized (fp4kit.io.sources)
     unquantized_modules: list[str] = field(default_factory=list)  # Linears (and fused experts) stored unquantized
     layout: dict | None = None  # a layout directory's backend, kernel and MoE layers
     expert_parallel: dict | None = None  # an EP root's or rank's split: ranks, placement, expert map
@@ -243,9 +244,9 @@ def unquantized_modules(ckpt: QuantizedCheckpoint) -> list[str]:
 def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
                        engine: str | None = None, progress: Callable[[int, int], None] | None = None) -> InspectReport:
     """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems, ``engine`` adds that
-    engine's load-contract checks (fp4kit.engine_checks); ``progress(done, total)`` counts quantized modules."""
-    from fp4kit.engine_checks import ENGINES, SOURCES, vllm_checks
+    engine's load-contract checks (fp4kit.tools.engine_checks); ``progress(done, total)`` counts quantized modules."""
     from fp4kit.errors import Fp4kitError
+    from fp4kit.tools.engine_checks import ENGINES, SOURCES, vllm_checks
 
     if engine is not None and engine not in ENGINES:
         raise Fp4kitError(f"--engine {engine!r}: fp4kit checks {', '.join(ENGINES)}")

@@ -1,8 +1,8 @@
 """`fp4kit inspect` on every kind of directory fp4kit reads or writes (docs/formats.md, docs/layouts.md):
 
-- ``source``: a checkpoint that is not NVFP4 (bf16, FP8-block, INT4 pack-quantized: fp4kit.sources), from its
+- ``source``: a checkpoint that is not NVFP4 (bf16, FP8-block, INT4 pack-quantized: fp4kit.io.sources), from its
   headers alone: precision, family, sizes, Linears per layer. Nothing to check: exit 0.
-- ``checkpoint``: an NVFP4 checkpoint of either dialect: fp4kit.inspect's health checks.
+- ``checkpoint``: an NVFP4 checkpoint of either dialect: fp4kit.tools.inspect's health checks.
 - ``layout``: the output of `fp4kit layout`: the checkpoint checks on what is not a kernel tensor, its manifest
   (backend, kernel, MoE layers), and every kernel tensor the manifest names against the files (name, dtype, shape),
   the manifest's exact scales finite and positive.
@@ -12,7 +12,7 @@
   local ids 0.. in global order), the experts its expert map lists against the experts its tensors hold, and the
   sizes of the files its manifest lists.
 - Any of these with ``fp4kit_routing_stats.json`` (a calibrated `fp4kit quantize` output, and what is made from it):
-  the statistics against the model (fp4kit.placement.load_stats) and a summary: calibration data, tokens per layer,
+  the statistics against the model (fp4kit.ep.placement.load_stats) and a summary: calibration data, tokens per layer,
   the busiest expert over the mean, experts no token reached.
 
 A file that cannot be read as its kind requires (a manifest that is not JSON, of another format or version) makes
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from fp4kit.checkpoint import DTYPE_NAMES, CheckpointReader, read_config
 from fp4kit.errors import Fp4kitError
-from fp4kit.inspect import EP_SIZES, Finding, InspectReport, LayerSummary, _backends, inspect_checkpoint
+from fp4kit.io.checkpoint import DTYPE_NAMES, CheckpointReader, read_config
 from fp4kit.progress import start_phase
+from fp4kit.tools.inspect import EP_SIZES, Finding, InspectReport, LayerSummary, _backends, inspect_checkpoint
 
 KINDS = ("source", "checkpoint", "layout", "ep-root", "ep-rank")
 SHOWN = 8  # ids or names listed in one finding before "..."
@@ -50,9 +50,9 @@ def _read_json(path: Path, what: str) -> dict:
 
 def artifact_kind(path: Path) -> str:
     """Which of KINDS ``path`` is, from the files that mark each (without reading tensors)."""
-    from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
-    from fp4kit.shard import EXPERT_MAP
-    from fp4kit.shard import MANIFEST as SHARD_MANIFEST
+    from fp4kit.ep.shard import EXPERT_MAP
+    from fp4kit.ep.shard import MANIFEST as SHARD_MANIFEST
+    from fp4kit.layouts.manifest import MANIFEST as LAYOUT_MANIFEST
 
     if not path.is_dir():
         raise Fp4kitError(f"{path}: not a directory" if path.exists() else f"{path}: no such directory")
@@ -68,7 +68,7 @@ def artifact_kind(path: Path) -> str:
 def _source_precision(path: Path) -> str | None:
     """The precision of a checkpoint that is not NVFP4 (None: it is, or claims to be, NVFP4)."""
     from fp4kit.formats.detect import config_files
-    from fp4kit.sources import detect_source
+    from fp4kit.io.sources import detect_source
 
     config = read_config(path)
     quantization = config.get("quantization_config")
@@ -109,8 +109,8 @@ def inspect_path(path: str | Path, backends: list[str] | None = None, ep: int | 
 def _source(path: Path) -> InspectReport:
     from fp4kit.families import detect
     from fp4kit.families.base import expert_module, layer_of
-    from fp4kit.inspect import VISION
-    from fp4kit.sources import PACKED_SUFFIXES
+    from fp4kit.io.sources import PACKED_SUFFIXES
+    from fp4kit.tools.inspect import VISION
 
     config = read_config(path)
     family = detect(config)
@@ -143,7 +143,7 @@ def _source(path: Path) -> InspectReport:
 
 
 def _layout(report: InspectReport, path: Path) -> None:
-    from fp4kit.layout_manifest import SCALE_KEYS, layer_meta, read_manifest
+    from fp4kit.layouts.manifest import SCALE_KEYS, layer_meta, read_manifest
 
     document = read_manifest(path)
     layers = []
@@ -196,7 +196,7 @@ def _layout(report: InspectReport, path: Path) -> None:
 
 
 def _rank_manifests(path: Path) -> tuple[dict, dict]:
-    from fp4kit.shard import EXPERT_MAP, FORMAT, MANIFEST, VERSION
+    from fp4kit.ep.shard import EXPERT_MAP, FORMAT, MANIFEST, VERSION
 
     manifest = _read_json(path / MANIFEST, "the rank's manifest")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
@@ -226,7 +226,7 @@ def _held_experts(path: Path) -> dict[int, set[int]]:
 def _ep_rank(report: InspectReport, path: Path, alone: bool = True) -> dict:
     """The rank's checks (problems into ``report``) and its record: rank, EP size, placement, global ids held;
     ``alone``: the report is the rank's own (not a part of its EP root's), so it gets the record."""
-    from fp4kit.shard import EXPERT_MAP, MANIFEST
+    from fp4kit.ep.shard import EXPERT_MAP, MANIFEST
 
     manifest, expert_map = _rank_manifests(path)
     rank, ep_size = manifest.get("ep_rank"), manifest.get("ep_size")
@@ -291,7 +291,7 @@ def _ids(ids: list[int]) -> str:
 
 def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str | None,
              progress: Callable[[int, int], None] | None) -> InspectReport:
-    from fp4kit.shard import FORMAT, MANIFEST, SHARED_DIR, VERSION, uneven_split_warning
+    from fp4kit.ep.shard import FORMAT, MANIFEST, SHARED_DIR, VERSION, uneven_split_warning
 
     manifest = _read_json(path / MANIFEST, "the EP split's manifest")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
@@ -360,8 +360,8 @@ def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str
 
 def _routing(report: InspectReport, path: Path) -> None:
     """Summarise and check the routing statistics beside the checkpoint (a calibrated quantize output)."""
-    from fp4kit.input_scales import ROUTING_STATS_NAME
-    from fp4kit.placement import imbalance, load_stats
+    from fp4kit.ep.placement import imbalance, load_stats
+    from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
 
     stats_path = path / ROUTING_STATS_NAME
     if not stats_path.is_file():

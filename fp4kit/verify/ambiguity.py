@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX, fp32_multiplier
-from fp4kit.routing import RoutingSpec
 from fp4kit.verify.reference import block_scale_input, fake_quantize_activation
 
 ACCUMULATION_EPS = 1e-5

@@ -2,7 +2,8 @@
 
 A backend is ``available(device) -> (ok, reason)`` plus ``prepare(moe, activation_div, device)``, which returns a
 runner ``(hidden, weights, ids, logits) -> fp32 [T, H]`` over one layer's weights (prepared once per layer). Routing
-is always fp4kit's (`fp4kit.routing.route`), except for TRT-LLM-gen, which routes inside the kernel from the logits.
+is always fp4kit's (`fp4kit.families.routing.route`), except for TRT-LLM-gen, which routes inside the kernel from the
+logits.
 
 - ``reference``: `fp4kit.verify.reference.moe_reference` on the dequantized weights, fp32, any device.
 - ``triton``: fp4kit's fused NVFP4 MoE on any CUDA GPU; on a CPU under TRITON_INTERPRET=1 for tiny shapes only.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fp4kit.routing import RoutingSpec
+from fp4kit.families.routing import RoutingSpec
 from fp4kit.verify.ambiguity import RECIPROCAL_EPS
 from fp4kit.verify.moe_layer import QuantizedMoe
 

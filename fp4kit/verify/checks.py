@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.routing import RoutingSpec, route
 from fp4kit.nvfp4 import amax_of_divisor
-from fp4kit.routing import RoutingSpec, route
 from fp4kit.verify.ambiguity import w4a4_flip_bound
 from fp4kit.verify.backends import BACKENDS, ActivationDiv, Runner, dequantized
 from fp4kit.verify.moe_layer import QuantizedModel, QuantizedMoe, SourceMoe, read_source_layer

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from fp4kit.checkpoint import CheckpointReader, read_config
+from fp4kit.ep.shard import EXPERT_MAP
+from fp4kit.ep.shard import MANIFEST as SHARD_MANIFEST
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import (
@@ -31,17 +32,16 @@ from fp4kit.families.base import (
     router_weights,
     shared_expert_modules,
 )
+from fp4kit.families.routing import RoutingSpec
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
-from fp4kit.layout import find_moe_layers
-from fp4kit.layout import read_layer as read_canonical_layer
-from fp4kit.layout_manifest import MANIFEST as LAYOUT_MANIFEST
+from fp4kit.io.checkpoint import CheckpointReader, read_config
+from fp4kit.io.sources import SourceFormat
 from fp4kit.layouts import StackedExperts
+from fp4kit.layouts.directory import find_moe_layers
+from fp4kit.layouts.directory import read_layer as read_canonical_layer
+from fp4kit.layouts.manifest import MANIFEST as LAYOUT_MANIFEST
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
-from fp4kit.plan import QuantGroup, read_group_weights, read_linear_weight, source_candidates, source_view
-from fp4kit.routing import RoutingSpec
-from fp4kit.shard import EXPERT_MAP
-from fp4kit.shard import MANIFEST as SHARD_MANIFEST
-from fp4kit.sources import SourceFormat
+from fp4kit.quantize.plan import QuantGroup, read_group_weights, read_linear_weight, source_candidates, source_view
 
 PROJS = EXPERT_PROJS
 
@@ -148,7 +148,7 @@ class QuantizedModel:
         self.family, self.spec = model_spec(self.config)
         self.layout: dict | None = None
         if (self.root / LAYOUT_MANIFEST).is_file():
-            from fp4kit.layout_manifest import read_manifest
+            from fp4kit.layouts.manifest import read_manifest
 
             self.layout = read_manifest(self.root)
         self.ckpt = open_checkpoint(self.root)
@@ -197,8 +197,8 @@ class QuantizedModel:
 
 def undo_layout(root: str | Path, layer: int) -> StackedExperts:
     """A layout checkpoint's layer back in canonical form (Fp4kitError when the stored tensors are inconsistent)."""
+    from fp4kit.layouts.runtime import read_layer
     from fp4kit.registry import backend
-    from fp4kit.runtime import read_layer
 
     tensors, meta, document = read_layer(root, layer)
     return StackedExperts(*backend(document["backend"]).undo(tensors, meta))
@@ -207,9 +207,9 @@ def undo_layout(root: str | Path, layer: int) -> StackedExperts:
 def layout_transform(root: str | Path, layer: int, experts: StackedExperts
                      ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(stored kernel tensors, what the layout's transform writes for these canonical weights) of one layer."""
-    from fp4kit.layout_manifest import stored_options
+    from fp4kit.layouts.manifest import stored_options
+    from fp4kit.layouts.runtime import read_layer
     from fp4kit.registry import backend
-    from fp4kit.runtime import read_layer
 
     tensors, _, document = read_layer(root, layer)
     return tensors, backend(document["backend"]).transform(*experts.arguments(), **stored_options(document))

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.routing import route
 from fp4kit.layouts import StackedExperts
-from fp4kit.routing import route
 from fp4kit.verify.backends import BACKENDS, dequantized
 from fp4kit.verify.checks import (
     DEFAULT_TOL_SOURCE,
@@ -116,7 +116,7 @@ def check_expert_parallel(v: LayerVerifier, shards: Path) -> None:
 
 
 def rank_directories(shards: Path) -> list[Path]:
-    from fp4kit.shard import MANIFEST
+    from fp4kit.ep.shard import MANIFEST
 
     manifest = shards / MANIFEST
     try:

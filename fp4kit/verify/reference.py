@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import (
     BLOCK,
     FP4_MAX,
@@ -27,7 +28,6 @@ from fp4kit.nvfp4 import (
     global_scale_mul,
     quantize,
 )
-from fp4kit.routing import RoutingSpec
 
 
 def swiglu_mlp(hidden: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
@@ -96,8 +96,8 @@ def moe_reference(
 ) -> Tensor:
     """Routed-expert output [T, H] in fp32 (no shared expert: add `swiglu_mlp` / `dense_mlp` for that).
 
-    hidden [T, H]; weights [T, k] and ids [T, k] from `fp4kit.routing.route`; ``expert_mask`` (bool [E]) computes
-    only the experts of one EP rank, so that the outputs of all ranks sum to the full output.
+    hidden [T, H]; weights [T, k] and ids [T, k] from `fp4kit.families.routing.route`; ``expert_mask`` (bool [E])
+    computes only the experts of one EP rank, so that the outputs of all ranks sum to the full output.
     ``activation_global_div`` = (D_a13 [E], D_a2 [E]) switches on W4A4 emulation (module docstring).
     """
     hidden = hidden.float()

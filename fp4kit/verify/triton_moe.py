@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, fp32_multiplier
-from fp4kit.routing import RoutingSpec
 
 
 @dataclass(frozen=True)
@@ -273,7 +273,8 @@ def fused_moe(
     config: KernelConfig | None = None,
 ) -> Tensor:
     """Routed-expert output fp32 [T, H] for hidden [T, H] (bf16 or fp32), weights fp32 [T, k], ids int64 [T, k]
-    (from `fp4kit.routing.route`: ids must lie in [0, E)). ``expert_mask`` (bool [E]) computes only local experts."""
+    (from `fp4kit.families.routing.route`: ids must lie in [0, E)). ``expert_mask`` (bool [E]) computes only local
+    experts."""
     from fp4kit.verify import triton_kernels as kernels
 
     emulate_bf16 = _interpreted(hidden)
