@@ -141,13 +141,13 @@ def test_every_backend_lays_out_and_loads(demo_source: Path, tmp_path: Path, nam
 # or backend's name, a dialect's tensor suffix or config file is wiring that belongs in the registry or its owner.
 ALLOWED: dict[str, tuple[set[str] | None, str]] = {
     "registry.py": (None, "the registry"),
-    "checkpoint.py": ({"hf_quant_config.json"}, "the I/O layer's files that writers rewrite (checked to cover all)"),
-    "shard_scales.py": ({"input_global_scale", "input_scale"}, "torch-free table (checked above)"),
-    "sources.py": ({"compressed-tensors", ".weight_packed"}, "pack-quantized INT sources: another format"),
-    "fixtures.py": (None, "test fixtures"),
-    "synthetic.py": (None, "test fixtures"),
+    "io/checkpoint.py": ({"hf_quant_config.json"}, "the I/O layer's files that writers rewrite (checked to cover all)"),
+    "ep/scales.py": ({"input_global_scale", "input_scale"}, "torch-free table (checked above)"),
+    "io/sources.py": ({"compressed-tensors", ".weight_packed"}, "pack-quantized INT sources: another format"),
+    "testing/fixtures.py": (None, "test fixtures"),
+    "testing/synthetic.py": (None, "test fixtures"),
     "verify/backends.py": ({"marlin"}, "verify's kernel runners (a Marlin runner), not layout backends"),
-    "recipe.py": ({"marlin"}, "verify's kernel runners (VerifyStep.backend)"),
+    "pipeline/recipe.py": ({"marlin"}, "verify's kernel runners (VerifyStep.backend)"),
     "commands/verify.py": ({"marlin"}, "verify's kernel runners"),
 }
 
