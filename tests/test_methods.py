@@ -413,3 +413,30 @@ def test_gptq_cuda_graph_replays_give_the_eager_bytes():
             assert torch.equal(eager.packed, replayed.packed)
             assert torch.equal(eager.block_scale.view(torch.uint8), replayed.block_scale.view(torch.uint8))
     assert graphed._graphs  # the replays above did come from graphs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "llama4", "deepseek_v3"])
+def test_statistics_forward_without_the_routed_experts_gives_the_same_statistics(tiny, family, monkeypatch):
+    """The statistics forward skips transformers' routed-expert computation (its output is dropped): every Hessian
+    and token count, shared experts' and later modules' included, is what the full forward gives."""
+    from fp4kit.quantize import calibrate
+
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
+    runs = []
+    for skip in (False, True):
+        monkeypatch.setattr(calibrate, "SKIP_ROUTED_EXPERTS", skip)
+        seen: dict[str, torch.Tensor] = {}
+        tokens: dict[str, int] = {}
+
+        def keep(index, layer, stats, seen=seen, tokens=tokens):
+            seen.update(stats.hessians)
+            tokens.update(stats.tokens)
+            return {}
+
+        calibrate.calibrate_quantized(tiny(family), ids, keep, dtype=torch.float32)
+        runs.append((seen, tokens))
+    (full, full_tokens), (skipped, skipped_tokens) = runs
+    assert full.keys() == skipped.keys() and full_tokens == skipped_tokens
+    assert any(".shared" in name for name in full) or family in ("qwen3_moe",)
+    for name in full:
+        assert torch.equal(full[name], skipped[name]), name

@@ -397,8 +397,18 @@ class LayerStatistics:
     tokens: dict[str, int] = field(default_factory=dict)
 
 
+def _no_routed_output(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.zeros_like(hidden_states)
+
+
+# The statistics forward's output is dropped (the quantized layer's forward gives the next layer its inputs) and the
+# recorder computes each expert's products itself, so transformers' routed-expert computation is skipped there.
+SKIP_ROUTED_EXPERTS = True
+
+
 class _SecondMomentRecorder:
-    """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed by ``close``)."""
+    """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed and the routed experts'
+    computation restored by ``close``). The layer's output during that forward is not its real output."""
 
     def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool):
         self.layer_prefix = f"{text.prefix}layers.{index}."
@@ -408,6 +418,7 @@ class _SecondMomentRecorder:
         self.last_input: tuple[torch.Tensor, str] | None = None  # the input of the last hooked Linear
         self.router_output: tuple | None = None
         self.handles = []
+        self.stubbed: list[nn.Module] = []  # experts whose forward returns zeros until close
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
                 self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
@@ -416,6 +427,9 @@ class _SecondMomentRecorder:
                 router = module.router if hasattr(module, "router") else module.gate
                 self.handles.append(router.register_forward_hook(self._router_hook))
                 self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
+                if SKIP_ROUTED_EXPERTS:
+                    experts.forward = _no_routed_output
+                    self.stubbed.append(experts)
 
     def _wanted(self, name: str) -> bool:
         return self.modules is None or name in self.modules
@@ -502,6 +516,8 @@ class _SecondMomentRecorder:
     def close(self) -> LayerStatistics:
         for handle in self.handles:
             handle.remove()
+        for experts in self.stubbed:
+            del experts.forward  # the class's forward again
         return self.stats
 
 
