@@ -172,30 +172,63 @@ def _router_choice(router_output: tuple, moe_block: nn.Module) -> tuple[torch.Te
     return logits, torch.topk(logits, moe_block.top_k, dim=1).indices
 
 
-class _AmaxRecorder:
-    """Running input amax of every Linear and routed expert of one layer, kept on the device until ``flush``."""
+class _LayerHooks:
+    """Hooks on one loaded decoder layer: ``_linear_hook(name)`` before every wanted Linear, and per MoE block, once its
+    router has run and the block has returned, ``_on_moe(experts path, experts, hidden [T, H], logits, top ids)``.
+    ``close`` removes them."""
 
     def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None):
         self.layer_prefix = f"{text.prefix}layers.{index}."
         self.scales_input = text.scales_input
         self.modules = modules
-        self.amax: dict[str, torch.Tensor] = {}
-        self.counts: torch.Tensor | None = None
-        self.num_experts: int | None = None
         self.router_output: tuple | None = None
         self.handles = []
+        self.moe_experts: list[nn.Module] = []
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
                 self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
             experts = getattr(module, "experts", None)
             if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
                 router = module.router if hasattr(module, "router") else module.gate
-                self.num_experts = experts.gate_up_proj.shape[0]
+                self.moe_experts.append(experts)
                 self.handles.append(router.register_forward_hook(self._router_hook))
                 self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
 
     def _wanted(self, name: str) -> bool:
         return self.modules is None or name in self.modules
+
+    def _linear_hook(self, name: str) -> Callable:
+        raise NotImplementedError
+
+    def _on_moe(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
+                top_ids: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _router_hook(self, module: nn.Module, args: tuple, output: tuple) -> None:
+        self.router_output = output
+
+    def _moe_hook(self, block_name: str, experts: nn.Module):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            hidden = args[0].reshape(-1, args[0].shape[-1])
+            assert self.router_output is not None
+            logits, top_ids = _router_choice(self.router_output, module)
+            self._on_moe(f"{block_name}.experts", experts, hidden, logits, top_ids)
+
+        return hook
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class _AmaxRecorder(_LayerHooks):
+    """Running input amax of every Linear and routed expert of one layer, kept on the device until ``flush``."""
+
+    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None):
+        self.amax: dict[str, torch.Tensor] = {}
+        self.counts: torch.Tensor | None = None
+        super().__init__(text, layer, index, modules)
+        self.num_experts = self.moe_experts[-1].gate_up_proj.shape[0] if self.moe_experts else None
 
     def _update(self, name: str, amax: torch.Tensor) -> None:
         amax = amax.detach().float()
@@ -207,19 +240,11 @@ class _AmaxRecorder:
 
         return hook
 
-    def _router_hook(self, module: nn.Module, args: tuple, output: tuple) -> None:
-        self.router_output = output
-
-    def _moe_hook(self, block_name: str, experts: nn.Module):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            hidden = args[0].reshape(-1, args[0].shape[-1])
-            assert self.router_output is not None
-            logits, top_ids = _router_choice(self.router_output, module)
-            counts = torch.bincount(top_ids.reshape(-1), minlength=logits.shape[-1])
-            self.counts = counts if self.counts is None else self.counts + counts
-            self._expert_amax(f"{block_name}.experts", experts, hidden, logits)
-
-        return hook
+    def _on_moe(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
+                top_ids: torch.Tensor) -> None:
+        counts = torch.bincount(top_ids.reshape(-1), minlength=logits.shape[-1])
+        self.counts = counts if self.counts is None else self.counts + counts
+        self._expert_amax(path, experts, hidden, logits)
 
     @torch.no_grad()
     def _expert_amax(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
@@ -243,8 +268,7 @@ class _AmaxRecorder:
             self._update(down_name, (experts.act_fn(gate) * up).abs().amax())
 
     def flush(self, result: CalibrationResult, index: int) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.close()
         for name, amax in self.amax.items():
             if self._wanted(name):
                 result.input_amax[name] = float(amax)
@@ -406,33 +430,20 @@ def _no_routed_output(hidden_states: torch.Tensor, *args: object, **kwargs: obje
 SKIP_ROUTED_EXPERTS = True
 
 
-class _SecondMomentRecorder:
+class _SecondMomentRecorder(_LayerHooks):
     """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed and the routed experts'
     computation restored by ``close``). The layer's output during that forward is not its real output."""
 
     def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool):
-        self.layer_prefix = f"{text.prefix}layers.{index}."
-        self.scales_input = text.scales_input
-        self.modules, self.full = modules, full
+        super().__init__(text, layer, index, modules)
+        self.full = full
         self.stats = LayerStatistics(self.layer_prefix)
         self.last_input: tuple[torch.Tensor, str] | None = None  # the input of the last hooked Linear
-        self.router_output: tuple | None = None
-        self.handles = []
         self.stubbed: list[nn.Module] = []  # experts whose forward returns zeros until close
-        for name, module in layer.named_modules():
-            if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
-                self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
-            experts = getattr(module, "experts", None)
-            if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-                router = module.router if hasattr(module, "router") else module.gate
-                self.handles.append(router.register_forward_hook(self._router_hook))
-                self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
-                if SKIP_ROUTED_EXPERTS:
-                    experts.forward = _no_routed_output
-                    self.stubbed.append(experts)
-
-    def _wanted(self, name: str) -> bool:
-        return self.modules is None or name in self.modules
+        if SKIP_ROUTED_EXPERTS:
+            for experts in self.moe_experts:
+                experts.forward = _no_routed_output
+                self.stubbed.append(experts)
 
     def _add(self, names: list[str], x: torch.Tensor) -> None:
         """Add rows x [T, K] to the statistics that ``names`` share (created on first use)."""
@@ -468,21 +479,9 @@ class _SecondMomentRecorder:
 
         return hook
 
-    def _router_hook(self, module: nn.Module, args: tuple, output: tuple) -> None:
-        self.router_output = output
-
-    def _moe_hook(self, block_name: str, experts: nn.Module):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            hidden = args[0].reshape(-1, args[0].shape[-1])
-            assert self.router_output is not None
-            logits, top_ids = _router_choice(self.router_output, module)
-            self._expert_moments(f"{block_name}.experts", experts, hidden, logits, top_ids)
-
-        return hook
-
     @torch.no_grad()
-    def _expert_moments(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
-                        top_ids: torch.Tensor) -> None:
+    def _on_moe(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
+                top_ids: torch.Tensor) -> None:
         num_experts = experts.gate_up_proj.shape[0]
         routed = torch.zeros((num_experts, hidden.shape[0]), dtype=torch.bool, device=hidden.device)
         routed.scatter_(0, top_ids.t().to(torch.int64), True)
@@ -513,9 +512,8 @@ class _SecondMomentRecorder:
     def _inner(self, experts: nn.Module) -> int:
         return experts.gate_up_proj.shape[-1 if self.scales_input else -2] // 2
 
-    def close(self) -> LayerStatistics:
-        for handle in self.handles:
-            handle.remove()
+    def close(self) -> LayerStatistics:  # type: ignore[override]
+        super().close()
         for experts in self.stubbed:
             del experts.forward  # the class's forward again
         return self.stats
