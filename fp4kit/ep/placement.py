@@ -26,12 +26,12 @@ Routing statistics (``--stats``), a JSON object::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.io.safetensors_files import read_json
 
 PLACEMENTS = ("linear", "round-robin", "balanced")
 _MAX_REFINE_STEPS = 10_000
@@ -147,12 +147,9 @@ def load_stats(
     ``unrouted_layers`` (e.g. GLM's MTP layer, which no calibration forward reaches) may be absent: they get equal
     counts, i.e. every placement is balanced for them."""
     path = Path(path)
-    try:
-        stats = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Fp4kitError(f"{path}: routing statistics file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Fp4kitError(f"{path}: not valid JSON ({exc})") from None
+    if not path.exists():
+        raise Fp4kitError(f"{path}: routing statistics file not found")
+    stats = read_json(path, "routing statistics file")
     if not isinstance(stats, dict) or not isinstance(stats.get("layers"), dict):
         raise Fp4kitError(f"{path}: routing statistics need an object with a 'layers' object (see fp4kit.ep.placement)")
     if stats.get("model_type") != model_type:

@@ -7,7 +7,6 @@ read back with ``float.fromhex`` / ``strtod``), so they survive any JSON parser 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from fp4kit import __version__
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.io.checkpoint import DTYPE_NAMES, PlannedTensor
+from fp4kit.io.safetensors_files import read_json
 from fp4kit.layouts import LayoutMeta
 from fp4kit.registry import BACKEND_NAMES, backend
 
@@ -86,12 +86,9 @@ def manifest(name: str, options: dict[str, object], act_dtype: torch.dtype, ckpt
 
 def read_manifest(root: str | Path) -> dict:
     path = Path(root) / MANIFEST
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Fp4kitError(f"{root}: no {MANIFEST}; is it the output of `fp4kit layout`?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Fp4kitError(f"{path}: not valid JSON ({exc})") from None
+    if not path.exists():
+        raise Fp4kitError(f"{root}: no {MANIFEST}; is it the output of `fp4kit layout`?")
+    document = read_json(path, "layout manifest")
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise Fp4kitError(f"{path}: not an fp4kit layout manifest (format must be {FORMAT!r})")
     if document.get("version") != VERSION:

@@ -21,7 +21,6 @@ the directory unusable: Fp4kitError, exit 2. Contents that disagree are problems
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.io.checkpoint import DTYPE_NAMES, CheckpointReader, read_config
+from fp4kit.io.safetensors_files import read_json
 from fp4kit.progress import start_phase
 from fp4kit.tools.inspect import EP_SIZES, Finding, InspectReport, LayerSummary, _backends, inspect_checkpoint
 
@@ -37,12 +37,7 @@ SHOWN = 8  # ids or names listed in one finding before "..."
 
 
 def _read_json(path: Path, what: str) -> dict:
-    try:
-        document = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise Fp4kitError(f"{path}: missing ({what})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise Fp4kitError(f"{path}: not valid JSON ({exc})") from None
+    document = read_json(path, what)
     if not isinstance(document, dict):
         raise Fp4kitError(f"{path}: not a JSON object ({what})")
     return document
