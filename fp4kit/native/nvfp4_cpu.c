@@ -271,6 +271,7 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 typedef uint8_t v16b __attribute__((vector_size(16))); /* an FP8 block's codes */
+typedef int8_t v16c __attribute__((vector_size(16)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
@@ -329,19 +330,27 @@ static inline uint8_t block_max(v16b a) {
 }
 
 typedef struct {
-    uint8_t ready, scale_code, thresholds[NUM_THRESHOLDS]; /* magnitude-code thresholds; 127: none */
+    int32_t slot; /* its thresholds' place in the pool, -1 until computed */
+    uint8_t scale_code;
 } Fp8Entry;
 
-/* The block-scale code and magnitude-code thresholds of 16-blocks whose largest magnitude code is m, under the
- * multiplier whose |value(c) * s| bit patterns are magnitude[0..127] (magnitude[127] above every threshold). */
-static void fp8_entry(Fp8Entry *entry, const uint32_t *magnitude, uint8_t m, TablesF32 *t, float global_mul) {
+/* Per threshold the largest magnitude code below it (126: none reaches it), in all 16 lanes: magnitude codes and
+ * thresholds are below 128, so "m >= threshold" is the signed byte compare "m > below", one instruction. */
+typedef struct {
+    v16c below[NUM_THRESHOLDS];
+} Fp8Thresholds;
+
+/* The block-scale code and thresholds of 16-blocks whose largest magnitude code is m, under the multiplier whose
+ * |value(c) * s| bit patterns are magnitude[0..127] (magnitude[127] above every threshold). */
+static void fp8_entry(Fp8Entry *entry, Fp8Thresholds *out, const uint32_t *magnitude, uint8_t m, TablesF32 *t,
+                      float global_mul) {
     entry->scale_code = block_scale_code_f32(bits_to_f32(magnitude[m]), global_mul);
     const uint32_t *th = thresholds_f32_of(t, entry->scale_code, global_mul);
     uint8_t low[NUM_THRESHOLDS] = {0}; /* per threshold the first code whose magnitude reaches it: 7 halvings of 128 */
     for (int half = 64; half > 0; half /= 2)
         for (int k = 0; k < NUM_THRESHOLDS; k++) low[k] += magnitude[low[k] + half - 1] < th[k] ? half : 0;
-    memcpy(entry->thresholds, low, sizeof low);
-    entry->ready = 1;
+    for (int k = 0; k < NUM_THRESHOLDS; k++)
+        for (int i = 0; i < BLOCK; i++) out->below[k][i] = (int8_t)(low[k] - 1);
 }
 
 /* The packed E2M1 codes and fp8 block scales of a finite FP8-block weight (fp4kit_fp8_block_amax said so): per
@@ -353,50 +362,59 @@ VECTOR_CLONES int fp4kit_encode_fp8_block(const uint8_t *w, int64_t rows, int64_
     int64_t grid_cols = (cols + bn - 1) / bn, k_blocks = cols / BLOCK, bn_blocks = bn / BLOCK;
     TablesF32 *t = malloc(sizeof *t);
     Fp8Entry *entries = malloc((size_t)grid_cols * 128 * sizeof *entries);
+    /* filled from the start in each row of (bm, bn) blocks: only the pages of the entries in use are touched */
+    Fp8Thresholds *pool = aligned_alloc(sizeof(v16c), (size_t)grid_cols * 128 * sizeof *pool);
     uint32_t *magnitudes = malloc((size_t)grid_cols * 128 * sizeof *magnitudes); /* per scale column */
     uint8_t *magnitudes_ready = malloc((size_t)grid_cols);
-    if (t == NULL || entries == NULL || magnitudes == NULL || magnitudes_ready == NULL) {
-        free(t), free(entries), free(magnitudes), free(magnitudes_ready);
+    if (t == NULL || entries == NULL || pool == NULL || magnitudes == NULL || magnitudes_ready == NULL) {
+        free(t), free(entries), free(pool), free(magnitudes), free(magnitudes_ready);
         return -1;
     }
     memset(t->ready, 0, sizeof t->ready);
+    int32_t pool_used = 0;
     for (int64_t r = 0; r < rows; r++) {
         const float *scales = scale_inv + (r / bm) * grid_cols;
         if (r % bm == 0) { /* a new row of (bm, bn) blocks */
-            for (int64_t e = 0; e < grid_cols * 128; e++) entries[e].ready = 0;
+            for (int64_t e = 0; e < grid_cols * 128; e++) entries[e].slot = -1;
             memset(magnitudes_ready, 0, (size_t)grid_cols);
+            pool_used = 0;
         }
-        const uint8_t *codes = w + r * cols;
-        for (int64_t j = 0; j < k_blocks; j++) {
-            int64_t g = j / bn_blocks;
-            v16b x;
-            memcpy(&x, codes + j * BLOCK, sizeof x);
-            v16b a = x & 0x7F;
-            uint8_t m = block_max(a);
-            Fp8Entry *entry = entries + g * 128 + m;
-            if (!entry->ready) {
-                uint32_t *magnitude = magnitudes + g * 128;
-                if (!magnitudes_ready[g]) {
-                    float s = fabsf(scales[g]);
-                    for (int c = 0; c < 127; c++) magnitude[c] = f32_to_bits(table[c] * s);
-                    magnitude[127] = 0xFFFFFFFFu;
-                    magnitudes_ready[g] = 1;
+        for (int64_t g = 0; g < grid_cols; g++) {
+            Fp8Entry *column_entries = entries + g * 128;
+            /* the product's sign is the code's, flipped where s is negative */
+            const v16c flip = (v16c){0} - (int8_t)(signbit(scales[g]) ? 1 : 0);
+            int64_t j_end = (g + 1) * bn_blocks < k_blocks ? (g + 1) * bn_blocks : k_blocks;
+            for (int64_t j = g * bn_blocks; j < j_end; j++) {
+                int64_t b = r * k_blocks + j;
+                v16c x;
+                memcpy(&x, w + b * BLOCK, sizeof x);
+                v16c magnitude = x & 0x7F;
+                uint8_t m = block_max((v16b)magnitude);
+                Fp8Entry *entry = column_entries + m;
+                if (entry->slot < 0) {
+                    uint32_t *column_magnitudes = magnitudes + g * 128;
+                    if (!magnitudes_ready[g]) {
+                        float s = fabsf(scales[g]);
+                        for (int c = 0; c < 127; c++) column_magnitudes[c] = f32_to_bits(table[c] * s);
+                        column_magnitudes[127] = 0xFFFFFFFFu;
+                        magnitudes_ready[g] = 1;
+                    }
+                    entry->slot = pool_used++;
+                    fp8_entry(entry, pool + entry->slot, column_magnitudes, m, t, global_mul);
                 }
-                fp8_entry(entry, magnitude, m, t, global_mul);
+                block_scale[b] = entry->scale_code;
+                const v16c *below = pool[entry->slot].below;
+                v16c e2m1 = {0};
+                for (int k = 0; k < 7; k++) e2m1 -= (v16c)(magnitude > below[k]); /* a true compare is -1 */
+                e2m1 |= ((v16c)(x < 0) ^ flip) & (v16c)(magnitude > below[7]) & 8;
+                v8h pairs; /* elements 2i and 2i + 1 in 16-bit lane i: both nibbles into its low byte */
+                memcpy(&pairs, &e2m1, sizeof pairs);
+                v8b out = __builtin_convertvector(pairs | (pairs >> 4), v8b);
+                memcpy(packed + b * (BLOCK / 2), &out, sizeof out);
             }
-            block_scale[r * k_blocks + j] = entry->scale_code;
-            const uint8_t *th = entry->thresholds;
-            const uint8_t flip = signbit(scales[g]) ? 1 : 0; /* the product's sign: the code's, flipped by s's */
-            v16b e2m1 = {0};
-            for (int k = 0; k < 7; k++) e2m1 -= (v16b)(a >= th[k]); /* a true compare is -1 in every bit */
-            e2m1 |= (((x >> 7) ^ flip) & (v16b)(a >= th[7])) << 3;
-            v8h pairs; /* elements 2i and 2i + 1 in 16-bit lane i: both nibbles into its low byte */
-            memcpy(&pairs, &e2m1, sizeof pairs);
-            v8b out = __builtin_convertvector(pairs | (pairs >> 4), v8b);
-            memcpy(packed + (r * k_blocks + j) * (BLOCK / 2), &out, sizeof out);
         }
     }
-    free(t), free(entries), free(magnitudes), free(magnitudes_ready);
+    free(t), free(entries), free(pool), free(magnitudes), free(magnitudes_ready);
     return 0;
 }
 
