@@ -391,5 +391,6 @@ def test_fp8_block_layouts_the_codes_path_does_not_read():
     codes, scale_inv = torch.zeros(64, 96, dtype=torch.uint8), torch.ones(1, 4)
     assert nvfp4_cpu.fp8_block_weight(codes, scale_inv, (64, 24), E4M3_VALUES) is None  # 16-blocks across scales
     assert nvfp4_cpu.fp8_block_weight(codes[:, :90], scale_inv, (64, 24), E4M3_VALUES) is None  # K % 16
+    assert nvfp4_cpu.fp8_block_weight(codes[:0], torch.ones(0, 1), (64, 128), E4M3_VALUES) is None  # no rows
     with pytest.raises(ValueError, match="block multipliers"):
         nvfp4_cpu.fp8_block_weight(codes, torch.ones(1, 2), (64, 32), E4M3_VALUES)

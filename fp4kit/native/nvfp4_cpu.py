@@ -184,9 +184,9 @@ class Fp8BlockWeight:
 def fp8_block_weight(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
                      table: torch.Tensor) -> Fp8BlockWeight | None:
     """The stored weight for block_amax and encode, or None where the C loop does not read it: not on the CPU, K not
-    a multiple of 16, or 16-blocks that straddle two scale blocks (bn not a multiple of 16)."""
+    a multiple of 16, 16-blocks that straddle two scale blocks (bn not a multiple of 16), or no weights at all."""
     if (codes.device.type != "cpu" or codes.dim() != 2 or codes.shape[1] % BLOCK or block[1] % BLOCK
-            or not available()):
+            or codes.numel() == 0 or not available()):
         return None
     rows, cols = codes.shape
     grid = (-(-rows // block[0]), -(-cols // block[1]))
