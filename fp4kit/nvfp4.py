@@ -216,14 +216,16 @@ def _quantize_native(weight: torch.Tensor, global_mul: torch.Tensor, amax: torch
 
 
 def quantize_group(
-    weights: list[torch.Tensor], exact_fp32: bool = False, native: bool = False
+    weights: list[torch.Tensor | nvfp4_cpu.Fp8BlockWeight], exact_fp32: bool = False, native: bool = False
 ) -> list[NVFP4Tensor]:
-    """Quantize tensors that a kernel fuses (gate+up, q+k+v) with one shared global scale."""
+    """Quantize tensors that a kernel fuses (gate+up, q+k+v) with one shared global scale. A member may be an
+    FP8-block weight as stored (nvfp4_cpu.Fp8BlockWeight): quantized as its fp32 values."""
     if native and all(nvfp4_cpu.handles(w) for w in weights):
         # the C loop returns each member's amax with its block amaxes: no torch reduction between the two passes
         amaxes, tensor_amaxes = zip(*(_native_block_amax(w) for w in weights), strict=True)
         global_mul = global_scale_mul(max(tensor_amaxes, key=float), exact_fp32)
         return [_quantize_native(w, global_mul, a) for w, a in zip(weights, amaxes, strict=True)]
+    weights = [nvfp4_cpu.as_tensor(w) for w in weights]
     amaxes = [block_amax(w) for w in weights]
     global_mul = global_scale_mul(torch.stack([a.amax() for a in amaxes]).amax(), exact_fp32)
     return [quantize(w, global_mul, a) for w, a in zip(weights, amaxes, strict=True)]

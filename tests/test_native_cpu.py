@@ -249,3 +249,148 @@ def test_the_foreign_library_would_leave_its_marker(tmp_path):
     path.write_bytes(build_foreign(tmp_path, marker))
     ctypes.CDLL(str(path))
     assert marker.exists()
+
+
+# --- FP8-block weights quantized from their stored codes (fp4kit_fp8_block_amax / fp4kit_encode_fp8_block) ---------
+
+E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+NAN_CODES = (0x7F, 0xFF)
+
+
+def fp8_values(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The fp32 dequantization by torch ops: each e4m3 code's value times its block's multiplier, one fp32 product."""
+    rows, cols = codes.shape
+    full = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return codes.view(torch.float8_e4m3fn).to(torch.float32) * full
+
+
+def fp8_weight(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> nvfp4_cpu.Fp8BlockWeight:
+    weight = nvfp4_cpu.fp8_block_weight(codes, scale_inv, block, E4M3_VALUES)
+    assert weight is not None
+    return weight
+
+
+def adversarial_codes(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random e4m3 codes (no NaN) led by every finite code, with all-zero and negative-zero 16-blocks, blocks of
+    subnormal codes only, and blocks of the largest magnitudes."""
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0x80, codes)
+    flat = codes.view(-1)
+    finite = torch.tensor([c for c in range(256) if c not in NAN_CODES], dtype=torch.int32)
+    flat[: min(flat.numel(), finite.numel())] = finite[: flat.numel()]
+    blocks = codes.view(rows, cols // 16, 16)
+    kind = torch.randint(0, 8, blocks.shape[:2], generator=gen)
+    blocks[kind == 0] = 0
+    blocks[kind == 1] = 0x80
+    blocks[kind == 2] &= 0x87  # subnormal codes: exponent field 0
+    blocks[kind == 3] = torch.tensor([0x7E, 0xFE, 0x7D, 0x00] * 4, dtype=torch.int32)
+    return codes.to(torch.uint8)
+
+
+def adversarial_scales(grid: tuple[int, int], exponent: int, gen: torch.Generator) -> torch.Tensor:
+    """fp32 multipliers around 2^exponent over a few octaves, with zeros, negative ones and fp32 subnormals."""
+    scale = 2.0 ** (exponent + 6 * torch.rand(grid, generator=gen) - 3)
+    kind = torch.randint(0, 10, grid, generator=gen)
+    scale = torch.where(kind == 0, torch.zeros_like(scale), scale)
+    scale = torch.where(kind == 1, -scale, scale)
+    scale = torch.where(kind == 2, torch.full_like(scale, -0.0), scale)
+    scale = torch.where(kind == 3, scale * 2.0**-130, scale)  # subnormal fp32 multipliers and products
+    return scale.to(torch.float32)
+
+
+FP8_CASES = [((200, 336), (128, 128)), ((128, 256), (128, 128)), ((300, 64), (128, 128)), ((1, 16), (128, 128)),
+             ((96, 160), (64, 48)), ((33, 48), (1, 16)), ((70, 96), (7, 32)), ((40, 128), (128, 16))]
+
+
+@pytest.mark.parametrize(("shape", "block"), FP8_CASES)
+@pytest.mark.parametrize("exponent", [0, -20, 60, -125])
+def test_fp8_block_codes_match_the_torch_path(shape, block, exponent):
+    """Shapes that are not multiples of the block, every finite code, zero and subnormal blocks, the largest codes,
+    multipliers of both signs, zero and subnormal: the codes path gives the bytes of the torch ops on the fp32
+    dequantization (and of the C loop's fp32 path)."""
+    gen = torch.Generator().manual_seed(hash((shape, block, exponent)) % 2**31)
+    grid = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+    codes, scale_inv = adversarial_codes(*shape, gen), adversarial_scales(grid, exponent, gen)
+    values = fp8_values(codes, scale_inv, block)
+    for exact_fp32 in (False, True):
+        from_codes = quantize_group([fp8_weight(codes, scale_inv, block)], exact_fp32, native=True)[0]
+        assert_same(from_codes, quantize_group([values], exact_fp32, native=False)[0])
+        assert_same(from_codes, quantize_group([values], exact_fp32, native=True)[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 300), st.integers(1, 12), st.sampled_from([1, 5, 64, 128]),
+       st.sampled_from([16, 48, 128]), st.integers(-126, 100))
+def test_fp8_block_codes_random(seed, rows, k_blocks, bm, bn, exponent):
+    gen = torch.Generator().manual_seed(seed)
+    cols = 16 * k_blocks
+    grid = (-(-rows // bm), -(-cols // bn))
+    codes = torch.randint(0, 256, (rows, cols), generator=gen, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes & 0x80, codes).to(torch.uint8)
+    scale_inv = (2.0 ** (exponent + 4 * torch.rand(grid, generator=gen) - 2)).to(torch.float32)
+    values = fp8_values(codes, scale_inv, (bm, bn))
+    if not torch.isfinite(values).all():  # products past fp32's range: both paths refuse them
+        with pytest.raises(NonFiniteError):
+            quantize_group([fp8_weight(codes, scale_inv, (bm, bn))], native=True)
+        return
+    assert_same(quantize_group([fp8_weight(codes, scale_inv, (bm, bn))], native=True)[0],
+                quantize_group([values], native=False)[0])
+
+
+def test_fp8_block_codes_in_fused_groups():
+    """gate/up (and q/k/v) share one global scale: FP8 members from their codes, alone or beside a bf16 member."""
+    gen = torch.Generator().manual_seed(7)
+    block = (128, 128)
+    members = []
+    for rows, exponent in ((192, -8), (64, -6), (130, -9)):
+        grid = (-(-rows // 128), 2)
+        members.append((adversarial_codes(rows, 256, gen), adversarial_scales(grid, exponent, gen)))
+    values = [fp8_values(c, s, block) for c, s in members]
+    stored = [fp8_weight(c, s, block) for c, s in members]
+    for native_q, torch_q in zip(quantize_group(stored, native=True), quantize_group(values), strict=True):
+        assert_same(native_q, torch_q)
+    bf16 = (torch.randn(32, 256, generator=gen) * 1e-2).bfloat16()
+    for native_q, torch_q in zip(quantize_group([stored[0], bf16], native=True), quantize_group([values[0], bf16]),
+                                 strict=True):
+        assert_same(native_q, torch_q)
+    # where the group cannot take the C loop (an fp16 member), the stored weights are quantized as their values
+    half = bf16.half()
+    for stored_q, torch_q in zip(quantize_group([stored[1], half], native=True), quantize_group([values[1], half]),
+                                 strict=True):
+        assert_same(stored_q, torch_q)
+
+
+@pytest.mark.parametrize("bad", ["nan code", "negative nan code", "inf scale", "nan scale", "overflow",
+                                 "inf scale on zeros"])
+def test_fp8_block_codes_nan_and_inf_are_refused(bad):
+    """As the torch path: a NaN code, a non-finite multiplier, or a product past fp32's range is refused."""
+    gen = torch.Generator().manual_seed(11)
+    codes = adversarial_codes(200, 272, gen)
+    scale_inv = adversarial_scales((2, 3), -5, gen)
+    if bad == "nan code":
+        codes[150, 260] = 0x7F
+    elif bad == "negative nan code":
+        codes[3, 17] = 0xFF
+    elif bad == "inf scale":
+        scale_inv[1, 2] = float("inf")
+    elif bad == "nan scale":
+        scale_inv[0, 1] = float("nan")
+    elif bad == "overflow":
+        scale_inv[1, 0] = 1e37
+        codes[140, 5] = 0xFE  # -448 * 1e37
+    else:  # an all-zero block times Inf: 0 * Inf is NaN
+        codes[128:, 256:] = 0
+        scale_inv[1, 2] = float("inf")
+    with pytest.raises(NonFiniteError):
+        quantize_group([fp8_values(codes, scale_inv, (128, 128))], native=False)
+    with pytest.raises(NonFiniteError):
+        quantize_group([fp8_weight(codes, scale_inv, (128, 128))], native=True)
+
+
+def test_fp8_block_layouts_the_codes_path_does_not_read():
+    codes, scale_inv = torch.zeros(64, 96, dtype=torch.uint8), torch.ones(1, 4)
+    assert nvfp4_cpu.fp8_block_weight(codes, scale_inv, (64, 24), E4M3_VALUES) is None  # 16-blocks across scales
+    assert nvfp4_cpu.fp8_block_weight(codes[:, :90], scale_inv, (64, 24), E4M3_VALUES) is None  # K % 16
+    assert nvfp4_cpu.fp8_block_weight(codes[:0], torch.ones(0, 1), (64, 128), E4M3_VALUES) is None  # no rows
+    with pytest.raises(ValueError, match="block multipliers"):
+        nvfp4_cpu.fp8_block_weight(codes, torch.ones(1, 2), (64, 32), E4M3_VALUES)

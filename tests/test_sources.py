@@ -298,6 +298,36 @@ def test_bf16_mode_equals_model_free_ptq_with_its_fp8_converter(family, sources,
         assert torch.equal(ours[name].view(torch.uint8), theirs[name].view(torch.uint8)), name
 
 
+@pytest.mark.parametrize(("family", "block", "dialect"), [("deepseek_v3", (128, 128), "compressed-tensors"),
+                                                        ("qwen3_moe", (48, 80), "modelopt"),
+                                                        ("qwen3_moe", (32, 40), "compressed-tensors")])
+def test_fp8_source_from_its_codes_equals_quantizing_its_fp32_values(family, block, dialect, sources, tmp_path,
+                                                                     monkeypatch):
+    """On the CPU the C loop quantizes an FP8-block weight from its stored codes (fp4kit.io.sources.stored_fp8_block);
+    the output equals the torch ops' quantization of the fp32 dequantized weights, byte for byte. A block width that
+    is not a multiple of 16 (16-blocks across two multipliers) takes the fp32 path."""
+    from fp4kit.quantize import checkpoint as quantize
+
+    src = write_fp8_block_source(sources(family, "bf16"), tmp_path / "fp8", block)
+    stored, original = [], plan_module.stored_fp8_block
+
+    def counted(reader, linear):
+        stored.append(original(reader, linear))
+        return stored[-1]
+
+    monkeypatch.setattr(plan_module, "stored_fp8_block", counted)
+    quantize.quantize_checkpoint(src, tmp_path / "codes", quantize.QuantizeOptions(format=dialect))
+    assert stored and all((s is not None) == (block[1] % 16 == 0) for s in stored)
+    stored.clear()
+    quantize.quantize_checkpoint(src, tmp_path / "torch", quantize.QuantizeOptions(format=dialect, native_cpu=False))
+    assert not stored  # the torch path reads dequantized weights
+    expected = load_file(tmp_path / "torch" / "model.safetensors")
+    found = load_file(tmp_path / "codes" / "model.safetensors")
+    assert found.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(found[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
 def test_source_candidates_and_linear_weights_read_dequantized(sources):
     """What verify --source reads from a quantized source: one layer's experts and its shared expert, in fp32 as
     compressed-tensors' FP8BlockDequantizer computes them."""

@@ -328,6 +328,19 @@ def dequantize_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: 
     return values.to(dtype)
 
 
+def stored_fp8_block(reader, linear: QuantizedLinear) -> nvfp4_cpu.Fp8BlockWeight | None:
+    """An FP8-block Linear planned in fp32 as its stored codes and block multipliers, for the C loop to quantize
+    (fp4kit.nvfp4.quantize_group with native: the bytes of quantizing its fp32 dequantization, which is never made), or
+    None where that loop does not read it (another format or dtype, no compiler, 16-blocks across two scale
+    blocks)."""
+    enc = linear.encoding
+    if (not isinstance(enc, Fp8Block) or linear.dtype != torch.float32 or enc.block[1] % nvfp4_cpu.BLOCK
+            or linear.in_features % nvfp4_cpu.BLOCK or not nvfp4_cpu.available()):
+        return None
+    return nvfp4_cpu.fp8_block_weight(reader.read(enc.weight, check_finite=False),
+                                      reader.read(enc.scale, check_finite=False), enc.block, _E4M3)
+
+
 def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None,
                device: torch.device | str | None = None) -> torch.Tensor:
     """The Linear's [N, K] weight, dequantized to ``dtype`` (default: the planned one) on ``device`` (default: the

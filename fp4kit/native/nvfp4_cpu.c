@@ -7,6 +7,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define BLOCK 16
 
@@ -208,24 +211,34 @@ static inline void encode_block_f32(const uint32_t *block, const uint32_t *th, u
     for (int j = 0; j < BLOCK / 2; j++) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
 }
 
+/* The fp8 block-scale code of an fp32 block amax: fp8(G * (amax / 6)), amax / 6 in fp32 (torch computes it in the
+ * weight's dtype), 0x20 (0.125) for an all-zero block as compressed-tensors. */
+static inline uint8_t block_scale_code_f32(float amax, float global_mul) {
+    float scale = global_mul * (amax / 6.0f);
+    uint8_t code8 = f32_to_e4m3(scale > 448.0f ? 448.0f : scale);
+    return code8 == 0 ? 0x20 : code8;
+}
+
+static const uint32_t *thresholds_f32_of(TablesF32 *t, uint8_t code8, float global_mul) {
+    if (!t->ready[code8]) {
+        const float boundaries[NUM_THRESHOLDS] = {0.25f, nextafterf(0.75f, 0.0f), 1.25f, nextafterf(1.75f, 0.0f),
+                                                  2.5f,  nextafterf(3.5f, 0.0f),  5.0f,  0.0f};
+        float divisor = e4m3_to_f32(code8) / global_mul;
+        for (int k = 0; k < NUM_THRESHOLDS; k++) t->thresholds[code8][k] = threshold_f32(divisor, boundaries[k]);
+        t->ready[code8] = 1;
+    }
+    return t->thresholds[code8];
+}
+
 VECTOR_CLONES int fp4kit_encode_f32(const uint32_t *x, const uint32_t *amax, int64_t n_blocks, float global_mul,
                                     uint8_t *packed, uint8_t *block_scale) {
     TablesF32 *t = malloc(sizeof *t);
     if (t == NULL) return -1;
     memset(t->ready, 0, sizeof t->ready);
-    const float boundaries[NUM_THRESHOLDS] = {0.25f, nextafterf(0.75f, 0.0f), 1.25f, nextafterf(1.75f, 0.0f),
-                                              2.5f,  nextafterf(3.5f, 0.0f),  5.0f,  0.0f};
     for (int64_t b = 0; b < n_blocks; b++) {
-        float scale = global_mul * (bits_to_f32(amax[b]) / 6.0f);
-        uint8_t code8 = f32_to_e4m3(scale > 448.0f ? 448.0f : scale);
-        if (code8 == 0) code8 = 0x20; /* an all-zero block: 0.125, as compressed-tensors */
+        uint8_t code8 = block_scale_code_f32(bits_to_f32(amax[b]), global_mul);
         block_scale[b] = code8;
-        if (!t->ready[code8]) {
-            float divisor = e4m3_to_f32(code8) / global_mul;
-            for (int k = 0; k < NUM_THRESHOLDS; k++) t->thresholds[code8][k] = threshold_f32(divisor, boundaries[k]);
-            t->ready[code8] = 1;
-        }
-        encode_block_f32(x + b * BLOCK, t->thresholds[code8], packed + b * (BLOCK / 2));
+        encode_block_f32(x + b * BLOCK, thresholds_f32_of(t, code8, global_mul), packed + b * (BLOCK / 2));
     }
     free(t);
     return 0;
@@ -257,7 +270,153 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v16f __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+typedef uint8_t v16b __attribute__((vector_size(16))); /* an FP8 block's codes */
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
 
+/* FP8-block weights quantized from their stored e4m3 codes, with the bytes fp4kit_block_amax_f32 and
+ * fp4kit_encode_f32 give for their fp32 dequantization, without computing it. Within one (bm, bn) block of
+ * multiplier s, |value(code) * s| = value(code & 0x7F) * |s| in IEEE fp32 (a product's magnitude does not depend on
+ * the signs) and does not decrease with the magnitude code m = code & 0x7F (0x7F: NaN). So a 16-block (bn a multiple
+ * of 16: one s per 16-block) has the fp32 amax value(max m) * |s|, and "|value * s| >= fp32 threshold" is
+ * "m >= the smallest m whose product reaches it": the encode compares bytes, one per weight. */
+
+/* The largest fp32 |value * s| of a [rows, cols] FP8-block weight in *tensor_amax (from the largest magnitude code of
+ * each (bm, bn) block). Returns 1 when a value is NaN or Inf (a NaN code, or a product that is not finite). */
+VECTOR_CLONES int fp4kit_fp8_block_amax(const uint8_t *w, int64_t rows, int64_t cols, const float *scale_inv,
+                                        int64_t bm, int64_t bn, const float *table, uint32_t *tensor_amax) {
+    int64_t grid_cols = (cols + bn - 1) / bn;
+    uint8_t *column_max = calloc((size_t)cols, 1); /* per column, over the current row block */
+    if (column_max == NULL) return -1;
+    uint32_t worst = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *codes = w + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            uint8_t a = codes[c] & 0x7Fu;
+            column_max[c] = a > column_max[c] ? a : column_max[c];
+        }
+        if ((r + 1) % bm == 0 || r + 1 == rows) {
+            const float *scales = scale_inv + (r / bm) * grid_cols;
+            for (int64_t g = 0; g < grid_cols; g++) {
+                uint8_t m = 0;
+                for (int64_t c = g * bn; c < cols && c < (g + 1) * bn; c++) m = column_max[c] > m ? column_max[c] : m;
+                uint32_t a = f32_to_bits(table[m] * fabsf(scales[g])) & 0x7FFFFFFFu;
+                worst = a > worst ? a : worst;
+            }
+            memset(column_max, 0, (size_t)cols);
+        }
+    }
+    free(column_max);
+    *tensor_amax = worst;
+    return worst >= 0x7F800000u;
+}
+
+/* The largest of a block's 16 bytes: four halvings with SSE2's unsigned byte max where there is one (every x86-64) */
+static inline uint8_t block_max(v16b a) {
+#ifdef __SSE2__
+    __m128i v;
+    memcpy(&v, &a, sizeof v);
+    v = _mm_max_epu8(v, _mm_srli_si128(v, 8));
+    v = _mm_max_epu8(v, _mm_srli_si128(v, 4));
+    v = _mm_max_epu8(v, _mm_srli_si128(v, 2));
+    v = _mm_max_epu8(v, _mm_srli_si128(v, 1));
+    return (uint8_t)_mm_cvtsi128_si32(v);
+#else
+    uint8_t m = 0;
+    for (int i = 0; i < BLOCK; i++) m = a[i] > m ? a[i] : m;
+    return m;
+#endif
+}
+
+typedef struct {
+    int32_t slot; /* its thresholds' place in the pool, -1 until computed */
+    uint8_t scale_code;
+} Fp8Entry;
+
+/* Per threshold the largest magnitude code below it (126: none reaches it), in all 16 lanes: magnitude codes and
+ * thresholds are below 128, so "m >= threshold" is the signed byte compare "m > below", one instruction. */
+typedef struct {
+    v16c below[NUM_THRESHOLDS];
+} Fp8Thresholds;
+
+/* The block-scale code and thresholds of 16-blocks whose largest magnitude code is m, under the multiplier whose
+ * |value(c) * s| bit patterns are magnitude[0..127] (magnitude[127] above every threshold). */
+static void fp8_entry(Fp8Entry *entry, Fp8Thresholds *out, const uint32_t *magnitude, uint8_t m, TablesF32 *t,
+                      float global_mul) {
+    entry->scale_code = block_scale_code_f32(bits_to_f32(magnitude[m]), global_mul);
+    const uint32_t *th = thresholds_f32_of(t, entry->scale_code, global_mul);
+    uint8_t low[NUM_THRESHOLDS] = {0}; /* per threshold the first code whose magnitude reaches it: 7 halvings of 128 */
+    for (int half = 64; half > 0; half /= 2)
+        for (int k = 0; k < NUM_THRESHOLDS; k++) low[k] += magnitude[low[k] + half - 1] < th[k] ? half : 0;
+    for (int k = 0; k < NUM_THRESHOLDS; k++)
+        for (int i = 0; i < BLOCK; i++) out->below[k][i] = (int8_t)(low[k] - 1);
+}
+
+/* The packed E2M1 codes and fp8 block scales of a finite FP8-block weight (fp4kit_fp8_block_amax said so): per
+ * (bm, bn) block and largest magnitude code of a 16-block, the block-scale code and the thresholds are computed
+ * once. */
+VECTOR_CLONES int fp4kit_encode_fp8_block(const uint8_t *w, int64_t rows, int64_t cols, const float *scale_inv,
+                                          int64_t bm, int64_t bn, const float *table, float global_mul,
+                                          uint8_t *packed, uint8_t *block_scale) {
+    int64_t grid_cols = (cols + bn - 1) / bn, k_blocks = cols / BLOCK, bn_blocks = bn / BLOCK;
+    TablesF32 *t = malloc(sizeof *t);
+    Fp8Entry *entries = malloc((size_t)grid_cols * 128 * sizeof *entries);
+    /* filled from the start in each row of (bm, bn) blocks: only the pages of the entries in use are touched */
+    Fp8Thresholds *pool = aligned_alloc(sizeof(v16c), (size_t)grid_cols * 128 * sizeof *pool);
+    uint32_t *magnitudes = malloc((size_t)grid_cols * 128 * sizeof *magnitudes); /* per scale column */
+    uint8_t *magnitudes_ready = malloc((size_t)grid_cols);
+    if (t == NULL || entries == NULL || pool == NULL || magnitudes == NULL || magnitudes_ready == NULL) {
+        free(t), free(entries), free(pool), free(magnitudes), free(magnitudes_ready);
+        return -1;
+    }
+    memset(t->ready, 0, sizeof t->ready);
+    int32_t pool_used = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *scales = scale_inv + (r / bm) * grid_cols;
+        if (r % bm == 0) { /* a new row of (bm, bn) blocks */
+            for (int64_t e = 0; e < grid_cols * 128; e++) entries[e].slot = -1;
+            memset(magnitudes_ready, 0, (size_t)grid_cols);
+            pool_used = 0;
+        }
+        for (int64_t g = 0; g < grid_cols; g++) {
+            Fp8Entry *column_entries = entries + g * 128;
+            /* the product's sign is the code's, flipped where s is negative */
+            const v16c flip = (v16c){0} - (int8_t)(signbit(scales[g]) ? 1 : 0);
+            int64_t j_end = (g + 1) * bn_blocks < k_blocks ? (g + 1) * bn_blocks : k_blocks;
+            for (int64_t j = g * bn_blocks; j < j_end; j++) {
+                int64_t b = r * k_blocks + j;
+                v16c x;
+                memcpy(&x, w + b * BLOCK, sizeof x);
+                v16c magnitude = x & 0x7F;
+                uint8_t m = block_max((v16b)magnitude);
+                Fp8Entry *entry = column_entries + m;
+                if (entry->slot < 0) {
+                    uint32_t *column_magnitudes = magnitudes + g * 128;
+                    if (!magnitudes_ready[g]) {
+                        float s = fabsf(scales[g]);
+                        for (int c = 0; c < 127; c++) column_magnitudes[c] = f32_to_bits(table[c] * s);
+                        column_magnitudes[127] = 0xFFFFFFFFu;
+                        magnitudes_ready[g] = 1;
+                    }
+                    entry->slot = pool_used++;
+                    fp8_entry(entry, pool + entry->slot, column_magnitudes, m, t, global_mul);
+                }
+                block_scale[b] = entry->scale_code;
+                const v16c *below = pool[entry->slot].below;
+                v16c e2m1 = {0};
+                for (int k = 0; k < 7; k++) e2m1 -= (v16c)(magnitude > below[k]); /* a true compare is -1 */
+                e2m1 |= ((v16c)(x < 0) ^ flip) & (v16c)(magnitude > below[7]) & 8;
+                v8h pairs; /* elements 2i and 2i + 1 in 16-bit lane i: both nibbles into its low byte */
+                memcpy(&pairs, &e2m1, sizeof pairs);
+                v8b out = __builtin_convertvector(pairs | (pairs >> 4), v8b);
+                memcpy(packed + b * (BLOCK / 2), &out, sizeof out);
+            }
+        }
+    }
+    free(t), free(entries), free(pool), free(magnitudes), free(magnitudes_ready);
+    return 0;
+}
 
 /* Weighted squared error of one block under a block-scale code, computed as fp4kit.quantize.scale_search.block_errors does:
  * (E2M1 value * divisor - |x|)^2, times the channel's importance, summed as the halving tree e[i] + e[i + n/2].

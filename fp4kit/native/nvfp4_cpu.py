@@ -1,4 +1,5 @@
-"""NVFP4 quantization of bf16 and fp32 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use.
+"""NVFP4 quantization of bf16 and fp32 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use;
+also of FP8-block weights straight from their stored e4m3 codes (``Fp8BlockWeight``: the bytes of their fp32 values).
 
 The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
 with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
@@ -23,7 +24,9 @@ import sysconfig
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -131,6 +134,16 @@ def _load() -> ctypes.CDLL | None:
                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ]
+                    library.fp4kit_fp8_block_amax.restype = ctypes.c_int
+                    library.fp4kit_fp8_block_amax.argtypes = [
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ]
+                    library.fp4kit_encode_fp8_block.restype = ctypes.c_int
+                    library.fp4kit_encode_fp8_block.argtypes = [
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                    ]
                     library.fp4kit_mse_encode_bf16.restype = ctypes.c_int
                     library.fp4kit_mse_encode_bf16.argtypes = [
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
@@ -147,8 +160,51 @@ def available() -> bool:
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
-def handles(weight: torch.Tensor) -> bool:
+@dataclass(frozen=True)
+class Fp8BlockWeight:
+    """An FP8-block weight as stored (fp4kit.io.sources): e4m3 codes [N, K] as uint8, one fp32 multiplier per
+    (bm, bn) block [ceil(N/bm), ceil(K/bn)], ``table`` the fp32 value of each code. block_amax and encode take it as
+    they take its fp32 dequantization and give the same bytes, reading one byte per weight; ``dequantize()`` gives
+    that fp32 tensor. Made by ``fp8_block_weight`` where the C loop reads it."""
+
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+    block: tuple[int, int]
+    table: torch.Tensor
+    dtype: ClassVar[torch.dtype] = torch.float32  # of the values it stands for
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8_block(self.codes, self.scale_inv, self.block, self.table)
+
+
+def fp8_block_weight(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                     table: torch.Tensor) -> Fp8BlockWeight | None:
+    """The stored weight for block_amax and encode, or None where the C loop does not read it: not on the CPU, K not
+    a multiple of 16, 16-blocks that straddle two scale blocks (bn not a multiple of 16), or no weights at all."""
+    if (codes.device.type != "cpu" or codes.dim() != 2 or codes.shape[1] % BLOCK or block[1] % BLOCK
+            or codes.numel() == 0 or not available()):
+        return None
+    rows, cols = codes.shape
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"block multipliers {list(scale_inv.shape)} for codes {[rows, cols]}, expected {list(grid)}")
+    return Fp8BlockWeight(codes.view(torch.uint8).contiguous(), scale_inv.to(torch.float32).contiguous(),
+                          block, table.to(torch.float32).contiguous())
+
+
+def as_tensor(weight: torch.Tensor | Fp8BlockWeight) -> torch.Tensor:
+    """A weight as a tensor: an Fp8BlockWeight's fp32 values, a tensor itself."""
+    return weight.dequantize() if isinstance(weight, Fp8BlockWeight) else weight
+
+
+def handles(weight: torch.Tensor | Fp8BlockWeight) -> bool:
     """Whether this weight can take the native path of block_amax and encode (and the library is built)."""
+    if isinstance(weight, Fp8BlockWeight):
+        return True
     return (weight.device.type == "cpu" and weight.dtype in _SUFFIX and weight.is_contiguous()
             and weight.shape[-1] % BLOCK == 0 and available())
 
@@ -158,9 +214,19 @@ def handles_mse(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and handles(weight)
 
 
-def block_amax(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def block_amax(weight: torch.Tensor | Fp8BlockWeight) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
     """(max |x| per 16-block along K in the weight's dtype [..., K/16], the largest of them as a 0-d tensor, whether
-    any value is NaN or Inf)."""
+    any value is NaN or Inf). For an Fp8BlockWeight no per-block amax (None: encode finds each block's as it reads
+    the block) and the fp32 tensor amax of its values."""
+    if isinstance(weight, Fp8BlockWeight):
+        rows, cols = weight.shape
+        tensor_amax = torch.zeros((), dtype=torch.float32)
+        nonfinite = _load().fp4kit_fp8_block_amax(
+            weight.codes.data_ptr(), rows, cols, weight.scale_inv.data_ptr(), weight.block[0], weight.block[1],
+            weight.table.data_ptr(), tensor_amax.data_ptr())
+        if nonfinite < 0:
+            raise MemoryError("fp4kit_fp8_block_amax")
+        return None, tensor_amax, bool(nonfinite)
     amax = torch.empty((*weight.shape[:-1], weight.shape[-1] // BLOCK), dtype=weight.dtype)
     tensor_amax = torch.zeros((), dtype=weight.dtype)
     nonfinite = getattr(_load(), f"fp4kit_block_amax_{_SUFFIX[weight.dtype]}")(
@@ -168,8 +234,21 @@ def block_amax(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     return amax, tensor_amax, bool(nonfinite)
 
 
-def encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed codes uint8 [..., K/2], fp8 block scales [..., K/16]) of a weight with one fp32 multiplier G."""
+def encode(weight: torch.Tensor | Fp8BlockWeight, amax: torch.Tensor | None,
+           global_mul: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes uint8 [..., K/2], fp8 block scales [..., K/16]) of a weight with one fp32 multiplier G; ``amax``
+    what block_amax returned (which also checked that an Fp8BlockWeight is finite)."""
+    if isinstance(weight, Fp8BlockWeight):
+        rows, cols = weight.shape
+        packed = torch.empty((rows, cols // 2), dtype=torch.uint8)
+        block_scale = torch.empty((rows, cols // BLOCK), dtype=torch.uint8)
+        if _load().fp4kit_encode_fp8_block(
+                weight.codes.data_ptr(), rows, cols, weight.scale_inv.data_ptr(), weight.block[0], weight.block[1],
+                weight.table.data_ptr(), ctypes.c_float(global_mul), packed.data_ptr(), block_scale.data_ptr()):
+            raise MemoryError("fp4kit_encode_fp8_block")
+        return packed, block_scale.view(torch.float8_e4m3fn)
+    if amax is None:
+        raise ValueError("amax must be the block amax of the weight")
     if not amax.is_contiguous() or amax.dtype != weight.dtype:
         raise ValueError("amax must be the contiguous block amax of the weight, in its dtype")
     packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)

@@ -11,7 +11,8 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
-from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype
+from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype, stored_fp8_block
+from fp4kit.native.nvfp4_cpu import Fp8BlockWeight
 from fp4kit.nvfp4 import BLOCK
 
 
@@ -215,11 +216,12 @@ def planned_passthrough(reader: CheckpointReader, name: str) -> PlannedTensor:
     return PlannedTensor(name, info.dtype, info.shape)
 
 
-def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.device | str | None = None) -> object:
+def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.device | str | None = None,
+             fp8_codes: bool = False) -> object:
     """A job's data: a group's weights (``read_group_weights``, quantized sources dequantized on ``device``) or a
     passthrough tensor as the output holds it."""
     if isinstance(job, QuantGroup):
-        return read_group_weights(reader, job, device)
+        return read_group_weights(reader, job, device, fp8_codes)
     if isinstance(job, DequantizedWeight):
         return dequantize(reader, job.linear, torch.float32).to(job.dtype)
     return reader.read(job)
@@ -241,17 +243,20 @@ def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
     return reader.info(job).nbytes
 
 
-def read_group_weights(reader: CheckpointReader, group: QuantGroup,
-                       device: torch.device | str | None = None) -> list[torch.Tensor]:
+def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,
+                       fp8_codes: bool = False) -> list[torch.Tensor | Fp8BlockWeight]:
     """The [N, K] weights of a group's Linears; one fused expert row is read once for gate and up. Linears the
     source stores quantized come dequantized (fp32 or bf16, as planned), on ``device`` when given (a GPU: the
-    stored bytes are copied there and dequantized there; other weights stay on the CPU)."""
+    stored bytes are copied there and dequantized there; other weights stay on the CPU). ``fp8_codes`` (for
+    fp4kit.nvfp4.quantize_group with native, on the CPU): FP8-block Linears planned in fp32 come as their stored
+    codes where the C loop reads them (``stored_fp8_block``)."""
     rows: dict[tuple[str, int], torch.Tensor] = {}
-    weights = []
+    weights: list[torch.Tensor | Fp8BlockWeight] = []
     for c in group.members:
         src = c.linear.source
         if src.quantized is not None:
-            weights.append(dequantize(reader, src.quantized, device=device))
+            stored = stored_fp8_block(reader, src.quantized) if fp8_codes and device is None else None
+            weights.append(stored if stored is not None else dequantize(reader, src.quantized, device=device))
             continue
         if src.expert is None:
             weights.append(reader.read(src.tensor, check_finite=False))  # quantizing checks them
