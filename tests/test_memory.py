@@ -82,3 +82,43 @@ def test_no_op_where_libc_lacks_mallopt_and_malloc_trim(monkeypatch):
     with memory.large_frees_returned_to_os() as applied:
         assert applied is False
     memory.trim_freed_memory()
+
+
+ONEDNN_PROBE = textwrap.dedent("""
+    import json, os, torch
+    from fp4kit.io import memory
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    capacity = memory.bound_onednn_kernel_cache()
+    weight = torch.randn(256, 256, dtype=torch.bfloat16)
+    x = torch.randn(1200, 256, dtype=torch.bfloat16)
+    torch.nn.functional.linear(x[:7], weight)
+    before = rss()
+    for rows in range(8, 1200):  # a new GEMM shape each time, as routed experts' token counts give
+        torch.nn.functional.linear(x[:rows], weight)
+    print(json.dumps({"capacity": capacity, "growth": rss() - before}))
+""")
+
+
+def _onednn_growth(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE], capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_onednn_kernel_cache_is_bounded_unless_the_environment_sets_it():
+    import torch
+
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("this CPU's bf16 GEMMs do not go through oneDNN")
+    env = {k: v for k, v in os.environ.items() if k not in memory.ONEDNN_CACHE_CAPACITIES}
+    bounded = _onednn_growth(env)
+    defaults = dict.fromkeys(memory.ONEDNN_CACHE_CAPACITIES, "1024")  # the libraries' own defaults, set explicitly
+    unbounded = _onednn_growth({**env, **defaults})
+    assert bounded["capacity"] == {k: str(n) for k, n in memory.ONEDNN_CACHE_CAPACITIES.items()}
+    assert unbounded["capacity"] == defaults  # the user's settings win
+    assert unbounded["growth"] > 256 << 20, unbounded  # over a thousand shapes' kernels stay resident
+    assert bounded["growth"] < unbounded["growth"] / 4, (bounded, unbounded)

@@ -1,4 +1,5 @@
-"""Keep freed tensor memory from staying resident: glibc malloc settings, no-ops with any other C library.
+"""Keep freed tensor memory from staying resident: glibc malloc settings, no-ops with any other C library, and a
+bound on oneDNN's cache of compiled CPU kernels.
 
 glibc serves an allocation of at least its mmap threshold with a mapping of its own, returned to the OS on free, and
 anything smaller from its heaps, which keep freed memory resident and give back only their free top. The threshold
@@ -58,3 +59,19 @@ def trim_freed_memory() -> None:
     trim = getattr(_glibc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+
+# A layer's forward repeats a few GEMM shapes (the projections') from batch to batch and gives each routed expert a
+# new one (its token count) in every batch, so most entries of the CPU GEMM kernel caches are never used again. Per
+# cache, the entries kept: oneDNN's compiled primitives, and ideep's computations built on them, which PyTorch's CPU
+# bf16 GEMMs reuse (rebuilding them costs more than recompiling a primitive, so more of those are kept).
+ONEDNN_CACHE_CAPACITIES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 64, "LRU_CACHE_CAPACITY": 256}
+
+
+def bound_onednn_kernel_cache() -> dict[str, str]:
+    """Cap the CPU GEMM kernel caches at ONEDNN_CACHE_CAPACITIES unless the environment already sets them; returns
+    the capacities in force. At the libraries' default of 1024 entries each, a calibration forward fills them with
+    kernels for token counts that never recur, about 0.6 MB resident per new shape. Both libraries read the variables
+    when they build their first kernel: this works before the process's first bf16 GEMM, not after."""
+    return {name: os.environ.setdefault(name, str(n)) for name, n in ONEDNN_CACHE_CAPACITIES.items()}

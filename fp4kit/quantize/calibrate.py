@@ -319,6 +319,7 @@ def _layer_pass(src: Path, token_ids: torch.Tensor, device: str, batch_size: int
     _check_calibration_arguments(token_ids, batch_size)
     torch_device = torch.device(device)
     dtype = dtype or _checkpoint_dtype(src)
+    memory.bound_onednn_kernel_cache()
     # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
     with CheckpointReader(src) as stored, memory.large_frees_returned_to_os():
         # a quantized source's Linears (fp4kit.io.sources) come dequantized: fp32 products cast to the layer's dtype

@@ -244,6 +244,7 @@ def evaluate(
     torch_device = torch.device(device)
     with contextlib.ExitStack() as stack:
         stack.enter_context(memory.large_frees_returned_to_os())
+        memory.bound_onednn_kernel_cache()
         models = [_Model(src, stack), _Model(ckpt, stack)]
         _check_compatible(*models)
         texts = [_text_model(m.reader, src, dtype, torch_device) for m in models]  # one config: SRC's
