@@ -173,6 +173,8 @@ def test_every_reference_check_passes_against_the_fp8_source(from_fp8, checkpoin
     assert {r.layer for r in report.results} == {1, 2}  # the MoE layers; layer 0 is dense, layer 3 the MTP layer
     checks = {r.check for r in report.results}
     assert {"source", "source-expert", "routing", "layout", "layout-source"} <= checks
+    # the source checks name what they compared against: the FP8 source's dequantized weights
+    assert {r.target for r in report.results if r.check in ("source", "source-expert")} == {"fp8-block 128x128"}
     assert [r.detail for r in report.results if r.check == "layout"] == ["bit exact"] * 2 * len(layouts)
     if shards:
         ep_sum = [r for r in report.results if r.check == "ep-sum"]

@@ -211,7 +211,8 @@ class LayerVerifier:
                 )
                 reference += shared_output(source.shared, hidden)
                 error = relative_error(quantized, reference)
-                self.add("source", "bf16", error <= tol_source, error=error, tolerance=tol_source, tokens=num_tokens)
+                self.add("source", source.precision, error <= tol_source, error=error, tolerance=tol_source,
+                         tokens=num_tokens)
             self.tick()
         if source is not None:
             self._expert_errors(source, tol_source)
@@ -230,7 +231,7 @@ class LayerVerifier:
         worst = max(range(len(errors)), key=errors.__getitem__)
         self.add(
             "source-expert",
-            "bf16",
+            source.precision,
             errors[worst] <= tolerance,
             error=errors[worst],
             tolerance=tolerance,

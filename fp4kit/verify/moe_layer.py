@@ -89,12 +89,14 @@ class QuantizedMoe:
 
 @dataclass
 class SourceMoe:
-    """The BF16 source's layer: dense fp32 experts w13 [E, 2I, H], w2 [E, H, I]."""
+    """The source's layer: dense fp32 experts w13 [E, 2I, H], w2 [E, H, I] (a quantized source's dequantized), and
+    how the source stores them (``precision``: bf16, fp8-block, int4-pack-quantized, as fp4kit.io.sources names it)."""
 
     w13: Tensor
     w2: Tensor
     router: Router
     shared: tuple[Tensor, Tensor] | None
+    precision: str = "bf16"
 
 
 def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
@@ -216,7 +218,7 @@ def layout_transform(root: str | Path, layer: int, experts: StackedExperts
 
 
 def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -> SourceMoe:
-    """The BF16 source's routed experts of the layer whose quantized experts live at ``experts_module``."""
+    """The source's routed experts of the layer whose quantized experts live at ``experts_module``."""
     root = Path(root)
     config = read_config(root)
     with CheckpointReader(root) as reader:
@@ -235,7 +237,8 @@ def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -
         w13 = torch.stack([torch.cat(weights[3 * e : 3 * e + 2]) for e in range(num_experts)])
         w2 = torch.stack([weights[3 * e + 2] for e in range(num_experts)])
         source = source_view(reader, config)[0]
-        return SourceMoe(w13, w2, _router(reader, experts_module), _shared_expert(reader, experts_module, None, source))
+        return SourceMoe(w13, w2, _router(reader, experts_module), _shared_expert(reader, experts_module, None, source),
+                         source.name)
 
 
 @dataclass
