@@ -144,6 +144,47 @@ def test_w4a4_experts_match_the_verify_reference():
     assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5)
 
 
+def _dense_fp32_copy_by_transformers(fp8_src, dst):
+    """The FP8-block source as a dense float32 checkpoint, each weight dequantized by transformers' own
+    Fp8Dequantize (integrations/finegrained_fp8.py), not by fp4kit."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    tensors = load_file(fp8_src / "model.safetensors")
+    dense = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(name + "_scale_inv")
+        dense[name] = (Fp8Dequantize(None)._dequantize_one(tensor, scale, output_dtype=torch.float32)
+                       if scale is not None else tensor.float())
+    dst.mkdir()
+    save_file(dense, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((fp8_src / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    return dst
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fp8_block_source_equals_its_dequantization_by_transformers(family, tiny, token_ids, tmp_path):
+    """SRC may be an FP8-block source: eval dequantizes it in fp32, the same scores as the whole-model forward of
+    transformers' own dequantization of it."""
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.testing.fixtures import write_fp8_block_source
+
+    fp8 = write_fp8_block_source(tiny(family), tmp_path / "fp8", block=(16, 16))
+    ckpt = tmp_path / "ckpt"
+    quantize_checkpoint(fp8, ckpt, QuantizeOptions(scheme="nvfp4a16"))
+    result, streamed = _streamed(fp8, ckpt, token_ids)
+    reference = whole_model_scores(_dense_fp32_copy_by_transformers(fp8, tmp_path / "dense-src"), ckpt, family,
+                                   token_ids, tmp_path)
+    assert result.scheme == "nvfp4a16"
+    assert torch.allclose(streamed, reference, rtol=REL, atol=0), (streamed, reference)
+    against_itself, _ = _streamed(fp8, fp8, token_ids)
+    assert against_itself.scheme == "fp8-block 16x16" and against_itself.kl == 0
+
+
 def test_source_against_itself(tiny, token_ids):
     result, _ = _streamed(tiny("glm4_moe"), tiny("glm4_moe"), token_ids)
     assert result.scheme == "dense"

@@ -35,6 +35,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, read_config
+from fp4kit.io.sources import DequantizedView, detect_source
 from fp4kit.verify.reference import fake_quantize_activation
 
 DTYPES = ("float32", "bfloat16")  # compute dtypes
@@ -46,7 +47,7 @@ _COMPATIBLE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_siz
 class EvalResult:
     source: str
     checkpoint: str
-    scheme: str  # nvfp4 (W4A4, activations emulated), nvfp4a16, or dense (not quantized)
+    scheme: str  # nvfp4 (W4A4, activations emulated), nvfp4a16, dense (not quantized), or a source format (fp8-block)
     samples: int
     seq_len: int
     tokens: int  # positions scored: samples x (seq_len - 1)
@@ -151,7 +152,8 @@ def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tens
 
 
 class _Model:
-    """One side of the comparison: a dense or NVFP4 checkpoint read as dense tensors."""
+    """One side of the comparison: a dense, FP8-block, INT4 pack-quantized or NVFP4 checkpoint read as dense
+    tensors (fp4kit.io.sources dequantizes the first two in fp32, fp4kit.tools.dense.DenseView NVFP4)."""
 
     def __init__(self, root: Path, stack: contextlib.ExitStack):
         from fp4kit.tools.dense import DenseView
@@ -159,14 +161,20 @@ class _Model:
         self.root = root
         self.config = read_config(root)
         self.divisors: dict[str, torch.Tensor] = {}
-        if _is_quantized(root, self.config):
+        self.reader: CheckpointReader | DenseView | DequantizedView
+        stored = stack.enter_context(CheckpointReader(root))
+        source = detect_source(self.config, {n: (i.dtype, i.shape) for n, i in stored.tensors.items()})
+        if source.quantized:
+            self.scheme = source.name
+            self.reader = DequantizedView(stored, source, torch.float32)
+        elif _is_quantized(root, self.config):
             ckpt = stack.enter_context(open_checkpoint(root))
             self.scheme = ckpt.scheme
             self.divisors = input_divisors(ckpt)
-            self.reader: CheckpointReader | DenseView = DenseView(ckpt, torch.float32)
+            self.reader = DenseView(ckpt, torch.float32)
         else:
             self.scheme = "dense"
-            self.reader = stack.enter_context(CheckpointReader(root))
+            self.reader = stored
 
 
 def _is_quantized(root: Path, config: dict) -> bool:
