@@ -4,7 +4,8 @@
 
 The base (default: the merge-base of HEAD and main) is checked out with ``git worktree`` in a temporary directory;
 this tree is the working tree the script lives in (uncommitted edits included). Both trees run the same command list
-on the same seeded fixtures (fp4kit.pipeline.demo's models: sized for every layout backend), each in one process per
+on the same seeded fixtures (fp4kit.pipeline.demo's models: sized for every layout backend; SOURCE_FAMILIES' also as
+FP8-block and INT4 sources), each in one process per
 tree (``fp4kit.cli.run``, PYTHONPATH set to that tree) with relative paths, so reports name the same paths. Compared:
 exit codes; every output file byte for byte (a JSON file with keys that hold timings: without them, key order
 kept); stdout of the JSON reports likewise, and the other stdout lines with timings and rates blanked. Prints one
@@ -30,6 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 # the demo models; llama4_text is built with llama4's sizes (its config file is its own)
 FAMILIES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text", "deepseek_v3")
 CALIBRATION = ["--samples", "4", "--seq-len", "32", "--batch-size", "4"]
+# families whose fixtures are also written as the quantized sources fp4kit reads (FP8-block, INT4 pack-quantized)
+SOURCE_FAMILIES = ("qwen3_moe", "deepseek_v3")
+SOURCE_KINDS = ("fp8", "int4")
 # JSON keys whose values are wall-clock measurements, dropped before comparing
 TIMING_KEYS = re.compile(r"(seconds|elapsed|duration|wall|_time|time_s)$")
 # in plain stdout lines: "0.3 s", "12.1 MB/s"
@@ -86,6 +90,34 @@ def commands(family: str) -> list[tuple[str, list[str]]]:
         ("verify-mo-nvfp4a16", ["verify", mo16, "--backend", "reference", "--tokens", "1,16", "--source", src,
                                 "--layout", f"{out}/layout-marlin-fp16", "--json", "-", "-q", "--device", "cpu"]),
     ]
+    if family in SOURCE_FAMILIES:
+        cmds += source_commands(family)
+    return cmds
+
+
+def source_commands(family: str) -> list[tuple[str, list[str]]]:
+    """Quantizing, verifying and evaluating from the family's FP8-block and INT4 sources (the C loop's FP8 path, the
+    dequantizing paths of the calibrated methods and of ``--dequant-dtype bf16``)."""
+    out = f"out/{family}"
+    cmds: list[tuple[str, list[str]]] = []
+    for kind in SOURCE_KINDS:
+        src, q = f"fixtures/{family}-{kind}", f"{out}/quantize-{kind}"
+        cmds += [
+            (f"quantize-{kind}-ct-nvfp4a16", ["quantize", src, f"{q}-ct-nvfp4a16", "-q"]),
+            (f"quantize-{kind}-mo-nvfp4", ["quantize", src, f"{q}-mo-nvfp4", "--scheme", "nvfp4", "--format",
+                                          "modelopt", "-q", *CALIBRATION]),
+            (f"verify-{kind}-ct-nvfp4a16", ["verify", f"{q}-ct-nvfp4a16", "--backend", "reference", "--tokens", "1,16",
+                                            "--source", src, "--json", "-", "-q", "--device", "cpu"]),
+            (f"eval-{kind}-ct-nvfp4a16", ["eval", src, f"{q}-ct-nvfp4a16", "--samples", "2", "--seq-len", "16",
+                                          "--json", "-", "-q"]),
+        ]
+    src, q = f"fixtures/{family}-fp8", f"{out}/quantize-fp8"
+    cmds += [
+        ("quantize-fp8-ct-nvfp4a16-bf16", ["quantize", src, f"{q}-ct-nvfp4a16-bf16", "--dequant-dtype", "bf16", "-q"]),
+        ("quantize-fp8-ct-nvfp4a16-mse", ["quantize", src, f"{q}-ct-nvfp4a16-mse", "--method", "mse", "-q"]),
+        ("quantize-fp8-ct-nvfp4-gptq", ["quantize", src, f"{q}-ct-nvfp4-gptq", "--scheme", "nvfp4", "--method", "gptq",
+                                        "--gptq-min-tokens", "1", "-q", *CALIBRATION]),
+    ]
     return cmds
 
 
@@ -113,11 +145,15 @@ def run_commands(plan_path: Path) -> None:
 def build_fixtures(root: Path, families: list[str]) -> None:
     sys.path.insert(0, str(REPO))
     from fp4kit.pipeline.demo import demo_overrides
-    from fp4kit.testing.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture, write_fp8_block_source, write_pack_quantized_source
 
+    writers = {"fp8": write_fp8_block_source, "int4": write_pack_quantized_source}
     for family in families:
         if not (root / family).exists():
             build_fixture(family, root / family, overrides=demo_overrides(family.removesuffix("_text")))
+        for kind in SOURCE_KINDS if family in SOURCE_FAMILIES else ():
+            if not (root / f"{family}-{kind}").exists():
+                writers[kind](root / family, root / f"{family}-{kind}")
 
 
 def _drop_timings(value: object, dropped: list[str]) -> object:

@@ -157,6 +157,15 @@ def main() -> None:
           f"{float(diff.mean()):+.6f} +- {float(diff.std() / len(diff) ** 0.5):.6f} (standard error), fp32 lower "
           f"in {int((diff > 0).sum())} of {len(diff)} windows")
 
+    # the same comparison as `fp4kit eval FP8-SOURCE CKPT` makes it (positions with a next token, streamed by layer)
+    from fp4kit.tools.evaluate import evaluate
+
+    scored = {mode: evaluate(fp8, outputs[mode], windows) for mode in modes}
+    for mode in modes:
+        print(f"fp4kit eval fp8 nvfp4-{mode}: KL {scored[mode].kl:.6f} nats/token, CE {scored[mode].ce_quantized:.5f} "
+              f"(source {scored[mode].ce_source:.5f}), top-1 {scored[mode].top1:.4%} ({scored[mode].tokens} tokens)")
+    print(f"fp4kit eval KL two roundings / one: {scored['bf16'].kl / scored['fp32'].kl:.4f}")
+
 
 if __name__ == "__main__":
     main()
