@@ -92,6 +92,21 @@ def test_default_set_is_varied_and_big_enough_for_the_demo(src):
     assert load_calibration(None, src, VOCAB, samples=16, seq_len=512).shape == (16, 512)
 
 
+def test_fewer_windows_than_the_default_warn_only_for_a_users_file_or_an_explicit_count(tmp_path, src):
+    """The packaged set is small by design: taking all it holds when no count was asked for is not worth a warning
+    on every default run; an explicit --samples, or the user's own file, still is."""
+    heard: list[str] = []
+    ids = load_calibration(None, src, 256, samples=None, seq_len=512, warn=heard.append, default_samples=10**6)
+    assert heard == [] and 1 <= ids.shape[0] < 10**6
+    load_calibration(None, src, 256, samples=10**6, seq_len=512, warn=heard.append)
+    assert len(heard) == 1 and heard[0].startswith("--samples 1000000: the default calibration set")
+    calib = tmp_path / "ids.jsonl"
+    write_jsonl(calib, [{"input_ids": list(range(40))}])
+    ids = load_calibration(calib, src, 256, samples=None, seq_len=8, warn=heard.append, default_samples=9)
+    assert ids.shape == (5, 8)
+    assert heard[1] == f"--samples 9: {calib} holds 40 tokens, 5 samples of --seq-len 8; using those 5"
+
+
 def test_default_set_uses_the_tokenizer_when_there_is_one(src_with_tokenizer):
     ids = load_calibration(None, src_with_tokenizer, VOCAB, samples=2, seq_len=16)
     assert ids.shape == (2, 16) and int(ids.max()) < 8  # word-level ids, not bytes

@@ -14,7 +14,9 @@ def eval_command(
     ckpt: Annotated[Path, typer.Argument(help="its NVFP4 checkpoint (compressed-tensors or ModelOpt) or a dense one")],
     text: Annotated[Path | None, typer.Option(
         help=".jsonl (text or input_ids), .txt or .parquet; default: the packaged calibration set")] = None,
-    samples: Annotated[int, typer.Option(help="windows of --seq-len tokens")] = 48,
+    samples: Annotated[int | None, typer.Option(
+        help="windows of --seq-len tokens [default: 48; without --text, as many as the small packaged set holds]",
+        show_default=False)] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per window")] = 512,
     batch_size: Annotated[int, typer.Option(help="windows per forward")] = 8,
     device: Annotated[str, typer.Option(metavar="cpu|cuda[:N]", help="where to run")] = "cpu",
@@ -40,7 +42,7 @@ def eval_command(
     text_config = detect(config).text_config(config)
     vocab_size = int(text_config.get("vocab_size") or config["vocab_size"])
     with Reporter("eval", quiet) as reporter:
-        token_ids = load_calibration(text, src, vocab_size, samples, seq_len, reporter.warn)
+        token_ids = load_calibration(text, src, vocab_size, samples, seq_len, reporter.warn, default_samples=48)
         batches = -(-token_ids.shape[0] // batch_size)
         reporter.phase("evaluating", None, "batches", f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, "
                        f"{batches} batches through each decoder layer of both models")

@@ -35,7 +35,9 @@ def quantize(
     calib: Annotated[
         Path | None, typer.Option(help="W4A4 calibration text: .jsonl (text or input_ids), .txt or .parquet")
     ] = None,
-    samples: Annotated[int, typer.Option(help="calibration samples")] = 256,
+    samples: Annotated[int | None, typer.Option(
+        help="calibration samples [default: 256; without --calib, as many as the small packaged set holds]",
+        show_default=False)] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
     moe_input_scales: Annotated[

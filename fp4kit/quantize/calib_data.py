@@ -32,10 +32,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 Document = tuple[str, "str | list[int]"]
 
 
-def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int, seq_len: int,
-                     warn: Callable[[str], None] | None = None) -> torch.Tensor:
+def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int | None, seq_len: int,
+                     warn: Callable[[str], None] | None = None, default_samples: int = 256) -> torch.Tensor:
     """int64 [S, seq_len] token ids, S = min(samples, whole windows available); errors raise Fp4kitError.
-    ``warn(text)`` hears when fewer than ``samples`` windows are available, and how many are used."""
+    ``samples`` None (not asked for): ``default_samples``. ``warn(text)`` hears when fewer than the samples are
+    available, and how many are used, except when the packaged set (``path`` None) holds fewer than the default: it is
+    a small offline set by design, and the count used is reported anyway."""
+    asked = samples is not None
+    samples = samples if samples is not None else default_samples
     if samples < 1 or seq_len < 1:
         raise Fp4kitError(f"--samples and --seq-len must be at least 1 (got {samples} and {seq_len})")
     if path is None:
@@ -66,7 +70,7 @@ def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int
     windows = min(samples, len(stream) // seq_len)
     if windows == 0:
         raise Fp4kitError(f"{label}: only {len(stream)} tokens, fewer than one sample of --seq-len {seq_len}")
-    if windows < samples and warn is not None:
+    if windows < samples and warn is not None and (asked or path is not None):
         warn(f"--samples {samples}: {label} holds {len(stream)} tokens, {windows} samples of --seq-len {seq_len}; "
              f"using those {windows}")
     return torch.tensor(stream[: windows * seq_len], dtype=torch.int64).view(windows, seq_len)

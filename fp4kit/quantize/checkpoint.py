@@ -56,7 +56,7 @@ class QuantizeOptions:
     native_cpu: bool = True
     # W4A4 (scheme nvfp4) calibration; calib None = the small packaged default set
     calib: Path | None = None
-    samples: int = 256
+    samples: int | None = None  # None: 256, or all the packaged set holds (fewer, said by no warning)
     seq_len: int = 512
     batch_size: int = 8
     moe_input_scales: str = "shared"
