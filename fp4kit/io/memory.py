@@ -1,5 +1,5 @@
-"""Keep freed tensor memory from staying resident: glibc malloc settings, no-ops with any other C library, and a
-bound on oneDNN's cache of compiled CPU kernels.
+"""Keep freed tensor memory from staying resident: glibc malloc settings, no-ops with any other C library, and
+bounds on the caches of compiled CPU GEMM kernels (oneDNN's, ideep's).
 
 glibc serves an allocation of at least its mmap threshold with a mapping of its own, returned to the OS on free, and
 anything smaller from its heaps, which keep freed memory resident and give back only their free top. The threshold
@@ -59,7 +59,6 @@ def trim_freed_memory() -> None:
     trim = getattr(_glibc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
-
 
 
 # A layer's forward repeats a few GEMM shapes (the projections') from batch to batch and gives each routed expert a
