@@ -440,3 +440,35 @@ def test_statistics_forward_without_the_routed_experts_gives_the_same_statistics
     assert any(".shared" in name for name in full) or family in ("qwen3_moe",)
     for name in full:
         assert torch.equal(full[name], skipped[name]), name
+
+
+@pytest.mark.parametrize(("family", "square"), [("qwen3_moe", False), ("qwen3_vl_moe", False), ("llama4", False),
+                                                ("deepseek_v3", False), ("qwen3_vl_moe", True)])
+def test_the_quantizer_takes_the_loaded_layers_weights_only_where_they_are_the_checkpoints(tiny, tmp_path, family,
+                                                                                          square):
+    """LayerQuantizer quantizes the loaded layer's own weights instead of reading the layer again: every weight the
+    layer is said to hold equals the checkpoint's [N, K] weight; a fused expert tensor stored transposed whose last
+    two dimensions are equal is loaded as stored (as transformers' loader does), so there the layer does not."""
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
+    from fp4kit.pipeline.demo import demo_overrides
+    from fp4kit.quantize.calibrate import calibrate_quantized
+    from fp4kit.quantize.plan import build_plan, read_group_weights
+    from fp4kit.testing.fixtures import build_fixture
+
+    src = build_fixture(family, tmp_path / "square", overrides=demo_overrides(family)) if square else tiny(family)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5))
+    counts = {"held": 0, "read": 0}
+    with CheckpointReader(src) as reader:
+        groups = build_plan(reader, read_config(src)).groups
+
+        def check(index, layer, stats):
+            for group in (g for g in groups if g.layer == index):
+                for c, expected in zip(group.members, read_group_weights(reader, group), strict=True):
+                    held = layer.source_weight(c.linear.module, c.linear.source, reader.info(c.linear.source.tensor))
+                    counts["read" if held is None else "held"] += 1
+                    assert held is None or torch.equal(held, expected), c.linear.module
+            return {}
+
+        calibrate_quantized(src, ids, check)
+    assert counts["held"] > 0
+    assert (counts["read"] > 0) == square, counts

@@ -34,8 +34,9 @@ from torch import nn
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
+from fp4kit.families.base import SourceRef
 from fp4kit.io import memory
-from fp4kit.io.checkpoint import CheckpointReader, read_config
+from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
 
 READ_THREADS = 8  # concurrent expert reads while a layer loads
@@ -520,8 +521,52 @@ class _SecondMomentRecorder(_LayerHooks):
         return self.stats
 
 
+@dataclass
+class LoadedLayer:
+    """A decoder layer as the pass loaded it, with its Linears' [N, K] weights by checkpoint module name."""
+
+    module: nn.Module
+    prefix: str  # checkpoint name prefix of the layer's modules, e.g. "model.layers.3."
+    bmm_experts: bool  # Llama-4: routed experts in BMM layout [E, H, 2I] / [E, I, H]
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The [N, K] weight of module ``name`` as a view of the layer's parameters: an nn.Linear's weight, or a
+        routed expert's gate rows, up rows (of transformers' fused gate_up_proj) or down_proj."""
+        relative = name[len(self.prefix):]
+        head, _, leaf = relative.rpartition(".")
+        experts_path, _, expert = head.rpartition(".")
+        experts = self.module.get_submodule(experts_path) if expert.isdigit() and experts_path else None
+        if experts is None or not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            return self.module.get_submodule(relative).weight
+        e = int(expert)
+        if leaf == "down_proj":
+            return experts.down_proj[e].t() if self.bmm_experts else experts.down_proj[e]
+        fused = experts.gate_up_proj[e].t() if self.bmm_experts else experts.gate_up_proj[e]
+        rows = fused.shape[0] // 2
+        return fused[:rows] if leaf == "gate_proj" else fused[rows:]
+
+    def source_weight(self, name: str, source: SourceRef, stored: TensorInfo) -> torch.Tensor | None:
+        """``weight(name)`` where it holds exactly the checkpoint's [N, K] weight of the Linear (``source``, stored as
+        ``stored``), else None: the source stores it quantized or in another dtype, or it is one expert of a fused
+        3-D tensor whose stored layout ([E, K, N] when ``source.transposed``) is not the module's ([E, K, N] for
+        BMM experts) and whose last two dimensions are equal, so that _layer_state_dict loaded it as stored, as
+        transformers' loader does."""
+        weight = self.weight(name)
+        if source.quantized is not None or stored.dtype != weight.dtype:
+            return None
+        if source.expert is not None and source.transposed != self.bmm_experts and stored.shape[-1] == stored.shape[-2]:
+            return None
+        return weight
+
+    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Put [N, K] weights (by checkpoint module name) into the layer, cast to its parameters' dtype."""
+        for name, weight in weights.items():
+            target = self.weight(name)
+            target.copy_(weight.to(target.dtype))
+
+
 # index, the loaded layer, its statistics -> the weights to run the layer with from now on (module name -> [N, K])
-LayerQuantizer = Callable[[int, nn.Module, LayerStatistics], dict[str, torch.Tensor]]
+LayerQuantizer = Callable[[int, LoadedLayer, LayerStatistics], dict[str, torch.Tensor]]
 
 
 @torch.inference_mode()
@@ -555,39 +600,19 @@ def calibrate_quantized(
                 layer(hidden, *args, **kwargs)
             stats = recorder.close()
             del recorder
-            replacements = quantize_layer(index, layer, stats)
+            loaded = LoadedLayer(layer, stats.layer_prefix, text.scales_input)
+            replacements = quantize_layer(index, loaded, stats)
             del stats
-            set_layer_weights(text, layer, index, replacements)
+            loaded.set_weights(replacements)
             amax = _AmaxRecorder(text, layer, index, modules if input_amax else set())
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)
             amax.flush(result, index)
             text.layers[index] = None
-            del layer, amax, replacements
+            del layer, loaded, amax, replacements
             memory.trim_freed_memory()
             if on_layer is not None:
                 on_layer(index, result)
     return result
 
-
-def set_layer_weights(text: _TextModel, layer: nn.Module, index: int, weights: dict[str, torch.Tensor]) -> None:
-    """Put [N, K] weights (by checkpoint module name) into the loaded layer: nn.Linear weights, or the rows of a
-    routed expert in transformers' fused expert parameters (gate rows, then up rows, of gate_up_proj)."""
-    prefix = f"{text.prefix}layers.{index}."
-    for name, weight in weights.items():
-        relative = name[len(prefix):]
-        head, _, leaf = relative.rpartition(".")
-        experts_path, _, expert = head.rpartition(".")
-        experts = layer.get_submodule(experts_path) if expert.isdigit() and experts_path else None
-        if experts is not None and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-            e = int(expert)
-            if leaf == "down_proj":
-                target = experts.down_proj[e].t() if text.scales_input else experts.down_proj[e]
-            else:
-                fused = experts.gate_up_proj[e].t() if text.scales_input else experts.gate_up_proj[e]
-                rows = fused.shape[0] // 2
-                target = fused[:rows] if leaf == "gate_proj" else fused[rows:]
-        else:
-            target = layer.get_submodule(relative).weight
-        target.copy_(weight.to(target.dtype))

@@ -20,7 +20,7 @@ import torch
 from fp4kit.errors import Fp4kitError
 from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, _per_leading_index, encode_blocks, rtn_block_scale
-from fp4kit.quantize.calibrate import LayerStatistics
+from fp4kit.quantize.calibrate import LayerStatistics, LoadedLayer
 from fp4kit.quantize.plan import QuantGroup, read_group_weights
 from fp4kit.quantize.scale_search import (
     GPTQ_CODE_OFFSETS,
@@ -220,15 +220,13 @@ class LayerQuantizer:
     lazy_blocks: LazyBlocks = field(default_factory=LazyBlocks)  # CUDA graphs reused from layer to layer
     done: set[int] = field(default_factory=set)  # id() of the groups quantized
 
-    def __call__(self, index: int, layer: torch.nn.Module, stats: LayerStatistics) -> dict[str, torch.Tensor]:
+    def __call__(self, index: int, layer: LoadedLayer, stats: LayerStatistics) -> dict[str, torch.Tensor]:
         groups = [g for g in self.groups_by_layer.get(index, [])
                   if all(c.linear.module.startswith(stats.layer_prefix) for c in g.members)]
         units: list[_Unit] = []
         weights_of: list[list[torch.Tensor]] = []
         for g, group in enumerate(groups):
-            weights = read_group_weights(self.reader, group)
-            if self.device.type != "cpu":  # concatenated, stacked and searched there: the host holds one group
-                weights = [w.to(self.device) for w in weights]
+            weights = self._group_weights(group, layer)
             weights_of.append(weights)
             global_mul = group_global_mul(weights, self.exact_fp32_global_scale)
             units.extend(self._units(g, group, weights, global_mul, stats))
@@ -266,6 +264,19 @@ class LayerQuantizer:
                 on_device = NVFP4Tensor(q.packed.to(self.device), q.block_scale.to(self.device), q.global_scale_div)
                 replacements[c.linear.module] = on_device.dequantize()
         return replacements
+
+    def _group_weights(self, group: QuantGroup, layer: LoadedLayer) -> list[torch.Tensor]:
+        """The group's [N, K] weights on the quantizer's device: the loaded layer's own where it holds them exactly
+        (LoadedLayer.source_weight; already on the device), so the layer is not read from the checkpoint a second
+        time; else read (and dequantized) again, as the plan says."""
+        held = [layer.source_weight(c.linear.module, c.linear.source, self.reader.info(c.linear.source.tensor))
+                for c in group.members]
+        if all(w is not None for w in held):
+            return [w.contiguous() for w in held]  # type: ignore[union-attr]
+        weights = read_group_weights(self.reader, group)
+        if self.device.type != "cpu":  # concatenated, stacked and searched there: the host holds one group
+            weights = [w.to(self.device) for w in weights]
+        return weights
 
     def _min_tokens(self, group: QuantGroup, unit: _Unit) -> int:
         return self.gptq.min_tokens if group.members[unit.members[0]].expert is not None else 1
