@@ -71,11 +71,11 @@ def find_ops() -> tuple[MarlinOps | None, str]:
             pass
     source = "vLLM's compiled extensions"
     library = os.environ.get(OPS_LIBRARY_ENV)
-    if missing_ops() and library:
+    if library and (missing_ops() or os.path.realpath(library) in map(os.path.realpath, torch.ops.loaded_libraries)):
         if not os.path.isfile(library):
             return None, f"{OPS_LIBRARY_ENV}={library}: no such file"
         try:
-            torch.ops.load_library(library)
+            torch.ops.load_library(library)  # a no-op when this process loaded it already
         except Exception as exc:
             return None, f"{OPS_LIBRARY_ENV}={library} does not load: {exc}"[:300]
         source = f"vLLM 0.33 ops built from source ({os.path.basename(library)})"
