@@ -42,7 +42,8 @@ from fp4kit.ep.placement import LayerPlacement, check_ep, imbalance, load_stats,
 from fp4kit.ep.scales import unify_input_scales
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import EXPERT_PROJS, EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
+from fp4kit.families.base import expert_tensor, layer_of
+from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 from fp4kit.io.output import atomic_directory
 from fp4kit.io.shard_io import (
     INDEX_NAME,
@@ -75,7 +76,7 @@ class ShardOptions:
 class ExpertTensor:
     layer: int
     expert: int
-    proj: str  # gate_proj / up_proj / down_proj
+    proj: str  # the family grammar's gate, up or down
     leaf: str  # what follows the projection: weight_packed, weight_scale, input_global_scale, weight, ...
 
 
@@ -125,31 +126,31 @@ def rank_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def scan_experts(names: list[str], num_experts: int) -> ExpertInventory:
+def scan_experts(names: list[str], num_experts: int, grammar: ExpertGrammar = DEFAULT) -> ExpertInventory:
     """Find the routed experts by their per-expert names and check every MoE layer has E complete experts."""
     experts: dict[str, ExpertTensor] = {}
     modules: dict[int, str] = {}
     for name in names:
-        match = EXPERT_RE.search(name)
-        if match is None:
-            if name.rsplit(".", 1)[-1] in FUSED_EXPERT_TENSORS and ".experts." in f".{name}":
+        found = expert_tensor(name, grammar)
+        if found is None:
+            if grammar.is_fused_tensor(name, 3):
                 raise Fp4kitError(f"{name}: fused expert tensor; shard needs per-expert tensors "
-                                  f"(`...experts.E.gate_proj.*`), as `fp4kit quantize` writes them")
+                                  f"(`{grammar.hint}.*`), as `fp4kit quantize` writes them")
             continue
-        proj, _, leaf = name[match.end():].partition(".")
+        expert, leaf = found
         layer = layer_of(name)
-        if proj not in EXPERT_PROJS or not leaf or layer is None:
-            raise Fp4kitError(f"{name}: unrecognised expert tensor (expected layers.L...experts.E."
-                              f"{{gate,up,down}}_proj.*)")
-        module = name[: match.start()] + ".experts"
+        if expert.proj not in grammar.projections or not leaf or layer is None:
+            raise Fp4kitError(f"{name}: unrecognised expert tensor (expected layers.L{grammar.hint}.*)")
+        module = expert.experts
         if modules.setdefault(layer, module) != module:
             raise Fp4kitError(f"layer {layer} has experts under two modules: {modules[layer]} and {module}")
-        experts[name] = ExpertTensor(layer, int(match.group("expert")), proj, leaf)
-    _check_complete(experts, modules, num_experts)
+        experts[name] = ExpertTensor(layer, expert.expert, expert.proj, leaf)
+    _check_complete(experts, modules, num_experts, grammar)
     return ExpertInventory(experts, modules)
 
 
-def _check_complete(experts: dict[str, ExpertTensor], modules: dict[int, str], num_experts: int) -> None:
+def _check_complete(experts: dict[str, ExpertTensor], modules: dict[int, str], num_experts: int,
+                    grammar: ExpertGrammar) -> None:
     per_expert: dict[tuple[int, int], set[tuple[str, str]]] = {}
     for t in experts.values():
         per_expert.setdefault((t.layer, t.expert), set()).add((t.proj, t.leaf))
@@ -160,7 +161,7 @@ def _check_complete(experts: dict[str, ExpertTensor], modules: dict[int, str], n
                               f"{num_experts}")
         first = per_expert[(layer, 0)]
         for e in ids:
-            if per_expert[(layer, e)] != first or {p for p, _ in first} != set(EXPERT_PROJS):
+            if per_expert[(layer, e)] != first or {p for p, _ in first} != set(grammar.projections):
                 raise Fp4kitError(f"{module}.{e}: tensors {sorted(per_expert[(layer, e)])} differ from expert 0's "
                                   f"or lack a projection")
 
@@ -220,9 +221,9 @@ def shard_checkpoint(
     if (src / LAYOUT_MANIFEST).exists():
         _refuse_layout(src, num_experts, options.ep)
     tensors = read_tensors(src)
-    inventory = scan_experts(list(tensors), num_experts)
+    inventory = scan_experts(list(tensors), num_experts, family.grammar)
     if not inventory.modules:
-        raise Fp4kitError(f"{src}: no routed expert tensors (`...experts.E.{{gate,up,down}}_proj.*`) found")
+        raise Fp4kitError(f"{src}: no routed expert tensors (`{family.grammar.hint}.*`) found")
     stats = routing_stats(src, options)
     placements = _placements(options, stats, config, num_experts, inventory.layers)
     scales, scale_record, changed = unify_input_scales(tensors, inventory)

@@ -22,6 +22,7 @@ import torch
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect as detect_family
 from fp4kit.families.base import Family
+from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 from fp4kit.formats.base import Dialect, QuantModule
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.safetensors_files import loads, read_json
@@ -69,6 +70,11 @@ class QuantizedCheckpoint:
     exact_scales: dict[str, float] = field(default_factory=dict)
     _rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     _divisors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def grammar(self) -> ExpertGrammar:
+        """The family's MoE names (the default grammar when config.json names no family fp4kit knows)."""
+        return self.family.grammar if self.family is not None else DEFAULT
 
     @property
     def format(self) -> Dialect:

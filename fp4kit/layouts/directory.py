@@ -241,7 +241,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
     with open_checkpoint(src) as ckpt:
         layers = find_moe_layers(ckpt)
         if not layers:
-            raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`...experts.E.{{gate,up,down}}_proj`)")
+            raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`{ckpt.grammar.hint}`)")
         check_layers(layers, options)
         jobs = _jobs(ckpt, layers)
         reader = ckpt.reader

@@ -272,7 +272,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
             scales[m.name] = _module_scales(ckpt, m, problems)
             counts = _block_scale_problems(ckpt, m, problems)
             if expert := expert_module(m.name):
-                key = f"{expert.experts}.{'w2' if expert.proj == 'down_proj' else 'w13'}"
+                key = f"{expert.experts}.{expert.fused}"
                 histograms[key] = histograms[key] + counts if key in histograms else counts
         if progress:
             progress(len(ckpt.modules), len(ckpt.modules))
