@@ -15,6 +15,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 
 if TYPE_CHECKING:
+    from fp4kit.families.moe_modules import MoEModules
     from fp4kit.families.routing import RoutingSpec
     from fp4kit.io.sources import QuantizedLinear
 
@@ -54,6 +55,8 @@ class Family:
     hf_fused_experts: bool = False
     # the names of the family's MoE block on disk (experts, projections, fused tensors, router, shared expert)
     grammar: ExpertGrammar = DEFAULT
+    # how transformers' classes of the family hold and run its MoE block (fp4kit.families.moe_modules, torch)
+    moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]
@@ -124,6 +127,12 @@ class Family:
                 raise Fp4kitError(f"{experts_module}: {len(indices)} experts on disk (expert {missing} missing), "
                                   f"{where} says {experts}")
         return text_config
+
+
+def _fused_experts() -> MoEModules:
+    from fp4kit.families.moe_modules import FUSED_EXPERTS
+
+    return FUSED_EXPERTS
 
 
 def _positive_int(where: str, key: str, value: object) -> None:

@@ -34,7 +34,9 @@ from torch import nn
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import SourceRef
+from fp4kit.families.base import Family, SourceRef
+from fp4kit.families.grammar import ExpertGrammar
+from fp4kit.families.moe_modules import MoEModules
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
@@ -76,7 +78,13 @@ class _TextModel:
     layers: list[nn.Module | None]  # the decoder layers, on meta until their turn
     prefix: str  # checkpoint name prefix of the text model, e.g. "model.language_model."
     keep_fp32: tuple[str, ...]
-    scales_input: bool  # Llama-4: the router score multiplies the expert input; experts in BMM layout [E, H, 2I]
+    scales_input: bool  # Llama-4: the router score multiplies the expert input
+    family: Family
+    moe: MoEModules  # how the family's transformers classes hold the MoE block
+
+    @property
+    def grammar(self) -> ExpertGrammar:
+        return self.family.grammar
 
 
 def _text_model(reader: CheckpointReader, src: Path, dtype: torch.dtype, device: torch.device) -> _TextModel:
@@ -99,20 +107,21 @@ def _text_model(reader: CheckpointReader, src: Path, dtype: torch.dtype, device:
         getattr(model, "_keep_in_fp32_modules", None) or ()
     )
     scales_input = family.routing(family.text_config(config_dict)).scales_input
-    return _TextModel(model, list(model.layers), prefix, keep, scales_input)
+    return _TextModel(model, list(model.layers), prefix, keep, scales_input, family, family.moe_modules())
 
 
-def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str,
-                      device: torch.device) -> dict[str, torch.Tensor]:
+def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str, device: torch.device,
+                      text: _TextModel) -> dict[str, torch.Tensor]:
     """The layer's parameters and buffers from the checkpoint, in the shapes the module holds them (fused experts
     stacked on ``device``, the rest where the reader puts them)."""
     state: dict[str, torch.Tensor] = {}
     for key, expected in layer.state_dict().items():
         name = prefix + key
+        parts = text.moe.stacked_parts(key, text.grammar)
         if name in reader:
             tensor = reader.read(name)
-        elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensor = _stack_experts(reader, name, expected, device)
+        elif parts is not None:
+            tensor = _stack_experts(reader, name, expected, device, parts, text.grammar)
         else:
             tensor = None
         if tensor is None:
@@ -126,14 +135,13 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str,
     return state
 
 
-def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor,
-                   device: torch.device) -> torch.Tensor | None:
+def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor, device: torch.device,
+                   parts: tuple[str, ...], grammar: ExpertGrammar) -> torch.Tensor | None:
     """Per-expert checkpoint tensors read straight into the fused parameter transformers holds ([E, 2I, H] as
     cat(gate, up) per expert, or [E, H, I]), allocated on ``device``: the host holds only the experts in flight.
     Experts are read by a few threads (reads and finiteness checks release the GIL)."""
-    experts, leaf = name.rsplit(".", 1)
-    parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-    names = [[f"{experts}.{e}.{part}.weight" for part in parts] for e in range(expected.shape[0])]
+    experts = name.rsplit(".", 1)[0]
+    names = [[f"{grammar.expert_linear(experts, e, part)}.weight" for part in parts] for e in range(expected.shape[0])]
     if not all(n in reader for per_expert in names for n in per_expert):
         return None
     fused = torch.empty(expected.shape, dtype=reader.info(names[0][0]).dtype, device=device)
@@ -157,20 +165,12 @@ def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor,
 def _load_layer(text: _TextModel, reader: CheckpointReader, index: int, dtype: torch.dtype, device: torch.device):
     layer = text.layers[index]
     assert layer is not None
-    state = _layer_state_dict(reader, layer, f"{text.prefix}layers.{index}.", device)
+    state = _layer_state_dict(reader, layer, f"{text.prefix}layers.{index}.", device, text)
     for key, tensor in state.items():
         keep_fp32 = any(f".{pattern}." in f".{key}." for pattern in text.keep_fp32)
         state[key] = tensor.to(device, torch.float32 if keep_fp32 and dtype.itemsize < 4 else dtype).contiguous()
     layer.load_state_dict(state, assign=True, strict=True)
     return layer.eval()
-
-
-def _router_choice(router_output: tuple, moe_block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(router logits [T, E], chosen expert ids [T, k]) from what transformers' router module returned."""
-    if len(router_output) == 3:  # Qwen3 / GLM / DeepSeek routers: (logits, top-k weights, top-k ids)
-        return router_output[0], router_output[2]
-    logits = router_output[1]  # Llama-4 router: (scores, logits), top-k on the logits
-    return logits, torch.topk(logits, moe_block.top_k, dim=1).indices
 
 
 class _LayerHooks:
@@ -181,6 +181,7 @@ class _LayerHooks:
     def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None):
         self.layer_prefix = f"{text.prefix}layers.{index}."
         self.scales_input = text.scales_input
+        self.moe, self.grammar = text.moe, text.grammar
         self.modules = modules
         self.router_output: tuple | None = None
         self.handles = []
@@ -188,11 +189,10 @@ class _LayerHooks:
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
                 self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
-            experts = getattr(module, "experts", None)
-            if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-                router = module.router if hasattr(module, "router") else module.gate
+            experts = self.moe.experts(module)
+            if experts is not None:
                 self.moe_experts.append(experts)
-                self.handles.append(router.register_forward_hook(self._router_hook))
+                self.handles.append(self.moe.router(module).register_forward_hook(self._router_hook))
                 self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
 
     def _wanted(self, name: str) -> bool:
@@ -212,8 +212,8 @@ class _LayerHooks:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             hidden = args[0].reshape(-1, args[0].shape[-1])
             assert self.router_output is not None
-            logits, top_ids = _router_choice(self.router_output, module)
-            self._on_moe(f"{block_name}.experts", experts, hidden, logits, top_ids)
+            logits, top_ids = self.moe.router_choice(self.router_output, module)
+            self._on_moe(f"{block_name}.{self.moe.experts_attribute}", experts, hidden, logits, top_ids)
 
         return hook
 
@@ -229,7 +229,7 @@ class _AmaxRecorder(_LayerHooks):
         self.amax: dict[str, torch.Tensor] = {}
         self.counts: torch.Tensor | None = None
         super().__init__(text, layer, index, modules)
-        self.num_experts = self.moe_experts[-1].gate_up_proj.shape[0] if self.moe_experts else None
+        self.num_experts = self.moe.num_experts(self.moe_experts[-1]) if self.moe_experts else None
 
     def _update(self, name: str, amax: torch.Tensor) -> None:
         amax = amax.detach().float()
@@ -249,18 +249,17 @@ class _AmaxRecorder(_LayerHooks):
 
     @torch.no_grad()
     def _expert_amax(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        num_experts = experts.gate_up_proj.shape[0]
-        names = [(f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj") for e in range(num_experts)]
+        num_experts = self.moe.num_experts(experts)
+        names = [self.grammar.expert_linears(path, e) for e in range(num_experts)]
         if self.modules is not None and not any(n in self.modules for triple in names for n in triple):
             return
         hidden_amax = hidden.abs().amax()
-        product = _Product(hidden, experts.gate_up_proj[0].t() if self.scales_input else experts.gate_up_proj[0])
+        product = _Product(hidden, self.moe.w13(experts, 0))
         for e, (gate_name, up_name, down_name) in enumerate(names):
-            weight = experts.gate_up_proj[e]
+            weight = self.moe.w13(experts, e)
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
                 x = hidden * torch.sigmoid(logits[:, e : e + 1].float()).to(hidden.dtype)
                 x_amax = x.abs().amax()
-                weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
             else:
                 x, x_amax = hidden, hidden_amax
             gate, up = product(x, weight).chunk(2, dim=-1)
@@ -484,7 +483,7 @@ class _SecondMomentRecorder(_LayerHooks):
     @torch.no_grad()
     def _on_moe(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
                 top_ids: torch.Tensor) -> None:
-        num_experts = experts.gate_up_proj.shape[0]
+        num_experts = self.moe.num_experts(experts)
         routed = torch.zeros((num_experts, hidden.shape[0]), dtype=torch.bool, device=hidden.device)
         routed.scatter_(0, top_ids.t().to(torch.int64), True)
         # the tokens of each expert in ascending order, all experts' in one tensor: one device sync per layer
@@ -494,25 +493,22 @@ class _SecondMomentRecorder(_LayerHooks):
         for e, count in enumerate(counts):
             tokens = token_of[start : start + count]
             start += count
-            names = [f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj"]
+            names = self.grammar.expert_linears(path, e)
             if not any(self._wanted(n) for n in names):
                 continue
             if count == 0:
                 for n in names:  # zero statistics: the expert is known, and known to have seen nothing
                     if n not in self.stats.hessians:
-                        self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(0, self._inner(experts)))
+                        self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(
+                            0, self.moe.intermediate(experts)))
                 continue
             x = hidden[tokens]
-            weight = experts.gate_up_proj[e]
+            weight = self.moe.w13(experts, e)
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
                 x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
-                weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
             self._add(names[:2], x)
             gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
             self._add(names[2:], experts.act_fn(gate) * up)
-
-    def _inner(self, experts: nn.Module) -> int:
-        return experts.gate_up_proj.shape[-1 if self.scales_input else -2] // 2
 
     def close(self) -> LayerStatistics:  # type: ignore[override]
         super().close()
@@ -527,7 +523,8 @@ class LoadedLayer:
 
     module: nn.Module
     prefix: str  # checkpoint name prefix of the layer's modules, e.g. "model.layers.3."
-    bmm_experts: bool  # Llama-4: routed experts in BMM layout [E, H, 2I] / [E, I, H]
+    moe: MoEModules
+    grammar: ExpertGrammar
 
     def weight(self, name: str) -> torch.Tensor:
         """The [N, K] weight of module ``name`` as a view of the layer's parameters: an nn.Linear's weight, or a
@@ -536,14 +533,9 @@ class LoadedLayer:
         head, _, leaf = relative.rpartition(".")
         experts_path, _, expert = head.rpartition(".")
         experts = self.module.get_submodule(experts_path) if expert.isdigit() and experts_path else None
-        if experts is None or not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        if experts is None or not self.moe.is_experts(experts):
             return self.module.get_submodule(relative).weight
-        e = int(expert)
-        if leaf == "down_proj":
-            return experts.down_proj[e].t() if self.bmm_experts else experts.down_proj[e]
-        fused = experts.gate_up_proj[e].t() if self.bmm_experts else experts.gate_up_proj[e]
-        rows = fused.shape[0] // 2
-        return fused[:rows] if leaf == "gate_proj" else fused[rows:]
+        return self.moe.weight(experts, int(expert), leaf, self.grammar)
 
     def source_weight(self, name: str, source: SourceRef, stored: TensorInfo) -> torch.Tensor | None:
         """``weight(name)`` where it holds exactly the checkpoint's [N, K] weight of the Linear (``source``, stored as
@@ -554,7 +546,7 @@ class LoadedLayer:
         weight = self.weight(name)
         if source.quantized is not None or stored.dtype != weight.dtype:
             return None
-        if source.expert is not None and source.transposed != self.bmm_experts and stored.shape[-1] == stored.shape[-2]:
+        if source.expert is not None and source.transposed != self.moe.bmm and stored.shape[-1] == stored.shape[-2]:
             return None
         return weight
 
@@ -600,7 +592,7 @@ def calibrate_quantized(
                 layer(hidden, *args, **kwargs)
             stats = recorder.close()
             del recorder
-            loaded = LoadedLayer(layer, stats.layer_prefix, text.scales_input)
+            loaded = LoadedLayer(layer, stats.layer_prefix, text.moe, text.grammar)
             replacements = quantize_layer(index, loaded, stats)
             del stats
             loaded.set_weights(replacements)

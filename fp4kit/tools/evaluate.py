@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import Family
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, read_config
@@ -80,56 +80,21 @@ def _linear_input_hook(divisor: torch.Tensor):
     return hook
 
 
-def _routed_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
-    """Qwen3 / GLM experts (forward(hidden [T, H], top_k_index, top_k_weights)), [E, 2I, H] / [E, H, I]."""
-    owner = weakref.ref(experts)  # the forward is stored on the module: a strong reference would be a cycle
-
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        experts = owner()
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            token_idx, slot = torch.where(top_k_index == e)
-            x = _fake_quantized(hidden_states[token_idx], div13[e])
-            gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_fake_quantized(experts.act_fn(gate) * up, div2[e]), experts.down_proj[e])
-            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
-        return out
-
-    return forward
-
-
-def _bmm_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
-    """Llama-4 experts (forward(routed_in [E * T, H]), every expert over all tokens), [E, H, 2I] / [E, I, H]."""
-    owner = weakref.ref(experts)
-
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        experts = owner()
-        per_expert = hidden_states.view(experts.gate_up_proj.shape[0], -1, hidden_states.shape[-1])
-        outs = []
-        for e in range(per_expert.shape[0]):
-            gate_up = _fake_quantized(per_expert[e], div13[e]) @ experts.gate_up_proj[e]
-            gate, up = gate_up.chunk(2, dim=-1)
-            outs.append(_fake_quantized(up * experts.act_fn(gate), div2[e]) @ experts.down_proj[e])
-        return torch.stack(outs).view(-1, hidden_states.shape[-1])
-
-    return forward
-
-
-def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], bmm_experts: bool) -> set[str]:
+def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], family: Family) -> set[str]:
     """Quantize the activations of every quantized Linear and routed expert under ``module`` (whose checkpoint name
-    is ``prefix``, e.g. "model.layers.3."), in place; returns the module names covered. ``bmm_experts``: Llama-4's
-    experts class (every expert over all tokens, the router score already applied to its input)."""
+    is ``prefix``, e.g. "model.layers.3."), in place; returns the module names covered. The family's MoE modules
+    (``Family.moe_modules``) say how its transformers experts class runs, and so which forward replaces it."""
+    moe, grammar = family.moe_modules(), family.grammar
     covered: set[str] = set()
     for name, sub in module.named_modules():
         full = prefix + name
         if isinstance(sub, nn.Linear) and full in divisors:
             sub.register_forward_pre_hook(_linear_input_hook(divisors[full]))
             covered.add(full)
-        gate_up = getattr(sub, "gate_up_proj", None)
-        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and f"{full}.0.gate_proj" in divisors:
+        if moe.is_experts(sub) and grammar.expert_linear(full, 0, grammar.gate) in divisors:
             div13, div2 = [], []
-            for e in range(gate_up.shape[0]):
-                names = [f"{full}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            for e in range(moe.num_experts(sub)):
+                names = grammar.expert_linears(full, e)
                 missing = [n for n in names if n not in divisors]
                 if missing:
                     raise Fp4kitError(f"{missing[0]}: no input scale, other experts of the layer have one")
@@ -139,12 +104,12 @@ def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tenso
                 div13.append(divisors[names[0]])
                 div2.append(divisors[names[2]])
                 covered.update(names)
-            sub.forward = (_bmm_experts_w4a4 if bmm_experts else _routed_experts_w4a4)(sub, div13, div2)
+            sub.forward = moe.w4a4_forward(sub, div13, div2, _fake_quantized)
     return covered
 
 
-def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], bmm_experts: bool) -> None:
-    covered = emulate_w4a4(layer, prefix, divisors, bmm_experts)
+def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], family: Family) -> None:
+    covered = emulate_w4a4(layer, prefix, divisors, family)
     missed = sorted(n for n in divisors if n.startswith(prefix) and n not in covered)
     if missed:
         raise Fp4kitError(f"{missed[0]}: has an input scale but is neither a Linear nor a routed expert of "
@@ -271,7 +236,7 @@ def evaluate(
             for side, (model, text) in enumerate(zip(models, texts, strict=True)):
                 layer = _load_layer(text, model.reader, index, dtype, torch_device)
                 if model.divisors:
-                    _emulate_layer(layer, f"{text.prefix}layers.{index}.", model.divisors, text.scales_input)
+                    _emulate_layer(layer, f"{text.prefix}layers.{index}.", model.divisors, text.family)
                 layer_args = inputs[side][1]
                 for b, states in enumerate(hidden[side]):
                     args, kwargs = layer_args[tuple(states.shape)][index]
