@@ -178,13 +178,16 @@ def _evidence(names: list[str]) -> dict[str, str]:
     return {d.name: found[d.name] for d in dialects() if d.name in found}
 
 
-def open_checkpoint(root: str | Path, strict: bool = True) -> QuantizedCheckpoint:
+def open_checkpoint(root: str | Path, strict: bool = True,
+                    reader: CheckpointReader | None = None) -> QuantizedCheckpoint:
     """Open an NVFP4 checkpoint directory of any registered dialect (raises Fp4kitError when it is not usable).
-    ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False."""
+    ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False.
+    ``reader``: a reader of ``root`` the caller already holds open (``strict`` is then its own); the checkpoint
+    closes it."""
     root = Path(root)
     config = read_config(root)
     declared, qconfig = _declared(root, config)
-    reader = CheckpointReader(root, check_finite=strict)
+    reader = CheckpointReader(root, check_finite=strict) if reader is None else reader
     try:
         names = reader.names()
         evidence = _evidence(names)

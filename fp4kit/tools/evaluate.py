@@ -1,6 +1,6 @@
 """`fp4kit eval`: a quantized checkpoint's next-token distribution against its source, one decoder layer at a time.
 
-Both models run the calibration pass's streaming forward (fp4kit/quantize/calibrate.py): embeddings and every layer's
+Both models run the layer-streaming text model (fp4kit/quantize/layer_model.py): embeddings and every layer's
 arguments from a forward of the meta-device text model, then each decoder layer built with transformers' own class,
 loaded alone, run over every sample's hidden states and dropped. A quantized checkpoint is read through
 ``fp4kit.tools.dense.DenseView``: its NVFP4 weights dequantized from the canonical form, in the family's HF layout, so
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families import detect
 from fp4kit.families.base import Family
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
 from fp4kit.io import memory
@@ -125,15 +126,16 @@ class _Model:
 
         self.root = root
         self.config = read_config(root)
+        self.family = detect(self.config)
         self.divisors: dict[str, torch.Tensor] = {}
         self.reader: CheckpointReader | DenseView | DequantizedView
-        stored = stack.enter_context(CheckpointReader(root))
+        stored = stack.enter_context(CheckpointReader(root))  # the directory's one reader
         source = detect_source(self.config, {n: (i.dtype, i.shape) for n, i in stored.tensors.items()})
         if source.quantized:
             self.scheme = source.name
             self.reader = DequantizedView(stored, source, torch.float32)
-        elif _is_quantized(root, self.config):
-            ckpt = stack.enter_context(open_checkpoint(root))
+        elif _is_quantized(root, self.config, stored):
+            ckpt = stack.enter_context(open_checkpoint(root, reader=stored))
             self.scheme = ckpt.scheme
             self.divisors = input_divisors(ckpt)
             self.reader = DenseView(ckpt, torch.float32)
@@ -142,19 +144,16 @@ class _Model:
             self.reader = stored
 
 
-def _is_quantized(root: Path, config: dict) -> bool:
+def _is_quantized(root: Path, config: dict, reader: CheckpointReader) -> bool:
     from fp4kit.registry import dialects
 
     if config.get("quantization_config") or any((root / name).exists() for name in config_files()):
         return True
-    with CheckpointReader(root) as reader:
-        return any(d.owns(n) for n in reader.names() for d in dialects())
+    return any(d.owns(n) for n in reader.names() for d in dialects())
 
 
 def _check_compatible(source: _Model, quantized: _Model) -> None:
-    from fp4kit.families import detect
-
-    texts = [detect(m.config).text_config(m.config) for m in (source, quantized)]
+    texts = [m.family.text_config(m.config) for m in (source, quantized)]
     for key in _COMPATIBLE_KEYS:
         a, b = (text.get(key, m.config.get(key)) for text, m in zip(texts, (source, quantized), strict=True))
         if a != b:
@@ -203,7 +202,7 @@ def evaluate(
     """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L].
     ``progress(done, total)`` counts batch forwards: per decoder layer one per batch of each model, then one
     scoring pass per batch."""
-    from fp4kit.quantize.calibrate import _layer_inputs, _load_layer, _text_model
+    from fp4kit.quantize.layer_model import layer_inputs, text_model
 
     start = time.perf_counter()
     src, ckpt = Path(src), Path(ckpt)
@@ -220,13 +219,14 @@ def evaluate(
         memory.bound_onednn_kernel_cache()
         models = [_Model(src, stack), _Model(ckpt, stack)]
         _check_compatible(*models)
-        texts = [_text_model(m.reader, src, dtype, torch_device) for m in models]  # one config: SRC's
+        source = models[0]  # both models are built from SRC's config.json
+        texts = [text_model(m.reader, source.config, source.family, dtype, torch_device, src) for m in models]
         vocab_size = texts[0].model.config.vocab_size
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
             raise Fp4kitError(f"eval token ids must lie in [0, vocab_size {vocab_size}), got "
                               f"[{int(token_ids.min())}, {int(token_ids.max())}]")
         ids = token_ids.to(torch_device)
-        inputs = [_layer_inputs(text, ids, batch_size, (0, 1)) for text in texts]
+        inputs = [layer_inputs(text, ids, batch_size) for text in texts]
         hidden = [hidden_batches for hidden_batches, _ in inputs]
         layer_errors = []
         total, done = (2 * len(texts[0].layers) + 1) * len(hidden[0]), 0
@@ -234,9 +234,9 @@ def evaluate(
             progress(0, total)
         for index in range(len(texts[0].layers)):
             for side, (model, text) in enumerate(zip(models, texts, strict=True)):
-                layer = _load_layer(text, model.reader, index, dtype, torch_device)
+                layer = text.load_layer(model.reader, index, dtype, torch_device)
                 if model.divisors:
-                    _emulate_layer(layer, f"{text.prefix}layers.{index}.", model.divisors, text.family)
+                    _emulate_layer(layer, text.layer_prefix(index), model.divisors, text.family)
                 layer_args = inputs[side][1]
                 for b, states in enumerate(hidden[side]):
                     args, kwargs = layer_args[tuple(states.shape)][index]
@@ -244,7 +244,7 @@ def evaluate(
                     done += 1
                     if progress:
                         progress(done, total)
-                text.layers[index] = None
+                text.drop_layer(index)
                 del layer
                 memory.trim_freed_memory()
             layer_errors.append(_relative_error(hidden[0], hidden[1]))
