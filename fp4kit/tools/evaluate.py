@@ -10,7 +10,7 @@ weights of one layer at a time.
 W4A4 checkpoints (input scales present) run with their activations quantized as the Blackwell kernels do: the
 input of every quantized Linear and, per routed expert, the gate/up input and the down input are quantized per
 16-block with the stored static global scale and dequantized again (``fake_quantize_activation`` of
-fp4kit/verify/reference.py). Routed experts then run expert by expert (the eager loop of transformers' experts
+fp4kit/nvfp4.py). Routed experts then run expert by expert (the eager loop of transformers' experts
 class, with those two quantization points); weight-only checkpoints run transformers' experts unchanged.
 
 Measured on the positions that have a next token (samples x (seq_len - 1)): mean KL(source || quantized) of the
@@ -37,7 +37,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkp
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.sources import DequantizedView, detect_source
-from fp4kit.verify.reference import fake_quantize_activation
+from fp4kit.nvfp4 import fake_quantize_activation
 
 DTYPES = ("float32", "bfloat16")  # compute dtypes
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits per chunk of tokens (x2 models): bounded whatever the vocabulary
