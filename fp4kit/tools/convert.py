@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from fp4kit.io.streaming import prefetched
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.registry import DIALECT_NAMES, dialect
 from fp4kit.tools import dense
+from fp4kit.tools.convert_report import ConvertReport
 from fp4kit.tools.repair import RepairReport, rescale, unified_scales
 
 QUEUE_DEPTH = 4
@@ -52,24 +53,6 @@ class FusedJob:
 
 
 Job = QuantModule | FusedJob | str  # str: a tensor copied unchanged
-
-
-@dataclass
-class ConvertReport:
-    source_dialect: str
-    target_dialect: str
-    scheme: str
-    family: str
-    quantized_modules: int
-    fused_tensors: int
-    passthrough_tensors: int
-    exact_scales_recorded: int
-    input_bytes: int
-    output_bytes: int
-    output_files: list[str]
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-    repair: RepairReport | None = None
 
 
 Scales = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # module -> (weight divisor, input divisor)

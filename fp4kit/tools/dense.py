@@ -26,6 +26,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpo
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, TensorInfo, copy_side_files
 from fp4kit.io.output import atomic_directory, check_destination
 from fp4kit.layouts.directory import MoELayer, find_moe_layers
+from fp4kit.tools.convert_report import ConvertReport
 
 TARGET = "bf16"
 
@@ -94,8 +95,6 @@ def dequantize_checkpoint(
 ):
     """Write NVFP4 checkpoint ``src`` as a dense checkpoint into ``dst`` (created atomically): dequantized weights in
     ``dtype`` (BF16 for `convert --to bf16`; float32 keeps the dequantized values exact), other tensors as stored."""
-    from fp4kit.tools.convert import ConvertReport
-
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     with open_checkpoint(src) as ckpt:
