@@ -100,7 +100,7 @@ class LayoutReport:
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
-    grouped = group_experts((module.name, module) for module in ckpt.modules)
+    grouped = group_experts(((module.name, module) for module in ckpt.modules), ckpt.grammar)
     layers = [_moe_layer(experts, found) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
