@@ -29,6 +29,7 @@ from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.verify.ambiguity import RECIPROCAL_EPS
 from fp4kit.verify.moe_layer import QuantizedMoe
+from fp4kit.verify.triton_moe import triton_interpreter_active
 
 Runner = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ActivationDiv = tuple[Tensor, Tensor] | None
@@ -57,18 +58,6 @@ def enable_triton_interpreter() -> None:
     interpreted kernels would crash calling the compiled tl.zeros."""
     if "triton.language" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def triton_interpreter_active() -> bool:
-    """Whether @triton.jit functions run under Triton's interpreter in this process."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    if "triton.language" not in sys.modules:
-        return True
-    import triton.language as tl
-
-    # a compiled-mode JITFunction here means triton.language was imported before TRITON_INTERPRET=1 was set
-    return type(getattr(tl, "zeros", None)).__name__ != "JITFunction"
 
 
 @dataclass(frozen=True)

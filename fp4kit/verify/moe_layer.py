@@ -266,7 +266,7 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
     local_index = torch.tensor([int(local) for local in expert_map], dtype=torch.int64)
     mapped = local_index >= 0
     with open_checkpoint(rank_dir) as ckpt:
-        found = group_experts((m.name, m) for m in ckpt.modules).get(experts_module, {})
+        found = group_experts(((m.name, m) for m in ckpt.modules), ckpt.grammar).get(experts_module, {})
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
         moe = _stack_held(ckpt, found, held, full)
     return RankExperts(rank, held, mapped, moe, local_index)
