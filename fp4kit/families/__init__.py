@@ -7,6 +7,7 @@ from fp4kit.families import (
     glm4_moe,
     glm4_moe_lite,
     glm4v_moe,
+    glm_moe_dsa,
     llama4,
     qwen3_moe,
     qwen3_vl_moe,
@@ -17,6 +18,7 @@ FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, gl
                                  llama4.TEXT_FAMILY, deepseek_v3.FAMILY,
                                  glm4_moe_lite.FAMILY,
                                  deepseek_v32.FAMILY,
+                                 glm_moe_dsa.FAMILY,
                                  )
 
 

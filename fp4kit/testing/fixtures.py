@@ -19,11 +19,13 @@ import torch
 FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text", "deepseek_v3",
             "glm4_moe_lite",
             "deepseek_v32",
+            "glm_moe_dsa",
             )
 # MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32
 MLA_FIXTURES = {
     "glm4_moe_lite": ("e_score_correction_bias", "mlp.gate.weight"),
     "deepseek_v32": ("e_score_correction_bias", "indexer.k_norm.weight", "indexer.k_norm.bias"),
+    "glm_moe_dsa": ("e_score_correction_bias", "mlp.gate.weight"),
 }
 
 # Tiny stand-ins that meet the seed recipes' backend rules: I % 64 (CUTLASS gated GEMM, Marlin), 8 experts so that
@@ -40,6 +42,7 @@ RECIPE_STAND_INS = {
     "deepseek_v3": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "glm4_moe_lite": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "deepseek_v32": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
+    "glm_moe_dsa": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
 }
 
 
