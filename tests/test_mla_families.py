@@ -259,3 +259,18 @@ def test_glm5_shared_indexer_layers_stream_like_the_full_model(tmp_path):
         torch.testing.assert_close(streamed[index], expected[index + 1], rtol=0, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(model.model.norm(streamed[2]), expected[3], rtol=0, atol=1e-5)
+
+
+def test_glm5_shared_indexer_layers_evaluate(tmp_path):
+    """`fp4kit eval`'s streaming forward carries the top-k as calibration does: W4A4 of the shared-indexer model
+    against its source, every layer close, the last (shared) one included."""
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.testing.fixtures import build_fixture
+    from fp4kit.tools.evaluate import evaluate
+
+    src = build_fixture("glm_moe_dsa", tmp_path / "src", overrides={"index_topk_freq": 2})
+    quantize_checkpoint(src, tmp_path / "w4a4", QuantizeOptions(scheme="nvfp4", samples=4, seq_len=16))
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
+    result = evaluate(src, tmp_path / "w4a4", ids, batch_size=2)
+    assert result.scheme == "nvfp4" and len(result.layers) == 3 and all(0 < e < 1 for e in result.layers)
+    assert 0 < result.kl < 1 and result.tokens == 4 * 15

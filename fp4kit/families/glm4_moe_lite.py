@@ -4,15 +4,15 @@ router with ``e_score_correction_bias``, grouped top-k, routed scaling, one shar
 comes from ``mlp_layer_types`` (transformers; default: the first one) and, for vLLM 0.33's `glm4_moe_lite.py`, from
 ``first_k_dense_replace``; routed experts are stored one module per expert. The MTP layer sits after the decoder
 layers (``model.layers.{num_hidden_layers}``, which `Glm4MoeLitePreTrainedModel` drops on load and vLLM's
-`glm4_moe_lite_mtp.py` drafts with, ``num_nextn_predict_layers`` of them).
+`glm4_moe_lite_mtp.py` drafts with: ``num_nextn_predict_layers``, one when the config does not say, as GLM-4.5's).
 
 Quantized by default: the MLA projections (vLLM builds q_a_proj + kv_a_proj_with_mqa as one ``fused_qkv_a_proj``,
 q_b_proj, kv_b_proj and o_proj with the quant config), the dense and shared MLPs and the routed experts. Kept: lm_head,
-the router ``mlp.gate`` (vLLM builds it as a GateLinear without quant config, fp32) and the MTP layer, as the
-DeepSeek-V3 family keeps them.
+the router ``mlp.gate`` (vLLM builds it as a GateLinear without quant config, fp32) and the MTP layer, as GLM-4.5's
+(fp4kit.families.glm4_moe).
 """
 
-from fp4kit.families import deepseek_v3, glm4_moe
+from fp4kit.families import glm4_moe
 from fp4kit.families.base import Family
 
 FAMILY = Family(
@@ -21,6 +21,6 @@ FAMILY = Family(
     text_config=lambda config: config,
     num_experts=lambda tc: int(tc["n_routed_experts"]),
     routing=glm4_moe.routing,
-    ignore=deepseek_v3.ignore,
-    extra_layers=deepseek_v3.mtp_layers,
+    ignore=glm4_moe.ignore,
+    extra_layers=glm4_moe.mtp_layers,
 )

@@ -4,9 +4,10 @@
 no expert groups, interleaved RoPE in the indexer, and cross-layer top-k sharing. transformers 5.17's
 `GlmMoeDsaConfig.indexer_types` (from ``index_topk_freq`` / ``index_skip_topk_offset`` or ``index_topk_pattern``;
 every layer "full" by default) marks "shared" layers, which build no indexer and reuse the previous full layer's top-k:
-`GlmMoeDsaDecoderLayer` takes ``prev_topk_indices`` and returns (hidden states, top-k indices). ``TopkCarry`` lets the
-layer-streaming passes run it one layer at a time. The released files ship indexer weights for every layer (vLLM
-0.33's `deepseek_v2.py` load_weights drops those of layers that build none); they reach DST unchanged.
+`GlmMoeDsaDecoderLayer` takes ``prev_topk_indices`` and returns (hidden states, top-k indices); ``TopkCarry`` lets the
+layer-streaming passes run it one layer at a time. MTP layers: ``num_nextn_predict_layers``, one when the config does
+not say (GLM-5's `GlmMoeDsaPreTrainedModel` drops ``model.layers.78.*`` on load). A checkpoint may ship indexer
+weights for layers that build none (vLLM 0.33's `deepseek_v2.py` load_weights drops those); they reach DST unchanged.
 
 Kept by default, as DeepSeek-V3.2's (fp4kit.families.deepseek_v32): lm_head, the router ``mlp.gate``, the indexer
 (vLLM builds its wk + weights_proj as one ``wk_weights_proj`` without quant config) and the MTP layer (published NVFP4
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 
-from fp4kit.families import deepseek_v3, deepseek_v32, glm4_moe
+from fp4kit.families import deepseek_v32, glm4_moe
 from fp4kit.families.base import Family
 
 
@@ -58,7 +59,7 @@ FAMILY = Family(
     text_config=lambda config: config,
     num_experts=lambda tc: int(tc["n_routed_experts"]),
     routing=glm4_moe.routing,
-    ignore=deepseek_v32.ignore,
-    extra_layers=deepseek_v3.mtp_layers,
+    ignore=lambda config: [*glm4_moe.ignore(config), deepseek_v32.INDEXER],
+    extra_layers=glm4_moe.mtp_layers,
     layer_call=TopkCarry,
 )
