@@ -8,8 +8,9 @@ under the names it gives them (MLA's ``fused_qkv_a_proj``, the MLPs' ``gate_up_p
 own quant config picks for that prefix (`CompressedTensorsConfig` / `ModelOptNvFp4Config.get_quant_method`, with
 the packed-modules mapping the model class declares; the indexer's ``wk_weights_proj`` and the router without one, as
 vLLM builds them) and that method's ``create_weights``. Every tensor of the checkpoint must land in a parameter of
-its dtype and shape (an unmapped name is vLLM's KeyError) and every parameter must be filled (none missing); the MTP
-layer is left to vLLM's drafter, as the main model's loader skips it.
+its dtype and shape (an unmapped name is vLLM's KeyError) and every parameter must be filled (none missing). The MTP
+layer, which the main model's loader skips, goes through the drafters' own load_weights (glm4_moe_lite_mtp.py;
+deepseek_v32/nvidia/mtp.py and deepseek_mtp.py), unquantized as fp4kit keeps it.
 """
 
 from __future__ import annotations
@@ -29,18 +30,29 @@ from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 
 linear = vllm_module("model_executor.layers.linear")
 ct_config = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors")
+ct_utils = vllm_module("model_executor.layers.quantization.compressed_tensors.utils")
+unquantized_moe = vllm_module("model_executor.layers.fused_moe.unquantized_fused_moe_method")
 ct_nvfp4 = vllm_module("model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4")
 modelopt = vllm_module("model_executor.layers.quantization.modelopt")
 parameter = vllm_module("model_executor.parameter")
 deepseek_v2 = vllm_module("model_executor.models.deepseek_v2")
 glm4_moe_lite = vllm_module("model_executor.models.glm4_moe_lite")
 dsa_cuda = vllm_module("models.deepseek_v32.nvidia.model")
+deepseek_mtp = vllm_module("model_executor.models.deepseek_mtp")
+glm4_moe_lite_mtp = vllm_module("model_executor.models.glm4_moe_lite_mtp")
+dsa_cuda_mtp = vllm_module("models.deepseek_v32.nvidia.mtp")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PACKED = {"gate_up_proj": ["gate_proj", "up_proj"], "fused_qkv_a_proj": ["q_a_proj", "kv_a_proj_with_mqa"]}
 LOADERS = {"glm4_moe_lite": [glm4_moe_lite.Glm4MoeLiteModel.load_weights],
            "deepseek_v32": [dsa_cuda.DeepseekV32Model.load_weights, deepseek_v2.DeepseekV2Model.load_weights],
            "glm_moe_dsa": [dsa_cuda.DeepseekV32Model.load_weights, deepseek_v2.DeepseekV2Model.load_weights]}
+
+DRAFTERS = {"glm4_moe_lite": [glm4_moe_lite_mtp.Glm4MoeLiteMTP],
+            "deepseek_v32": [dsa_cuda_mtp.DeepseekV32MTP, deepseek_mtp.DeepSeekMTP],
+            "glm_moe_dsa": [dsa_cuda_mtp.DeepseekV32MTP, deepseek_mtp.DeepSeekMTP]}
+QUANTIZED_LEAVES = (".weight_packed", ".weight_scale", ".weight_global_scale", ".weight_scale_2", ".input_scale",
+                    ".input_global_scale")
 
 
 class _KernelStandIn:
@@ -86,12 +98,13 @@ def _quant_config(root: Path):
 
 
 def _add_linear(owner: nn.Module, path: str, out_sizes: list[int], in_size: int, quant, recorder: Recorder,
-                prefix: str) -> None:
+                prefix: str, quant_prefix: str) -> None:
+    """An nn.Linear's parameters at ``prefix + path`` as the quant method vLLM picks for ``quant_prefix + path``
+    (None: vLLM builds it without quant config) creates them."""
     module = owner.get_submodule(path.rsplit(".", 1)[0]) if "." in path else owner
     layer = object.__new__(linear.ReplicatedLinear)
     nn.Module.__init__(layer)
-    # vLLM's prefixes name the module from the top ("model.layers..."), as the checkpoint and its ignore list do
-    method = quant.get_quant_method(layer, f"model.{prefix}{path}") if quant is not None \
+    method = quant.get_quant_method(layer, quant_prefix + path) if quant is not None \
         else linear.UnquantizedLinearMethod()
     method.create_weights(layer, in_size, out_sizes, in_size, sum(out_sizes), torch.bfloat16,
                           weight_loader=recorder.loader(prefix + path))
@@ -102,9 +115,9 @@ def _add_linear(owner: nn.Module, path: str, out_sizes: list[int], in_size: int,
 
 def _add_param(owner: nn.Module, path: str, shape: tuple[int, ...], dtype: torch.dtype, recorder: Recorder,
                prefix: str) -> None:
-    module_path, leaf = path.rsplit(".", 1)
     module = owner
-    for part in module_path.split("."):
+    *parents, leaf = path.split(".")
+    for part in parents:
         if not hasattr(module, part):
             module.add_module(part, nn.Module())
         module = getattr(module, part)
@@ -113,56 +126,142 @@ def _add_param(owner: nn.Module, path: str, shape: tuple[int, ...], dtype: torch
     module.register_parameter(leaf, param)
 
 
-def vllm_model(config: dict, quant, recorder: Recorder, monkeypatch, dialect: str) -> nn.Module:
-    """The text model's parameters as vLLM 0.33 builds them for this config and quant config (main model only)."""
-    model = nn.Module()
-    model.config = SimpleNamespace(**config)
-    model.num_redundant_experts, model.is_fused_shared_expert_enabled, model.use_mha = 0, False, False
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+def _decoder_layer(layer: nn.Module, config: dict, quant, recorder: Recorder, monkeypatch, dialect: str,
+                   prefix: str, quant_prefix: str, moe: bool) -> None:
+    """One decoder layer's parameters under ``prefix`` (its modules' quant prefix ``quant_prefix``, which names
+    them as the checkpoint does: "model.layers.3.")."""
+    hidden = config["hidden_size"]
     heads, q_lora, kv_lora = config["num_attention_heads"], config["q_lora_rank"], config["kv_lora_rank"]
     nope, rope, v_dim = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
     experts, inter = config["n_routed_experts"], config["moe_intermediate_size"]
-    dense = config.get("mlp_layer_types") or ["dense"] * config["first_k_dense_replace"] + ["sparse"] * layers
-    _add_param(model, "embed_tokens.weight", (config["vocab_size"], hidden), torch.bfloat16, recorder, "")
-    _add_param(model, "norm.weight", (hidden,), torch.bfloat16, recorder, "")
+
+    def add_linear(path: str, out_sizes: list[int], in_size: int, with_quant: bool = True) -> None:
+        _add_linear(layer, path, out_sizes, in_size, quant if with_quant else None, recorder, prefix, quant_prefix)
+
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        _add_param(layer, f"{norm}.weight", (hidden,), torch.bfloat16, recorder, prefix)
+    for name in ("self_attn.indexer", "mlp.shared_experts", "mlp.experts"):
+        _add_module(layer, name)
+    add_linear("self_attn.fused_qkv_a_proj", [q_lora, kv_lora + rope], hidden)
+    add_linear("self_attn.q_b_proj", [heads * (nope + rope)], q_lora)
+    add_linear("self_attn.kv_b_proj", [heads * (nope + v_dim)], kv_lora)
+    add_linear("self_attn.o_proj", [hidden], heads * v_dim)
+    for norm, size in (("q_a_layernorm", q_lora), ("kv_a_layernorm", kv_lora)):
+        _add_param(layer, f"self_attn.{norm}.weight", (size,), torch.bfloat16, recorder, prefix)
+    if "index_topk" in config:
+        idx_heads, idx_dim = config["index_n_heads"], config["index_head_dim"]
+        add_linear("self_attn.indexer.wq_b", [idx_heads * idx_dim], q_lora)
+        add_linear("self_attn.indexer.wk_weights_proj", [idx_dim, idx_heads], hidden, with_quant=False)
+        for leaf in ("weight", "bias"):
+            _add_param(layer, f"self_attn.indexer.k_norm.{leaf}", (idx_dim,), torch.float32, recorder, prefix)
+    if not moe:
+        add_linear("mlp.gate_up_proj", [config["intermediate_size"]] * 2, hidden)
+        add_linear("mlp.down_proj", [hidden], config["intermediate_size"])
+        return
+    _add_param(layer, "mlp.gate.weight", (experts, hidden), torch.float32, recorder, prefix)
+    _add_param(layer, "mlp.gate.e_score_correction_bias", (experts,), torch.float32, recorder, prefix)
+    shared = inter * config["n_shared_experts"]
+    add_linear("mlp.shared_experts.gate_up_proj", [shared] * 2, hidden)
+    add_linear("mlp.shared_experts.down_proj", [hidden], shared)
+    routed = _routed_experts(quant, f"{quant_prefix}mlp.experts", monkeypatch, dialect, experts, hidden, inter)
+    for name, param in routed.named_parameters():
+        param.weight_loader = recorder.loader(f"{prefix}mlp.experts.routed_experts.{name}")
+    layer.mlp.experts.add_module("routed_experts", routed)
+
+
+def _routed_experts(quant, prefix: str, monkeypatch, dialect: str, experts: int, hidden: int,
+                    inter: int) -> nn.Module:
+    """The routed experts' parameters: NVFP4 (vllm_moe_parameters), or vLLM's UnquantizedFusedMoEMethod's where
+    the quant config leaves the experts module out, decided as vLLM's dispatch does: compressed-tensors'
+    CompressedTensorsMoEMethod.get_moe_method asks get_scheme_dict about expert 0's projections, whose first step
+    is should_ignore_layer; ModelOpt's get_quant_method asks is_layer_excluded about the experts module."""
+    if isinstance(quant, ct_config.CompressedTensorsConfig):
+        names = [f"{prefix}.0.{proj}" for proj in ("gate_proj", "up_proj", "down_proj")]
+        excluded = all(ct_utils.should_ignore_layer(n, ignore=quant.ignore, fused_mapping=quant.packed_modules_mapping)
+                       for n in names)
+    else:
+        excluded = quant.is_layer_excluded(prefix)
+    if not excluded:
+        return vllm_moe_parameters(monkeypatch, dialect, experts, hidden, inter)
+    layer = nn.Module()
+    moe = SimpleNamespace(intermediate_size_per_partition_unpadded=inter, is_act_and_mul=True,
+                          hidden_dim_unpadded=hidden, has_bias=False)
+    unquantized_moe.UnquantizedFusedMoEMethod.create_weights(SimpleNamespace(moe=moe), layer, experts, hidden, inter,
+                                                             torch.bfloat16)
+    return layer
+
+
+def _add_module(owner: nn.Module, path: str) -> nn.Module:
+    for part in path.split("."):
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    return owner
+
+
+def _stand_in(config: dict) -> nn.Module:
+    model = nn.Module()
+    model.config = SimpleNamespace(**config)
+    model.num_redundant_experts, model.is_fused_shared_expert_enabled, model.use_mha = 0, False, False
+    return model
+
+
+def vllm_model(config: dict, quant, recorder: Recorder, monkeypatch, dialect: str) -> nn.Module:
+    """The text model's parameters as vLLM 0.33 builds them for this config and quant config (main model only:
+    vLLM's prefixes, and so the quant decisions, name the modules from the top, "model.layers...")."""
+    model = _stand_in(config)
+    layers = config["num_hidden_layers"]
+    kinds = config.get("mlp_layer_types") or ["dense"] * config["first_k_dense_replace"] + ["sparse"] * layers
+    _add_param(model, "embed_tokens.weight", (config["vocab_size"], config["hidden_size"]), torch.bfloat16,
+               recorder, "")
+    _add_param(model, "norm.weight", (config["hidden_size"],), torch.bfloat16, recorder, "")
     model.layers = nn.ModuleList(nn.Module() for _ in range(layers))
     for i in range(layers):
-        layer, prefix = model.layers[i], f"layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            _add_param(layer, f"{norm}.weight", (hidden,), torch.bfloat16, recorder, prefix)
-        layer.add_module("self_attn", nn.Module())
-        layer.self_attn.add_module("indexer", nn.Module())
-        attn = {"fused_qkv_a_proj": ([q_lora, kv_lora + rope], hidden), "q_b_proj": ([heads * (nope + rope)], q_lora),
-                "kv_b_proj": ([heads * (nope + v_dim)], kv_lora), "o_proj": ([hidden], heads * v_dim)}
-        for name, (out_sizes, in_size) in attn.items():
-            _add_linear(layer, f"self_attn.{name}", out_sizes, in_size, quant, recorder, prefix)
-        for norm, size in (("q_a_layernorm", q_lora), ("kv_a_layernorm", kv_lora)):
-            _add_param(layer, f"self_attn.{norm}.weight", (size,), torch.bfloat16, recorder, prefix)
-        if "index_topk" in config:
-            idx_heads, idx_dim = config["index_n_heads"], config["index_head_dim"]
-            _add_linear(layer, "self_attn.indexer.wq_b", [idx_heads * idx_dim], q_lora, quant, recorder, prefix)
-            # vLLM: MergedColumnParallelLinear(..., quant_config=None)
-            _add_linear(layer, "self_attn.indexer.wk_weights_proj", [idx_dim, idx_heads], hidden, None, recorder,
-                        prefix)
-            for leaf in ("weight", "bias"):
-                _add_param(layer, f"self_attn.indexer.k_norm.{leaf}", (idx_dim,), torch.float32, recorder, prefix)
-        layer.add_module("mlp", nn.Module())
-        if dense[i] == "dense":
-            _add_linear(layer, "mlp.gate_up_proj", [config["intermediate_size"]] * 2, hidden, quant, recorder, prefix)
-            _add_linear(layer, "mlp.down_proj", [hidden], config["intermediate_size"], quant, recorder, prefix)
-            continue
-        _add_param(layer, "mlp.gate.weight", (experts, hidden), torch.float32, recorder, prefix)
-        _add_param(layer, "mlp.gate.e_score_correction_bias", (experts,), torch.float32, recorder, prefix)
-        layer.mlp.add_module("shared_experts", nn.Module())
-        shared = inter * config["n_shared_experts"]
-        _add_linear(layer, "mlp.shared_experts.gate_up_proj", [shared] * 2, hidden, quant, recorder, prefix)
-        _add_linear(layer, "mlp.shared_experts.down_proj", [hidden], shared, quant, recorder, prefix)
-        routed = vllm_moe_parameters(monkeypatch, dialect, experts, hidden, inter)
-        for name, param in routed.named_parameters():
-            param.weight_loader = recorder.loader(f"{prefix}mlp.experts.routed_experts.{name}")
-        layer.mlp.add_module("experts", nn.Module())
-        layer.mlp.experts.add_module("routed_experts", routed)
+        _decoder_layer(model.layers[i], config, quant, recorder, monkeypatch, dialect, f"layers.{i}.",
+                       f"model.layers.{i}.", kinds[i] == "sparse")
     return model
+
+
+def vllm_drafter(config: dict, quant, recorder: Recorder, monkeypatch, dialect: str, cls) -> nn.Module:
+    """The MTP drafter's parameters (deepseek_mtp.py, deepseek_v32/nvidia/mtp.py, glm4_moe_lite_mtp.py): per MTP
+    layer enorm, hnorm, eh_proj (a plain nn.Linear), shared_head.norm and a decoder layer under ``mtp_block`` whose
+    modules keep the checkpoint's prefix ("model.layers.3.self_attn...") for the quant decisions."""
+    model = _stand_in(config)
+    model._rewrite_spec_layer_name = cls._rewrite_spec_layer_name.__get__(model)
+    if hasattr(cls, "is_unused_checkpoint_weight"):
+        model.is_unused_checkpoint_weight = cls.is_unused_checkpoint_weight.__get__(model)
+    first, count, hidden = config["num_hidden_layers"], config["num_nextn_predict_layers"], config["hidden_size"]
+    inner = _add_module(model, "model")
+    inner.mtp_start_layer_idx, inner.num_mtp_layers = first, count
+    _add_param(inner, "embed_tokens.weight", (config["vocab_size"], hidden), torch.bfloat16, recorder, "model.")
+    inner.layers = nn.ModuleDict({str(i): nn.Module() for i in range(first, first + count)})
+    for i in range(first, first + count):
+        layer, prefix = inner.layers[str(i)], f"model.layers.{i}."
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            _add_param(layer, f"{norm}.weight", (hidden,), torch.bfloat16, recorder, prefix)
+        _add_param(layer, "eh_proj.weight", (hidden, 2 * hidden), torch.bfloat16, recorder, prefix)
+        _decoder_layer(_add_module(layer, "mtp_block"), config, quant, recorder, monkeypatch, dialect,
+                       f"{prefix}mtp_block.", prefix, moe=True)
+    return model
+
+
+def _check_loaded(load_weights, model: nn.Module, recorder: Recorder, weights: list, scheme: str,
+                  shared_with_target: tuple[str, ...] = ()) -> None:
+    loaded_names = load_weights(model, iter(weights))
+    params = dict(model.named_parameters())
+    assert loaded_names and set(loaded_names) <= set(params)
+    w4a4_only = ("input_scale", "input_global_scale", "w13_input_", "w2_input_")
+    expected = {n for n in params if (scheme == "nvfp4" or not any(k in n for k in w4a4_only))
+                and not any(k in n for k in shared_with_target)}
+    missing = sorted(expected - set(recorder.loaded))
+    assert not missing, (load_weights.__qualname__, missing[:5])
+    for name, entries in recorder.loaded.items():
+        param = params[name]
+        if param.dtype in (torch.uint8, torch.float8_e4m3fn):  # packed codes and block scales: as stored
+            assert all(w.dtype == param.dtype for _, w in entries), (name, param.dtype)
+        if param.dim() >= 2 and ".routed_experts." not in name:  # Linear weights: the shards fill the rows
+            assert sum(w.shape[0] for _, w in entries) == param.shape[0], (name, [w.shape for _, w in entries])
+            assert all(w.shape[1:] == param.shape[1:] for _, w in entries), name
 
 
 @pytest.fixture(scope="module")
@@ -196,21 +295,32 @@ def test_vllm_model_load_weights_takes_every_tensor(vllm_quant_methods, monkeypa
     assert {n for n in tensors if not n.startswith("model.")} == {"lm_head.weight"}
     for load_weights in LOADERS[family]:
         recorder = Recorder()
-        model = vllm_model(config, _quant_config(root), recorder, monkeypatch, dialect)
-        loaded_names = load_weights(model, iter(weights))
-        params = dict(model.named_parameters())
-        assert loaded_names and set(loaded_names) <= set(params)
-        w4a4_only = ("input_scale", "input_global_scale", "w13_input_", "w2_input_")
-        expected = {n for n in params if scheme == "nvfp4" or not any(k in n for k in w4a4_only)}
-        missing = sorted(expected - set(recorder.loaded))
-        assert not missing, (load_weights.__qualname__, missing[:5])
-        for name, entries in recorder.loaded.items():
-            param = params[name]
-            if param.dtype in (torch.uint8, torch.float8_e4m3fn):  # packed codes and block scales: as stored
-                assert all(w.dtype == param.dtype for _, w in entries), (name, param.dtype)
-            if param.dim() >= 2 and ".routed_experts." not in name:  # Linear weights: the shards fill the rows
-                assert sum(w.shape[0] for _, w in entries) == param.shape[0], (name, [w.shape for _, w in entries])
-                assert all(w.shape[1:] == param.shape[1:] for _, w in entries), name
+        _check_loaded(load_weights, vllm_model(config, _quant_config(root), recorder, monkeypatch, dialect), recorder,
+                      weights, scheme)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+@pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("family", ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"])
+def test_vllm_mtp_drafter_load_weights_takes_the_kept_mtp_layer(vllm_quant_methods, monkeypatch, quantized, family,
+                                                               dialect, scheme) -> None:
+    """The MTP layer fp4kit keeps (BF16, listed in the ignore list) through the drafter's own load_weights: its
+    Linears are unquantized in vLLM too (their prefixes are the ignore list's names), and every parameter is filled.
+    The drafter's embed_tokens is the target model's (`vllm/v1/spec_decode/llm_base_proposer.py`,
+    `_maybe_share_embeddings`: "Detected MTP model"), as its shared_head.head, which the fixtures' MTP layer does not
+    hold, is the target's lm_head (`_maybe_share_lm_head`)."""
+    root = quantized(family, dialect, scheme)
+    config = json.loads((root / "config.json").read_text())
+    tensors = {}
+    for shard in sorted(root.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    weights = [(n, t) for n, t in sorted(tensors.items()) if n.startswith(mtp) or n == "model.embed_tokens.weight"]
+    assert not any(n.endswith(QUANTIZED_LEAVES) for n, _ in weights)
+    for cls in DRAFTERS[family]:
+        recorder = Recorder()
+        _check_loaded(cls.load_weights, vllm_drafter(config, _quant_config(root), recorder, monkeypatch, dialect, cls),
+                      recorder, weights, scheme, shared_with_target=("embed_tokens",))
 
 
 def test_a_quantized_indexer_does_not_load(vllm_quant_methods, monkeypatch, tiny, tmp_path) -> None:
