@@ -274,3 +274,21 @@ def test_glm5_shared_indexer_layers_evaluate(tmp_path):
     result = evaluate(src, tmp_path / "w4a4", ids, batch_size=2)
     assert result.scheme == "nvfp4" and len(result.layers) == 3 and all(0 < e < 1 for e in result.layers)
     assert 0 < result.kl < 1 and result.tokens == 4 * 15
+
+
+def test_glm5_shared_first_layer_is_one_line(tmp_path, monkeypatch, capsys):
+    """An index_topk_pattern whose first layer shares a top-k no layer computed: exit 2 with one line."""
+    from fp4kit.cli import main
+    from fp4kit.testing.fixtures import build_fixture
+
+    src = build_fixture("glm_moe_dsa", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "indexer_types": ["shared", "full", "full"]}))
+    monkeypatch.setattr("sys.argv", ["fp4kit", "quantize", str(src), str(tmp_path / "out"), "--scheme", "nvfp4",
+                                     "--samples", "4", "--seq-len", "16"])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    err = capsys.readouterr().err.strip().splitlines()  # the progress lines, then the error
+    errors = [line for line in err if line.startswith("error:")]
+    assert exit_info.value.code == 2 and errors == err[-1:] and not any("Traceback" in line for line in err), err
+    assert "layer 0 share" in errors[0] and not (tmp_path / "out").exists()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 
+from fp4kit.errors import Fp4kitError
 from fp4kit.families import deepseek_v32, glm4_moe
 from fp4kit.families.base import Family
 
@@ -35,16 +36,19 @@ class TopkCarry:
         return hidden_states, None
 
     def adapt(self, layers: list) -> None:
-        for layer in layers:
-            layer.forward = self._forward(layer.forward)
+        for index, layer in enumerate(layers):
+            layer.forward = self._forward(layer.forward, index, bool(getattr(layer.self_attn, "skip_topk", False)))
 
-    def _forward(self, run):
+    def _forward(self, run, index: int, shared: bool):
         carried = self._carried
 
         def forward(hidden_states, *args, **kwargs):
             kwargs.pop("prev_topk_indices", None)  # what the recording pass saw: None
             entry = carried.get(id(hidden_states))
             previous = entry[1] if entry is not None and entry[0]() is hidden_states else None
+            if shared and previous is None:
+                raise Fp4kitError(f"config.json: indexer_types makes layer {index} share the top-k of an earlier "
+                                  "layer, but no earlier layer runs an indexer")
             output, topk = run(hidden_states, *args, prev_topk_indices=previous, **kwargs)
             key = id(output)
             carried[key] = (weakref.ref(output, lambda _: carried.pop(key, None)), topk)
