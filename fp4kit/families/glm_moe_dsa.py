@@ -10,8 +10,9 @@ not say (GLM-5's `GlmMoeDsaPreTrainedModel` drops ``model.layers.78.*`` on load)
 weights for layers that build none (vLLM 0.33's `deepseek_v2.py` load_weights drops those); they reach DST unchanged.
 
 Kept by default, as DeepSeek-V3.2's (fp4kit.families.deepseek_v32): lm_head, the router ``mlp.gate``, the indexer
-(vLLM builds its wk + weights_proj as one ``wk_weights_proj`` without quant config) and the MTP layer (published NVFP4
-GLM-5.1 checkpoints keep it BF16, and vLLM's MTP layers always build a full indexer).
+(vLLM builds its wk + weights_proj as one ``wk_weights_proj`` without quant config) and the MTP layer (vLLM's drafter
+loads it; the published CortexLM/GLM-5.1-NVFP4-MTP keeps it BF16, lukealonso/GLM-5-NVFP4 quantizes only the routed
+experts).
 """
 
 from __future__ import annotations
