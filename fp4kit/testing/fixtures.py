@@ -1,9 +1,10 @@
 """Tiny checkpoints of every family, built offline with transformers from configs shipped in fp4kit/data.
 
 Weights are seeded random, never downloaded. They are saved the way each family's real checkpoints are: bf16,
-GLM's router weight and correction bias in fp32 (DeepSeek's bias), and the MTP layer of GLM and DeepSeek (which
-transformers does not instantiate) added as extra tensors after the last decoder layer. ``write_fp8_block_source``
-and ``write_pack_quantized_source`` turn a fixture into the quantized sources those models are published as.
+GLM's router weight and correction bias in fp32 (DeepSeek's bias; MLA_FIXTURES), and the MTP layer of GLM, DeepSeek
+and the MLA families (which transformers does not instantiate) added as extra tensors after the last decoder layer.
+``write_fp8_block_source`` and ``write_pack_quantized_source`` turn a fixture into the quantized sources those models
+are published as.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "lla
             "deepseek_v32",
             "glm_moe_dsa",
             )
-# MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32
+# MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32:
+# the GLM router as GLM-4.5's files (not checked against GLM-4.7-Flash's or GLM-5's), DeepSeek-V3.2's indexer k_norm
+# as its release stores it
 MLA_FIXTURES = {
     "glm4_moe_lite": ("e_score_correction_bias", "mlp.gate.weight"),
     "deepseek_v32": ("e_score_correction_bias", "indexer.k_norm.weight", "indexer.k_norm.bias"),
