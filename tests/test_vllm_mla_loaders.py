@@ -338,3 +338,28 @@ def test_a_quantized_indexer_does_not_load(vllm_quant_methods, monkeypatch, tiny
         model = vllm_model(config, _quant_config(out), Recorder(), monkeypatch, "compressed-tensors")
         with pytest.raises(KeyError, match=r"indexer\.wk"):
             load_weights(model, iter(weights))
+
+
+@pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
+def test_deepseek_v32_from_its_fp8_release_loads(vllm_quant_methods, monkeypatch, tiny, tmp_path, dialect) -> None:
+    """From the FP8-block form of the release, the kept Linears (indexer, MTP layer) are written dequantized: vLLM's
+    loaders take the output as they take the one made from BF16, no FP8 scale left over."""
+    from fp4kit.testing.fixtures import write_fp8_block_source
+
+    fp8 = write_fp8_block_source(tiny("deepseek_v32"), tmp_path / "fp8")
+    out = tmp_path / "out"
+    quantize_checkpoint(fp8, out, QuantizeOptions(format=dialect))
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    assert not any(n.endswith("weight_scale_inv") for n in tensors)
+    main = [(n.removeprefix("model."), t) for n, t in sorted(tensors.items())
+            if n.startswith("model.") and not n.startswith("model.layers.3.")]
+    mtp = [(n, t) for n, t in sorted(tensors.items()) if n.startswith("model.layers.3.") or "embed_tokens" in n]
+    for load_weights in LOADERS["deepseek_v32"]:
+        recorder = Recorder()
+        _check_loaded(load_weights, vllm_model(config, _quant_config(out), recorder, monkeypatch, dialect), recorder,
+                      main, "nvfp4a16")
+    for cls in DRAFTERS["deepseek_v32"]:
+        recorder = Recorder()
+        _check_loaded(cls.load_weights, vllm_drafter(config, _quant_config(out), recorder, monkeypatch, dialect, cls),
+                      recorder, mtp, "nvfp4a16", shared_with_target=("embed_tokens",))
