@@ -75,7 +75,9 @@ def full_model_forward(path, name: str, ids: torch.Tensor, dtype: torch.dtype) -
     handles = []
     decoder_layers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
     for index, (layer_name, layer) in enumerate(decoder_layers):
-        handles.append(layer.register_forward_hook(lambda m, a, out: found["layers"].append(out)))
+        # GLM-5's layers return (hidden states, indexer top-k)
+        handles.append(layer.register_forward_hook(
+            lambda m, a, out: found["layers"].append(out[0] if isinstance(out, tuple) else out)))
         for sub_name, module in layer.named_modules():
             full = f"{layer_name}.{sub_name}"
             if isinstance(module, torch.nn.Linear):
@@ -171,7 +173,7 @@ def test_streaming_forward_and_statistics_equal_the_full_model(name, checkpoint)
     assert any(".experts." in n for n in planned) and any("self_attn" in n for n in planned)
     assert_close_amax(result.input_amax, reference, planned, BF16_STEP / 2)
     assert result.routing_counts == found["counts"]
-    top_k = ids.numel() * (2 if name.startswith(("qwen3", "glm4", "deepseek")) else 1)
+    top_k = ids.numel() * (2 if name.startswith(("qwen3", "glm4", "glm_moe", "deepseek")) else 1)
     assert all(sum(counts) == top_k for counts in result.routing_counts.values())
 
 

@@ -83,7 +83,8 @@ def _streamed(src, ckpt, token_ids):
 
 CASES = [(f, "nvfp4a16", "compressed-tensors") for f in FIXTURES] + [
     (f, "nvfp4", "compressed-tensors") for f in ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4")
-] + [("llama4", "nvfp4", "modelopt"), ("qwen3_moe", "nvfp4a16", "modelopt")]
+] + [(f, "nvfp4", "compressed-tensors") for f in ("glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
+      ] + [("llama4", "nvfp4", "modelopt"), ("qwen3_moe", "nvfp4a16", "modelopt")]
 
 
 @pytest.mark.parametrize(("family", "scheme", "dialect"), CASES)

@@ -1,15 +1,19 @@
-"""fp4kit's NVFP4A16 output equals llm-compressor's `oneshot` output on tiny fixtures of all five families: every
-tensor byte for byte (quantized and kept), and config.json's `quantization_config`.
+"""fp4kit's NVFP4A16 output equals llm-compressor's `oneshot` output on tiny fixtures of every family but DeepSeek-V3:
+every tensor byte for byte (quantized and kept), and config.json's `quantization_config`.
 
 llm-compressor 0.14.0.1 (`oneshot` + QuantizationModifier scheme NVFP4A16) is the producer vLLM users run today;
 its per-expert names for fused Llama-4 and Qwen3-VL experts are the names fp4kit writes.
 
 Deliberate differences, each checked for exactly what it is:
 
-- GLM's router weight (`mlp.gate.weight`) keeps the source's fp32, as real GLM-4.5/4.5V checkpoints store it;
-  `oneshot` runs on the model loaded in bf16 and saves it bf16. The values are the same.
-- GLM-4.5's MTP layer (`model.layers.<num_hidden_layers>.*`), which transformers does not instantiate, is kept
-  unquantized (the source's bytes) and its Linear modules are listed in `ignore`; llm-compressor drops it.
+- GLM's router weight (`mlp.gate.weight`) keeps the source's fp32, as real GLM-4.5/4.5V checkpoints store it (and
+  DeepSeek-V3.2's indexer `k_norm`, as its release does); `oneshot` runs on the model loaded in bf16 and saves them
+  bf16. The values are the same.
+- DeepSeek-V3.2 and GLM-5: `oneshot` is given their DSA indexer (`self_attn.indexer`) to ignore, as fp4kit's
+  default ignore does.
+- The MTP layer of GLM-4.5, GLM-4.7-Flash, DeepSeek-V3.2 and GLM-5 (`model.layers.<num_hidden_layers>.*`), which
+  transformers does not instantiate, is kept unquantized (the source's bytes) and its Linear modules are listed in
+  `ignore`; llm-compressor drops it.
 - `quantization_config`: `weights.observer` is the observer llm-compressor calibrated with (memoryless_minmax),
   fp4kit writes compressed-tensors' preset (null): no loader reads it. llm-compressor also writes empty
   `sparsity_config` and `transform_config` (none of either). `ignore` is compared as a set.
@@ -25,11 +29,15 @@ from fp4kit.io.checkpoint import CheckpointReader
 
 pytestmark = pytest.mark.pinned  # llm-compressor's pins (.ci/run)
 
-FAMILIES = ["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4"]
+FAMILIES = ["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4",
+            "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
 LLMC_IGNORE = ["re:.*lm_head", "re:.*mlp.gate$", "re:.*router", "re:.*vision_model.*", "re:.*visual.*",
-               "re:.*multi_modal_projector.*"]
+               "re:.*multi_modal_projector.*",
+               "re:.*self_attn.indexer.*"]  # DeepSeek-V3.2 / GLM-5's DSA indexer (fp4kit's default ignore)
+MTP_FAMILIES = ("glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
 QUANTIZED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_global_scale")
-GLM_FP32_ROUTER = "mlp.gate.weight"
+# fp32 on disk, bf16 in `oneshot`'s model: GLM's router weight, DeepSeek-V3.2's indexer key norm
+FP32_ON_DISK = {"glm": ("mlp.gate.weight",), "deepseek_v32": ("indexer.k_norm.weight", "indexer.k_norm.bias")}
 LLMC_ONLY_CONFIG = {"sparsity_config": {}, "transform_config": {}}
 
 
@@ -65,7 +73,7 @@ def test_equal_to_llm_compressor_oneshot(family, tiny, tiny_nvfp4a16, tmp_path):
     src, ours, theirs = CheckpointReader(tiny(family)), CheckpointReader(tiny_nvfp4a16(family)), \
         CheckpointReader(tmp_path / "llmc")
     source_config = json.loads((tiny(family) / "config.json").read_text())
-    mtp = f"model.layers.{source_config['num_hidden_layers']}." if family == "glm4_moe" else None
+    mtp = f"model.layers.{source_config['num_hidden_layers']}." if family in MTP_FAMILIES else None
 
     our_names, their_names = set(ours.names()), set(theirs.names())
     assert len({n for n in our_names if n.endswith(QUANTIZED_SUFFIXES)}) > 30
@@ -81,10 +89,10 @@ def test_equal_to_llm_compressor_oneshot(family, tiny, tiny_nvfp4a16, tmp_path):
         assert _same(kept, src.read(name)), f"{name}: not the source's tensor"  # kept tensors: the source's bytes
         if name in only_ours:
             continue
-        if family.startswith("glm4") and name.endswith(GLM_FP32_ROUTER):
+        if any(family.startswith(f) and name.endswith(fp32) for f, fp32 in FP32_ON_DISK.items()):
             assert kept.dtype == torch.float32 and theirs.read(name).dtype == torch.bfloat16, name
             kept = kept.to(torch.bfloat16)
-            assert torch.equal(kept.float(), ours.read(name)), f"{name}: fp32 router not bf16-exact"
+            assert torch.equal(kept.float(), ours.read(name)), f"{name}: fp32 tensor not bf16-exact"
         assert _same(kept, theirs.read(name)), name
 
     our_config = json.loads((tiny_nvfp4a16(family) / "config.json").read_text())

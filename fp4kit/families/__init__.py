@@ -1,11 +1,25 @@
 """Model families, detected from config.json."""
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families import deepseek_v3, glm4_moe, glm4v_moe, llama4, qwen3_moe, qwen3_vl_moe
+from fp4kit.families import (
+    deepseek_v3,
+    deepseek_v32,
+    glm4_moe,
+    glm4_moe_lite,
+    glm4v_moe,
+    glm_moe_dsa,
+    llama4,
+    qwen3_moe,
+    qwen3_vl_moe,
+)
 from fp4kit.families.base import Family
 
 FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, glm4_moe, glm4v_moe, llama4)),
-                                 llama4.TEXT_FAMILY, deepseek_v3.FAMILY)
+                                 llama4.TEXT_FAMILY, deepseek_v3.FAMILY,
+                                 glm4_moe_lite.FAMILY,
+                                 deepseek_v32.FAMILY,
+                                 glm_moe_dsa.FAMILY,
+                                 )
 
 
 def detect(config: dict) -> Family:

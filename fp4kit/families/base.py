@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.grammar import DEFAULT, ExpertGrammar
@@ -37,6 +37,16 @@ COMMON_IGNORE = (r"(^|\.)lm_head$",)
 NOT_LINEAR = re.compile(r"(embed|embedding|norm)[^.]*$")
 
 
+class LayerCall(Protocol):
+    """How the layer-streaming passes call a family's transformers decoder layers that are not hidden -> hidden
+    (GLM-5's carry state from layer to layer): what the stand-ins of the recording forward return to the model's
+    layer loop, and ``adapt``, which makes each decoder layer hidden -> hidden (patching its forward in place)."""
+
+    def stand_in_output(self, hidden_states: object) -> object: ...
+
+    def adapt(self, layers: list) -> None: ...
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -57,6 +67,8 @@ class Family:
     grammar: ExpertGrammar = DEFAULT
     # how transformers' classes of the family hold and run its MoE block (fp4kit.families.moe_modules, torch)
     moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
+    # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
+    layer_call: Callable[[], LayerCall] | None = None
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]

@@ -27,6 +27,9 @@ DEMO_MODELS: dict[str, dict] = {
     "glm4v_moe": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS, **_VISION_OUT},
     "llama4": {"intermediate_size": DEMO_INTERMEDIATE, "num_local_experts": DEMO_EXPERTS},
     "deepseek_v3": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
+    "glm4_moe_lite": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
+    "deepseek_v32": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
+    "glm_moe_dsa": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
 }
 DEMO_FAMILIES = tuple(DEMO_MODELS)
 

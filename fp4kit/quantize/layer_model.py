@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import Family
+from fp4kit.families.base import Family, LayerCall
 from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.families.moe_modules import MoEModules
 from fp4kit.io.checkpoint import CheckpointReader
@@ -38,17 +38,19 @@ class _StopForward(Exception):
 class _LayerArguments(nn.Module):
     """Stands in for decoder layer ``index``: records what the model passes it; the last one ends the forward."""
 
-    def __init__(self, index: int, last: bool, store: dict[int, tuple[tuple, dict]], inputs: list[torch.Tensor]):
+    def __init__(self, index: int, last: bool, store: dict[int, tuple[tuple, dict]], inputs: list[torch.Tensor],
+                 layer_call: LayerCall | None = None):
         super().__init__()
         self.index, self.last, self.store, self.inputs = index, last, store, inputs
+        self.layer_call = layer_call
 
-    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> object:
         if self.index == 0:
             self.inputs.append(hidden_states)
         self.store[self.index] = (args, kwargs)
         if self.last:
             raise _StopForward
-        return hidden_states
+        return self.layer_call.stand_in_output(hidden_states) if self.layer_call else hidden_states
 
 
 @dataclass
@@ -62,6 +64,7 @@ class TextModel:
     scales_input: bool  # Llama-4: the router score multiplies the expert input
     family: Family
     moe: MoEModules  # how the family's transformers classes hold the MoE block
+    layer_call: LayerCall | None = None  # the family's decoder layers are not hidden -> hidden (GLM-5)
 
     @property
     def grammar(self) -> ExpertGrammar:
@@ -120,7 +123,10 @@ def text_model(reader: CheckpointReader, config: dict, family: Family, dtype: to
         getattr(model, "_keep_in_fp32_modules", None) or ()
     )
     scales_input = family.routing(family.text_config(config)).scales_input
-    return TextModel(model, list(model.layers), prefix, keep, scales_input, family, family.moe_modules())
+    layer_call = family.layer_call() if family.layer_call else None
+    if layer_call:
+        layer_call.adapt(list(model.layers))
+    return TextModel(model, list(model.layers), prefix, keep, scales_input, family, family.moe_modules(), layer_call)
 
 
 def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str, device: torch.device,
@@ -193,7 +199,7 @@ def layer_inputs(text: TextModel, token_ids: torch.Tensor, batch_size: int,
     for start in range(batch_size * rank, token_ids.shape[0], batch_size * world):
         store: dict[int, tuple[tuple, dict]] = {}
         text.model.layers = nn.ModuleList(
-            [_LayerArguments(i, i == count - 1, store, hidden_batches) for i in range(count)]
+            [_LayerArguments(i, i == count - 1, store, hidden_batches, text.layer_call) for i in range(count)]
         )
         try:
             text.model(input_ids=token_ids[start : start + batch_size], use_cache=False)

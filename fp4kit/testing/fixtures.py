@@ -1,9 +1,10 @@
 """Tiny checkpoints of every family, built offline with transformers from configs shipped in fp4kit/data.
 
 Weights are seeded random, never downloaded. They are saved the way each family's real checkpoints are: bf16,
-GLM's router weight and correction bias in fp32 (DeepSeek's bias), and the MTP layer of GLM and DeepSeek (which
-transformers does not instantiate) added as extra tensors after the last decoder layer. ``write_fp8_block_source``
-and ``write_pack_quantized_source`` turn a fixture into the quantized sources those models are published as.
+GLM's router weight and correction bias in fp32 (DeepSeek's bias; MLA_FIXTURES), and the MTP layer of GLM, DeepSeek
+and the MLA families (which transformers does not instantiate) added as extra tensors after the last decoder layer.
+``write_fp8_block_source`` and ``write_pack_quantized_source`` turn a fixture into the quantized sources those models
+are published as.
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from pathlib import Path
 
 import torch
 
-FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text", "deepseek_v3")
+FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "llama4_text", "deepseek_v3",
+            "glm4_moe_lite",
+            "deepseek_v32",
+            "glm_moe_dsa",
+            )
+# MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32:
+# the GLM router as GLM-4.5's files (not checked against GLM-4.7-Flash's or GLM-5's), DeepSeek-V3.2's indexer k_norm
+# as its release stores it
+MLA_FIXTURES = {
+    "glm4_moe_lite": ("e_score_correction_bias", "mlp.gate.weight"),
+    "deepseek_v32": ("e_score_correction_bias", "indexer.k_norm.weight", "indexer.k_norm.bias"),
+    "glm_moe_dsa": ("e_score_correction_bias", "mlp.gate.weight"),
+}
 
 # Tiny stand-ins that meet the seed recipes' backend rules: I % 64 (CUTLASS gated GEMM, Marlin), 8 experts so that
 # EP 8 divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout) and DeepSeek (Marlin) H % 128. The fixtures' H
@@ -30,6 +43,9 @@ RECIPE_STAND_INS = {
                                       "partial_rotary_factor": 0.5}},
     "llama4": {"hidden_size": 128, "intermediate_size": 64, "num_local_experts": 8},
     "deepseek_v3": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
+    "glm4_moe_lite": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
+    "deepseek_v32": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
+    "glm_moe_dsa": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
 }
 
 
@@ -69,14 +85,15 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
     path = Path(path)
     model = build_model(name, seed, overrides).to(torch.bfloat16)
     model.save_pretrained(path)
-    if name.startswith("glm4") or name == "deepseek_v3":
+    if name.startswith("glm4") or name == "deepseek_v3" or name in MLA_FIXTURES:
         single = path / "model.safetensors"
         tensors = load_file(single)
         fp32 = ("e_score_correction_bias", "mlp.gate.weight")[: 2 if name.startswith("glm4") else 1]
+        fp32 = MLA_FIXTURES.get(name, fp32)
         for tname in list(tensors):
             if tname.endswith(fp32):
                 tensors[tname] = tensors[tname].float()
-        if name in ("glm4_moe", "deepseek_v3"):
+        if name in ("glm4_moe", "deepseek_v3") or name in MLA_FIXTURES:
             tensors.update(_glm_mtp_layer(tensors, model.config, seed))
         save_file(tensors, single, metadata={"format": "pt"})
     return path
