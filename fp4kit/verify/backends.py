@@ -314,3 +314,6 @@ BACKENDS: dict[str, Backend] = {
         Backend("marlin", "vLLM fused_marlin_moe (FP4 W4A16)", modes=("w4a16",)),
     )
 }
+
+# the backend that runs one EP rank the way the engine does, with its expert_map
+EXPERT_MAP_BACKEND = "marlin"

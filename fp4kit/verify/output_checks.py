@@ -13,7 +13,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families.routing import route
 from fp4kit.layouts import StackedExperts
 from fp4kit.nvfp4 import NVFP4Tensor
-from fp4kit.verify.backends import BACKENDS, dequantized, marlin_runner
+from fp4kit.verify.backends import BACKENDS, EXPERT_MAP_BACKEND, dequantized, marlin_runner
 from fp4kit.verify.checks import (
     DEFAULT_TOL_SOURCE,
     SIDE_CHECK_TOKENS,
@@ -123,9 +123,6 @@ def check_expert_parallel(v: LayerVerifier, shards: Path) -> None:
     )
     if EXPERT_MAP_BACKEND in v.runners:
         _expert_map_kernel(v, ranks, f"{target} ({len(ranks)} ranks)", hidden, logits, weights, ids)
-
-
-EXPERT_MAP_BACKEND = "marlin"  # the backend that runs one EP rank the way the engine does, with its expert_map
 
 
 def _expert_map_kernel(v: LayerVerifier, ranks: list[RankExperts], target: str, hidden: Tensor, logits: Tensor,
