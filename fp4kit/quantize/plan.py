@@ -11,7 +11,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
-from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype, stored_fp8_block
+from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, model_dtype, read_source, stored_fp8_block
 from fp4kit.native.nvfp4_cpu import Fp8BlockWeight
 from fp4kit.nvfp4 import BLOCK
 
@@ -133,6 +133,8 @@ def build_plan(
     for name in reader.names():
         if name in consumed:
             continue
+        if name in source.dropped:
+            continue
         if name in consumed_by_source:  # a quantized Linear left unquantized: its weight, dequantized
             linear = next(q for q in source.linears.values() if name in q.tensors)
             if name == linear.tensor:
@@ -150,7 +152,7 @@ def source_view(reader: CheckpointReader, config: dict,
                 dequant_dtype: str = "fp32") -> tuple[SourceFormat, dict[str, tuple[int, ...]]]:
     """How SRC stores its Linears, and its tensors' shapes as the model sees them: a quantized Linear's tensors
     stand in as ``<module>.weight`` [N, K]."""
-    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()}, dequant_dtype)
+    source = read_source(reader, config, dequant_dtype)
     consumed = source.consumed()
     shapes = {name: info.shape for name, info in reader.tensors.items() if name not in consumed}
     shapes.update({f"{m}.weight": (q.out_features, q.in_features) for m, q in source.linears.items()})
