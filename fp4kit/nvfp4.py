@@ -239,3 +239,96 @@ def quantize_stacked(
     amax = block_amax(stack, native)
     global_mul = global_scale_mul(amax.flatten(1).amax(dim=1), exact_fp32)
     return quantize(stack, global_mul, amax, native)
+
+
+# --- MXFP4 -> NVFP4 without rounding -------------------------------------------------------------------------
+
+MX_BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# the powers of two FP8 E4M3 holds exactly: 2^-9 (its smallest subnormal) .. 2^8 (256; 448 is not a power of two)
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
+# the global multiplier 2^m must be a normal fp32 value, and so must its divisor 2^-m (ModelOpt stores that)
+GLOBAL_POW2_MIN, GLOBAL_POW2_MAX = -126, 126
+
+
+@dataclass
+class Mxfp4Weight:
+    """An MXFP4 weight as stored: E2M1 codes packed two per byte along K, element 2j in the low nibble (the byte
+    layout of NVFP4Tensor.packed) [N, K/2], and one E8M0 exponent byte per 32 inputs [N, ceil(K/32)]: the block's
+    values are its codes times 2^(byte - 127)."""
+
+    packed: torch.Tensor
+    exponents: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact fp32 values (NaN where the exponent byte is 255)."""
+        scale = torch.ldexp(torch.ones_like(self.exponents, dtype=torch.float32),
+                            self.exponents.to(torch.int32) - E8M0_BIAS)
+        scale = torch.where(self.exponents == E8M0_NAN, torch.nan, scale)
+        values = unpack_e2m1(self.packed)
+        return values.mul_(scale.repeat_interleave(MX_BLOCK, dim=-1)[..., : values.shape[-1]])
+
+
+@dataclass
+class CastResult:
+    tensors: list[NVFP4Tensor]
+    exact_blocks: int  # NVFP4 16-blocks holding the source's codes, with the source's values
+    requantized_blocks: int  # 16-blocks whose scale the E4M3 range left by the global scale cannot hold
+
+
+def _block_exponents(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the E8M0 exponent k of each 16-block [N, K/16] as int32, whether the block holds a nonzero code)."""
+    if weight.packed.shape[-1] % (BLOCK // 2):
+        raise ValueError(f"last dimension {weight.shape[-1]} is not a multiple of {BLOCK}")
+    if bool((weight.exponents == E8M0_NAN).any()):
+        raise NonFiniteError("MXFP4 exponent 255 (NaN)")
+    blocks = weight.shape[-1] // BLOCK
+    k = (weight.exponents.to(torch.int32) - E8M0_BIAS).repeat_interleave(MX_BLOCK // BLOCK, dim=-1)[..., :blocks]
+    nonzero = (weight.packed.unflatten(-1, (blocks, BLOCK // 2)) & 0x77).ne(0).any(-1)  # magnitude bits of a nibble
+    return k, nonzero
+
+
+def mxfp4_global_exponent(exponents: list[torch.Tensor]) -> int:
+    """The m of the global multiplier 2^m for 16-blocks of exponents k (``exponents``: those of the nonzero blocks):
+    the largest block gets the scale 2^8, so no block is above E4M3's range (that one would saturate at 448 and
+    clip), and every block within 17 binades of it is exact; smaller ones are re-quantized as RTN would."""
+    tops = [int(k.max()) for k in exponents if k.numel()]
+    if not tops:
+        return 0
+    return max(GLOBAL_POW2_MIN, min(GLOBAL_POW2_MAX, E4M3_POW2_MAX - max(tops)))
+
+
+def cast_mxfp4_group(weights: list[Mxfp4Weight]) -> CastResult:
+    """NVFP4 of MXFP4 tensors a kernel fuses, under one power-of-two global scale 2^-m (multiplier 2^m): each 32-block
+    of codes x 2^k becomes two 16-blocks with the same code bytes and block scale 2^(k + m), which dequantize to
+    exactly the source's values wherever 2^(k + m) is an E4M3 power of two (2^-9 .. 2^8; the largest block at 2^8).
+    Any other block holding a nonzero code is re-quantized (RTN under the same global scale) from its exact
+    values, and counted; an all-zero block keeps its codes under the nearest such scale. No arithmetic touches the
+    codes: they are the source's bytes."""
+    parts = [_block_exponents(w) for w in weights]
+    m = mxfp4_global_exponent([k[nonzero] for k, nonzero in parts])
+    global_mul = torch.tensor(2.0**m, dtype=torch.float32)
+    divisor = torch.tensor(2.0**-m, dtype=torch.float64)
+    tensors, exact, requantized = [], 0, 0
+    for weight, (k, nonzero) in zip(weights, parts, strict=True):
+        j = k + m
+        inside = (j >= E4M3_POW2_MIN) & (j <= E4M3_POW2_MAX)
+        scale = torch.ldexp(torch.ones_like(j, dtype=torch.float32), j.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX))
+        packed = weight.packed.clone()
+        redo = nonzero & ~inside
+        count = int(redo.sum())
+        if count:
+            blocks = weight.dequantize().unflatten(-1, (-1, BLOCK))[redo]  # [count, 16], exact
+            redo_scale = rtn_block_scale(blocks.abs().amax(-1), global_mul)
+            codes = encode_blocks(blocks, redo_scale / global_mul).view(count, BLOCK // 2)
+            packed.unflatten(-1, (-1, BLOCK // 2))[redo] = codes
+            scale[redo] = redo_scale
+        tensors.append(NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn), divisor.clone()))
+        exact += j.numel() - count
+        requantized += count
+    return CastResult(tensors, exact, requantized)

@@ -1,19 +1,24 @@
 """Source checkpoints that are already quantized, read as the dequantized Linears they encode.
 
-Two formats, detected from config.json ``quantization_config``:
+Detected from config.json ``quantization_config`` (docs/sources.md has every format's tensors and upstream sources):
 
 - FP8 block (``quant_method: fp8``, ``weight_block_size: [bm, bn]``; DeepSeek-V3/R1, MiniMax-M2, Qwen3 and GLM FP8
   releases): ``<m>.weight`` F8_E4M3 [N, K] and ``<m>.weight_scale_inv`` F32 [ceil(N/bm), ceil(K/bn)], a dequant
   multiplier per block; the last block of a row or column is partial (transformers' ``finegrained_fp8.py``,
   compressed-tensors' ``FP8BlockDequantizer``).
-- compressed-tensors pack-quantized INT (``quant_method: compressed-tensors``, format ``pack-quantized``;
-  Kimi-K2-Thinking's INT4): ``<m>.weight_packed`` I32 [N, ceil(K*bits/32)] with the values offset by 2^(bits-1) and
-  packed densely from the low bits up, ``<m>.weight_scale`` [N, K/group] (or [N, 1] per channel) and
-  ``<m>.weight_shape`` [2] = (N, K) (compressed-tensors' ``compressors/pack_quantized``); symmetric only.
+- compressed-tensors (``quant_method: compressed-tensors``), per config group's format:
+  ``pack-quantized`` INT (Kimi-K2-Thinking's INT4): ``<m>.weight_packed`` I32 [N, ceil(K*bits/32)] with the values
+  offset by 2^(bits-1) and packed densely from the low bits up, ``<m>.weight_scale`` [N, K/group] (or [N, 1] per
+  channel) and ``<m>.weight_shape`` [2] = (N, K) (``compressors/pack_quantized``); symmetric only.
+  ``float-quantized`` FP8 (FP8_DYNAMIC and FP8 releases): ``<m>.weight`` F8_E4M3 [N, K], ``<m>.weight_scale`` per
+  channel [N, 1], per tensor [1] or per block; read as FP8 blocks of (1, K), (N, K) or the block structure.
+  ``mxfp4-pack-quantized``: ``<m>.weight_packed`` U8 [N, K/2] E2M1 codes, ``<m>.weight_scale`` U8 [N, K/32] E8M0.
 
-Dequantization multiplies in fp32 (exact for INT, one fp32 rounding for FP8 x F32), then casts to the requested
-dtype: fp32 (NVFP4 then quantizes straight from it: one rounding) or bf16 (the peers' bf16 intermediate: two).
-Tensors the source kept unquantized are not touched.
+Everything else quantized is refused with one line (``detect_source``): another method, format or ModelOpt
+algorithm, NVFP4 checkpoints (as sources: ``refuse_nvfp4``), and quantization tensors that the read format does not
+consume. Dequantization multiplies in fp32 (exact for INT and MXFP4, and for FP8 with bf16 scales; one fp32 rounding
+for FP8 x F32), then casts to the requested dtype: fp32 (NVFP4 then quantizes straight from it: one rounding) or bf16
+(the peers' bf16 intermediate: two). Tensors the source kept unquantized are not touched.
 """
 
 from __future__ import annotations

@@ -11,9 +11,17 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
-from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, model_dtype, read_source, stored_fp8_block
+from fp4kit.io.sources import (
+    Mxfp4,
+    QuantizedLinear,
+    SourceFormat,
+    dequantize,
+    model_dtype,
+    read_source,
+    stored_fp8_block,
+)
 from fp4kit.native.nvfp4_cpu import Fp8BlockWeight
-from fp4kit.nvfp4 import BLOCK
+from fp4kit.nvfp4 import BLOCK, Mxfp4Weight
 
 
 def _compile(patterns: list[str], what: str) -> list[re.Pattern[str]]:
@@ -219,10 +227,12 @@ def planned_passthrough(reader: CheckpointReader, name: str) -> PlannedTensor:
 
 
 def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.device | str | None = None,
-             fp8_codes: bool = False) -> object:
+             fp8_codes: bool = False, mxfp4_codes: bool = False) -> object:
     """A job's data: a group's weights (``read_group_weights``, quantized sources dequantized on ``device``) or a
     passthrough tensor as the output holds it."""
     if isinstance(job, QuantGroup):
+        if mxfp4_codes and mxfp4_group(job):
+            return [stored_mxfp4(reader, c.linear.source.quantized) for c in job.members]  # type: ignore[arg-type]
         return read_group_weights(reader, job, device, fp8_codes)
     if isinstance(job, DequantizedWeight):
         return dequantize(reader, job.linear, torch.float32).to(job.dtype)
@@ -243,6 +253,19 @@ def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
     if isinstance(job, DequantizedWeight):
         return sum(reader.info(t).nbytes for t in job.linear.tensors)
     return reader.info(job).nbytes
+
+
+def mxfp4_group(group: QuantGroup) -> bool:
+    """Whether every member of the group is stored MXFP4 (the group can be cast to NVFP4 without rounding)."""
+    return all(c.linear.source.quantized is not None and isinstance(c.linear.source.quantized.encoding, Mxfp4)
+               for c in group.members)
+
+
+def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weight:
+    """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
+    enc = linear.encoding
+    assert isinstance(enc, Mxfp4)
+    return Mxfp4Weight(reader.read(enc.weight), reader.read(enc.scale))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,
