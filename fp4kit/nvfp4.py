@@ -250,6 +250,7 @@ E8M0_NAN = 255
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
 # the global multiplier 2^m must be a normal fp32 value, and so must its divisor 2^-m (ModelOpt stores that)
 GLOBAL_POW2_MIN, GLOBAL_POW2_MAX = -126, 126
+_MAGNITUDE_BITS = 0x7777777777777777  # of the 16 E2M1 codes in 8 bytes (the sign bits left out: -0 is zero)
 
 
 @dataclass
@@ -289,18 +290,31 @@ def _block_exponents(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
         raise NonFiniteError("MXFP4 exponent 255 (NaN)")
     blocks = weight.shape[-1] // BLOCK
     k = (weight.exponents.to(torch.int32) - E8M0_BIAS).repeat_interleave(MX_BLOCK // BLOCK, dim=-1)[..., :blocks]
-    nonzero = (weight.packed.unflatten(-1, (blocks, BLOCK // 2)) & 0x77).ne(0).any(-1)  # magnitude bits of a nibble
+    packed = weight.packed.contiguous()
+    if packed.numel():  # a 16-block is 8 bytes: one int64, its nibbles' magnitude bits under one mask
+        nonzero = (packed.view(torch.int64) & _MAGNITUDE_BITS).ne(0).view(k.shape)
+    else:
+        nonzero = torch.zeros(k.shape, dtype=torch.bool)
     return k, nonzero
 
 
-def mxfp4_global_exponent(exponents: list[torch.Tensor]) -> int:
-    """The m of the global multiplier 2^m for 16-blocks of exponents k (``exponents``: those of the nonzero blocks):
-    the largest block gets the scale 2^8, so no block is above E4M3's range (that one would saturate at 448 and
-    clip), and every block within 17 binades of it is exact; smaller ones are re-quantized as RTN would."""
-    tops = [int(k.max()) for k in exponents if k.numel()]
-    if not tops:
+def mxfp4_global_exponent(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The m of the global multiplier 2^m for 16-blocks of exponents k (``parts``: each member's k and which of its
+    blocks are nonzero): the largest nonzero block gets the scale 2^8, so no block is above E4M3's range (that one
+    would saturate at 448 and clip), and every block within 17 binades of it is exact; smaller ones are re-quantized
+    as RTN would."""
+    lowest = torch.iinfo(torch.int32).min
+    tops = [int(torch.where(nonzero, k, lowest).max()) for k, nonzero in parts if k.numel()]
+    top = max(tops, default=lowest)
+    if top == lowest:  # no nonzero block
         return 0
-    return max(GLOBAL_POW2_MIN, min(GLOBAL_POW2_MAX, E4M3_POW2_MAX - max(tops)))
+    return max(GLOBAL_POW2_MIN, min(GLOBAL_POW2_MAX, E4M3_POW2_MAX - top))
+
+
+def _e4m3_pow2_bytes(j: torch.Tensor) -> torch.Tensor:
+    """The E4M3 bytes of 2^j for int32 j in [-9, 8]: exponent field j + 7 for normals (j >= -6), the mantissa bit
+    j + 9 of a subnormal below."""
+    return torch.where(j >= -6, (j + 7) << 3, 1 << (j + 9).clamp(min=0)).to(torch.uint8)
 
 
 def cast_mxfp4_group(weights: list[Mxfp4Weight]) -> CastResult:
@@ -311,24 +325,23 @@ def cast_mxfp4_group(weights: list[Mxfp4Weight]) -> CastResult:
     values, and counted; an all-zero block keeps its codes under the nearest such scale. No arithmetic touches the
     codes: they are the source's bytes."""
     parts = [_block_exponents(w) for w in weights]
-    m = mxfp4_global_exponent([k[nonzero] for k, nonzero in parts])
+    m = mxfp4_global_exponent(parts)
     global_mul = torch.tensor(2.0**m, dtype=torch.float32)
     divisor = torch.tensor(2.0**-m, dtype=torch.float64)
     tensors, exact, requantized = [], 0, 0
     for weight, (k, nonzero) in zip(weights, parts, strict=True):
         j = k + m
-        inside = (j >= E4M3_POW2_MIN) & (j <= E4M3_POW2_MAX)
-        scale = torch.ldexp(torch.ones_like(j, dtype=torch.float32), j.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX))
-        packed = weight.packed.clone()
-        redo = nonzero & ~inside
+        scale = _e4m3_pow2_bytes(j.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX))
+        redo = nonzero & ((j < E4M3_POW2_MIN) | (j > E4M3_POW2_MAX))  # above only where m was clamped
         count = int(redo.sum())
+        packed = weight.packed.clone() if count else weight.packed
         if count:
             blocks = weight.dequantize().unflatten(-1, (-1, BLOCK))[redo]  # [count, 16], exact
             redo_scale = rtn_block_scale(blocks.abs().amax(-1), global_mul)
             codes = encode_blocks(blocks, redo_scale / global_mul).view(count, BLOCK // 2)
             packed.unflatten(-1, (-1, BLOCK // 2))[redo] = codes
-            scale[redo] = redo_scale
-        tensors.append(NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn), divisor.clone()))
+            scale[redo] = redo_scale.to(torch.float8_e4m3fn).view(torch.uint8)
+        tensors.append(NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), divisor.clone()))
         exact += j.numel() - count
         requantized += count
     return CastResult(tensors, exact, requantized)
