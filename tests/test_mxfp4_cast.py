@@ -27,7 +27,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 def mxfp4(rows: int, cols: int, low: int, high: int, seed: int) -> Mxfp4Weight:
     generator = torch.Generator().manual_seed(seed)
     return Mxfp4Weight(torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=generator),
-                       torch.randint(low, high + 1, (rows, cols // 32), dtype=torch.uint8, generator=generator))
+                       torch.randint(low, high + 1, (rows, -(-cols // 32)), dtype=torch.uint8, generator=generator))
 
 
 @pytest.mark.parametrize("low, high", [(127, 127), (110, 127), (0, 17), (237, 254)])
@@ -165,3 +165,16 @@ def test_an_explicit_method_requantizes(mxfp4_source, tmp_path):
     assert cast.mxfp4_cast["exact"] == 7680 and rtn.mxfp4_cast == {}
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("cast", "rtn"))
     assert any(not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a if n.endswith("packed"))
+
+
+@pytest.mark.parametrize("low, high", [(120, 130), (60, 140)])
+def test_a_last_half_block(low, high):
+    """K = 48: the last 32-block holds 16 inputs (one NVFP4 block); exact where in range, on the fast and the
+    re-quantizing path."""
+    weight = mxfp4(32, 48, low, high, seed=4)
+    cast = cast_mxfp4_group([weight])
+    out = cast.tensors[0]
+    assert out.block_scale.shape == (32, 3) and cast.exact_blocks + cast.requantized_blocks == 96
+    assert (cast.requantized_blocks > 0) == (high - low > 17)
+    same = (out.dequantize().view(32, 3, 16) == weight.dequantize().view(32, 3, 16)).all(-1)
+    assert int(same.sum()) >= cast.exact_blocks
