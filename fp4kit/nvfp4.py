@@ -241,6 +241,31 @@ def quantize_stacked(
     return quantize(stack, global_mul, amax, native)
 
 
+# --- activations (W4A4): quantized per 16-block at run time with a static global scale ---
+
+def block_scale_input(amax_per_block: torch.Tensor, global_mul: torch.Tensor) -> torch.Tensor:
+    """amax_blk / 6 · G_a in fp32, the value rounded to the FP8 block scale. The divisor is a tensor on amax's device:
+    CUDA torch turns a division by a Python number into a multiplication by its reciprocal, which is not amax / 6
+    in the last bit, and activations often sit exactly on an FP8 rounding tie (the kernel divides exactly)."""
+    return amax_per_block / torch.tensor(FP4_MAX, device=amax_per_block.device) * global_mul
+
+
+def fake_quantize_activation(x: torch.Tensor, global_div: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize fp32 activations [..., K] per 16-block with a static divisor global scale D_a (0-d), the
+    way the W4A4 kernels quantize a GEMM's input at run time: block scale s = fp8(amax_blk / 6 · G_a) with the
+    static multiplier G_a = fp32(1 / D_a), codes = rne_e2m1(x / (s / G_a)), an all-zero block gives zeros."""
+    global_mul = fp32_multiplier(global_div).to(x.device)
+    blocks = x.float().unflatten(-1, (-1, BLOCK))
+    amax_per_block = blocks.abs().amax(dim=-1, keepdim=True)
+    block_scale = torch.clamp(block_scale_input(amax_per_block, global_mul), max=FP8_MAX)
+    block_scale = block_scale.to(torch.float8_e4m3fn).float()
+    divisor = block_scale / global_mul
+    safe_divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
+    values = e2m1_values(e2m1_codes(blocks / safe_divisor))
+    dequantized = torch.where(divisor > 0, values * block_scale / global_mul, torch.zeros_like(values))
+    return dequantized.flatten(-2)
+
+
 # --- MXFP4 -> NVFP4 without rounding -------------------------------------------------------------------------
 
 MX_BLOCK = 32

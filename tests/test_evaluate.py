@@ -61,8 +61,8 @@ def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path
     source, quantized = _hf_model(src, family), _hf_model(dense, family)
     with open_checkpoint(ckpt) as opened:
         divisors = input_divisors(opened)
-        bmm = detect(opened.config).name == "llama4"
-    covered = emulate_w4a4(quantized, "", divisors, bmm) if divisors else set()
+        family_of = detect(opened.config)
+    covered = emulate_w4a4(quantized, "", divisors, family_of) if divisors else set()
     assert covered == set(divisors)  # every input scale of the checkpoint is emulated
     totals = torch.zeros(4, dtype=torch.float64)
     with torch.inference_mode():
@@ -123,8 +123,9 @@ def test_w4a4_emulation_moves_the_result(tiny, quantized, token_ids):
 def test_w4a4_experts_match_the_verify_reference():
     """The routed-experts emulation (transformers' eager loop with two quantization points) equals
     fp4kit/verify/reference.py's moe_reference, an independent loop over the same math."""
+    from fp4kit.families.moe_modules import FUSED_EXPERTS
     from fp4kit.families.routing import RoutingSpec
-    from fp4kit.tools.evaluate import _routed_experts_w4a4
+    from fp4kit.tools.evaluate import _fake_quantized
     from fp4kit.verify.reference import moe_reference
 
     generator = torch.Generator().manual_seed(1)
@@ -138,7 +139,7 @@ def test_w4a4_experts_match_the_verify_reference():
     div2 = torch.rand(experts, generator=generator, dtype=torch.float64) * 0.01 + 1e-3
     module = torch.nn.Module()  # transformers' experts module: the W4A4 forward refers to it weakly
     module.gate_up_proj, module.down_proj, module.act_fn = w13, w2, torch.nn.functional.silu
-    ours = _routed_experts_w4a4(module, list(div13), list(div2))(x, ids, weights)
+    ours = FUSED_EXPERTS.w4a4_forward(module, list(div13), list(div2), _fake_quantized)(x, ids, weights)
     spec = RoutingSpec("softmax_topk", experts, k)
     reference = moe_reference(x, weights, ids, w13, w2, spec, activation_global_div=(div13, div2))
     assert torch.allclose(ours, reference, rtol=1e-5, atol=1e-5)
@@ -272,6 +273,7 @@ def test_an_emulated_layer_is_freed_without_the_garbage_collector():
 
     from torch import nn
 
+    from fp4kit.families import qwen3_moe
     from fp4kit.tools.evaluate import emulate_w4a4
 
     class Experts(nn.Module):
@@ -285,7 +287,7 @@ def test_an_emulated_layer_is_freed_without_the_garbage_collector():
     layer.experts = Experts()
     divisors = {f"x.experts.{e}.{p}": torch.tensor(1.0, dtype=torch.float64)
                 for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
-    emulate_w4a4(layer, "x.", divisors, bmm_experts=False)
+    emulate_w4a4(layer, "x.", divisors, qwen3_moe.FAMILY)
     experts = weakref.ref(layer.experts)
     gc.disable()
     try:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fp4kit.families.routing import RoutingSpec, route
-from fp4kit.nvfp4 import quantize
-from fp4kit.verify.reference import dense_mlp, fake_quantize_activation, moe_reference
+from fp4kit.nvfp4 import fake_quantize_activation, quantize
+from fp4kit.verify.reference import dense_mlp, moe_reference
 
 HIDDEN, INTER, TOKENS = 32, 16, 24
 

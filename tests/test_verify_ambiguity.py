@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from fp4kit.families.routing import RoutingSpec, route
+from fp4kit.nvfp4 import fake_quantize_activation
 from fp4kit.verify.ambiguity import ACCUMULATION_EPS, quantization_flips, w4a4_flip_bound
 from fp4kit.verify.checks import ambiguous_rows_check
-from fp4kit.verify.reference import fake_quantize_activation, moe_reference
+from fp4kit.verify.reference import moe_reference
 
 TOL = 1e-2
 SPEC = RoutingSpec("softmax_topk", 2, 1)

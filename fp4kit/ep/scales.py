@@ -21,7 +21,7 @@ from fp4kit.families.base import fused_projection
 from fp4kit.io.shard_io import SourceTensor, read_bytes
 
 if TYPE_CHECKING:
-    from fp4kit.ep.shard import ExpertInventory
+    from fp4kit.ep.inventory import ExpertInventory
 
 # Tensor leaf -> how to pick the value of largest amax among a layer's experts.
 INPUT_SCALE_LEAVES: dict[str, Callable[[list[float]], float]] = {"input_global_scale": min, "input_scale": max}

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp4kit.ep.copy import FileEntry, ShardCopier, file_jobs, sha256_file
+from fp4kit.ep.inventory import ExpertInventory, scan_experts
 from fp4kit.ep.placement import LayerPlacement, check_ep, imbalance, load_stats, place
 from fp4kit.ep.scales import unify_input_scales
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import EXPERT_PROJS, EXPERT_RE, FUSED_EXPERT_TENSORS, layer_of
 from fp4kit.io.output import atomic_directory
 from fp4kit.io.shard_io import (
     INDEX_NAME,
@@ -69,24 +69,6 @@ class ShardOptions:
     stats: Path | None = None
     max_shard_bytes: int = 5 * 10**9
     overwrite: bool = False
-
-
-@dataclass(frozen=True)
-class ExpertTensor:
-    layer: int
-    expert: int
-    proj: str  # gate_proj / up_proj / down_proj
-    leaf: str  # what follows the projection: weight_packed, weight_scale, input_global_scale, weight, ...
-
-
-@dataclass
-class ExpertInventory:
-    experts: dict[str, ExpertTensor]  # tensor name -> where it belongs
-    modules: dict[int, str]  # MoE layer index -> experts module path
-
-    @property
-    def layers(self) -> list[int]:
-        return sorted(self.modules)
 
 
 @dataclass
@@ -123,46 +105,6 @@ def uneven_split_warning(num_experts: int, ep: int) -> str | None:
 
 def rank_dir_name(rank: int) -> str:
     return f"rank-{rank:05d}"
-
-
-def scan_experts(names: list[str], num_experts: int) -> ExpertInventory:
-    """Find the routed experts by their per-expert names and check every MoE layer has E complete experts."""
-    experts: dict[str, ExpertTensor] = {}
-    modules: dict[int, str] = {}
-    for name in names:
-        match = EXPERT_RE.search(name)
-        if match is None:
-            if name.rsplit(".", 1)[-1] in FUSED_EXPERT_TENSORS and ".experts." in f".{name}":
-                raise Fp4kitError(f"{name}: fused expert tensor; shard needs per-expert tensors "
-                                  f"(`...experts.E.gate_proj.*`), as `fp4kit quantize` writes them")
-            continue
-        proj, _, leaf = name[match.end():].partition(".")
-        layer = layer_of(name)
-        if proj not in EXPERT_PROJS or not leaf or layer is None:
-            raise Fp4kitError(f"{name}: unrecognised expert tensor (expected layers.L...experts.E."
-                              f"{{gate,up,down}}_proj.*)")
-        module = name[: match.start()] + ".experts"
-        if modules.setdefault(layer, module) != module:
-            raise Fp4kitError(f"layer {layer} has experts under two modules: {modules[layer]} and {module}")
-        experts[name] = ExpertTensor(layer, int(match.group("expert")), proj, leaf)
-    _check_complete(experts, modules, num_experts)
-    return ExpertInventory(experts, modules)
-
-
-def _check_complete(experts: dict[str, ExpertTensor], modules: dict[int, str], num_experts: int) -> None:
-    per_expert: dict[tuple[int, int], set[tuple[str, str]]] = {}
-    for t in experts.values():
-        per_expert.setdefault((t.layer, t.expert), set()).add((t.proj, t.leaf))
-    for layer, module in modules.items():
-        ids = sorted(e for (lay, e) in per_expert if lay == layer)
-        if ids != list(range(num_experts)):
-            raise Fp4kitError(f"{module}: experts {ids[:3]}...{ids[-3:]} ({len(ids)}) on disk, config.json says "
-                              f"{num_experts}")
-        first = per_expert[(layer, 0)]
-        for e in ids:
-            if per_expert[(layer, e)] != first or {p for p, _ in first} != set(EXPERT_PROJS):
-                raise Fp4kitError(f"{module}.{e}: tensors {sorted(per_expert[(layer, e)])} differ from expert 0's "
-                                  f"or lack a projection")
 
 
 def _refuse_layout(src: Path, num_experts: int, ep: int) -> None:
@@ -220,9 +162,9 @@ def shard_checkpoint(
     if (src / LAYOUT_MANIFEST).exists():
         _refuse_layout(src, num_experts, options.ep)
     tensors = read_tensors(src)
-    inventory = scan_experts(list(tensors), num_experts)
+    inventory = scan_experts(list(tensors), num_experts, family.grammar)
     if not inventory.modules:
-        raise Fp4kitError(f"{src}: no routed expert tensors (`...experts.E.{{gate,up,down}}_proj.*`) found")
+        raise Fp4kitError(f"{src}: no routed expert tensors (`{family.grammar.hint}.*`) found")
     stats = routing_stats(src, options)
     placements = _placements(options, stats, config, num_experts, inventory.layers)
     scales, scale_record, changed = unify_input_scales(tensors, inventory)

@@ -12,29 +12,26 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 
 if TYPE_CHECKING:
+    from fp4kit.families.moe_modules import MoEModules
     from fp4kit.families.routing import RoutingSpec
     from fp4kit.io.sources import QuantizedLinear
 
 T = TypeVar("T")
 
-# Modules that a kernel fuses and that must therefore share one weight global scale. MLA's q_a_proj and
-# kv_a_proj_with_mqa are vLLM's fused_qkv_a_proj (vllm/model_executor/models/deepseek_v2.py).
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
-FUSED_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # a routed expert's Linears, in w13 (gate, up) then w2 order
-# beside a layer's `experts`: the router (Qwen3 / GLM / DeepSeek `gate`, Llama-4 `router`), GLM's and DeepSeek's
-# selection bias, the shared expert (GLM / DeepSeek `shared_experts`, Qwen3 / Llama-4 `shared_expert`)
-ROUTER_MODULES = ("gate", "router")
-ROUTER_BIAS = "gate.e_score_correction_bias"
-SHARED_EXPERT_MODULES = ("shared_experts", "shared_expert")
+# Modules that a kernel fuses and that must therefore share one weight global scale: q/k/v, an MLP's or expert's
+# gate/up (the grammar's w13), and MLA's q_a_proj and kv_a_proj_with_mqa, vLLM's fused_qkv_a_proj
+# (vllm/model_executor/models/deepseek_v2.py).
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), DEFAULT.w13, ("q_a_proj", "kv_a_proj_with_mqa"))
+FUSED_EXPERT_TENSORS = DEFAULT.fused_tensors
+EXPERT_PROJS = DEFAULT.projections  # a routed expert's Linears, in w13 (gate, up) then w2 order
 # a router or gate module, wherever it is (routers and Qwen's shared-expert gate), which engines keep unquantized
 ROUTER_RE = re.compile(r"(\.mlp\.gate|\.feed_forward\.router|shared_expert_gate|\.router)$")
 # an attention's query projection (fused or not); ``attn`` is the attention module
 ATTENTION_QUERY_RE = re.compile(r"^(?P<attn>.*\.(self_attn|attention))\.(q_proj|qkv_proj)$")
 LAYER_RE = re.compile(r"^(?P<prefix>.*?layers)\.(?P<layer>\d+)\.")
-EXPERT_RE = re.compile(r"\.experts\.(?P<expert>\d+)\.")
 COMMON_IGNORE = (r"(^|\.)lm_head$",)
 # 2-D weights that are not Linear layers (embeddings, position tables, norms with 2-D weights).
 NOT_LINEAR = re.compile(r"(embed|embedding|norm)[^.]*$")
@@ -56,6 +53,10 @@ class Family:
     # The family's HF checkpoints store routed experts fused and K-major: `experts.gate_up_proj` [E, H, 2I] (gate in
     # the first I columns) and `experts.down_proj` [E, I, H]; the others store one module per expert.
     hf_fused_experts: bool = False
+    # the names of the family's MoE block on disk (experts, projections, fused tensors, router, shared expert)
+    grammar: ExpertGrammar = DEFAULT
+    # how transformers' classes of the family hold and run its MoE block (fp4kit.families.moe_modules, torch)
+    moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]
@@ -96,12 +97,12 @@ class Family:
         if len(embeddings) == 1 and shapes[embeddings[0]] != (sizes["vocab_size"], hidden):
             raise Fp4kitError(f"{embeddings[0]}: shape {list(shapes[embeddings[0]])}, {where} implies "
                               f"[{sizes['vocab_size']}, {hidden}] (vocab_size, hidden_size)")
-        found: dict[str, set[int]] = {}  # experts module -> expert indices on disk
+        found: dict[str, set[int]] = {}  # experts container -> expert indices on disk
+        grammar = self.grammar
         for name, shape in shapes.items():
-            expert = expert_of(name)
-            leaf = name.rsplit(".", 1)[-1]
-            fused = leaf in FUSED_EXPERT_TENSORS and len(shape) == 3 and ".experts." in f".{name}"
-            if expert is None and not fused:
+            split = grammar.split_expert(name)
+            fused = grammar.is_fused_tensor(name, len(shape))
+            if split is None and not fused:
                 continue
             layer = layer_of(name)
             if layer is not None and layer >= layers + extra:
@@ -110,21 +111,28 @@ class Family:
                 if shape[0] != experts:
                     raise Fp4kitError(f"{name}: {shape[0]} experts on disk, {where} says {experts}")
                 continue
-            head = name[: EXPERT_RE.search(name).start()]  # type: ignore[union-attr]
-            found.setdefault(head, set()).add(expert)
-            proj = name.rsplit(".", 2)[-2]
-            expected = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+            assert split is not None
+            experts_module, expert, rest = split
+            found.setdefault(experts_module, set()).add(expert)
+            proj, _, leaf = rest.rpartition(".")
+            expected = {grammar.gate: (inter, hidden), grammar.up: (inter, hidden), grammar.down: (hidden, inter)}
             if leaf == "weight" and proj in expected and len(shape) == 2 and shape != expected[proj]:
                 raise Fp4kitError(f"{name}: shape {list(shape)}, {where} implies {list(expected[proj])} "
                                   f"(hidden_size {hidden}, intermediate {inter})")
-        for head, indices in found.items():
+        for experts_module, indices in found.items():
             if max(indices) >= experts:
-                raise Fp4kitError(f"{head}.experts: expert {max(indices)} on disk, {where} says {experts} experts")
+                raise Fp4kitError(f"{experts_module}: expert {max(indices)} on disk, {where} says {experts} experts")
             if len(indices) != experts:
                 missing = next(i for i in range(experts) if i not in indices)
-                raise Fp4kitError(f"{head}.experts: {len(indices)} experts on disk (expert {missing} missing), "
+                raise Fp4kitError(f"{experts_module}: {len(indices)} experts on disk (expert {missing} missing), "
                                   f"{where} says {experts}")
         return text_config
+
+
+def _fused_experts() -> MoEModules:
+    from fp4kit.families.moe_modules import FUSED_EXPERTS
+
+    return FUSED_EXPERTS
 
 
 def _positive_int(where: str, key: str, value: object) -> None:
@@ -165,80 +173,104 @@ class ExpertModule:
 
     experts: str  # the experts container: model.layers.3.mlp.experts
     expert: int
-    proj: str  # gate_proj, up_proj or down_proj
+    proj: str  # the grammar's gate, up or down (gate_proj, up_proj or down_proj by default)
+    grammar: ExpertGrammar = DEFAULT
 
     @property
     def fused(self) -> str:
-        return fused_projection(self.proj)
+        """w13 (gate, up) or w2 (down)."""
+        return self.grammar.kernel_projection(self.proj)
+
+    @property
+    def is_down(self) -> bool:
+        return self.proj == self.grammar.down
+
+    @property
+    def fused_leaf(self) -> str:
+        """The fused-on-disk tensor (gate_up_proj or down_proj by default) holding this projection."""
+        return self.grammar.fused_leaf(self.proj)
 
 
-def fused_projection(proj: str) -> str:
+def fused_projection(proj: str, grammar: ExpertGrammar = DEFAULT) -> str:
     """The kernels' name of an expert projection: gate and up form w13 (one input, one weight scale), down is w2."""
-    return "w13" if proj in FUSED_SIBLINGS[1] else "w2"
+    return grammar.kernel_projection(proj)
 
 
-_EXPERT_MODULE = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)$")
-
-
-def expert_module(module: str) -> ExpertModule | None:
+def expert_module(module: str, grammar: ExpertGrammar = DEFAULT) -> ExpertModule | None:
     """The routed expert a module name (without a tensor suffix) belongs to, or None."""
-    m = _EXPERT_MODULE.match(module)
-    return ExpertModule(m["experts"], int(m["expert"]), m["proj"]) if m else None
+    split = grammar.split_expert(module)
+    if split is None or "." in split[2]:
+        return None
+    return ExpertModule(split[0], split[1], split[2], grammar)
 
 
-def routed_expert(module: str) -> ExpertModule | None:
-    """Like ``expert_module``, for the Linears of a routed expert only (EXPERT_PROJS)."""
-    expert = expert_module(module)
-    return expert if expert is not None and expert.proj in EXPERT_PROJS else None
+def routed_expert(module: str, grammar: ExpertGrammar = DEFAULT) -> ExpertModule | None:
+    """Like ``expert_module``, for the Linears of a routed expert only (the grammar's projections)."""
+    expert = expert_module(module, grammar)
+    return expert if expert is not None and expert.proj in grammar.projections else None
 
 
-def group_experts(items: Iterable[tuple[str, T]]) -> dict[str, dict[int, dict[str, T]]]:
+def expert_tensor(name: str, grammar: ExpertGrammar = DEFAULT) -> tuple[ExpertModule, str] | None:
+    """The routed expert a per-expert tensor name belongs to, and the rest of the name after its projection (its
+    leaf: weight, weight_packed, input_scale, ...); None when the name is not under an expert. The projection is
+    whatever follows the expert index, which callers check against the grammar's projections."""
+    split = grammar.split_expert(name)
+    if split is None:
+        return None
+    proj, _, leaf = split[2].partition(".")
+    return ExpertModule(split[0], split[1], proj, grammar), leaf
+
+
+def group_experts(items: Iterable[tuple[str, T]],
+                  grammar: ExpertGrammar = DEFAULT) -> dict[str, dict[int, dict[str, T]]]:
     """(module name, value) pairs of routed-expert Linears as {experts module: {expert: {proj: value}}}, in the
     order first seen; other modules are left out."""
     grouped: dict[str, dict[int, dict[str, T]]] = {}
     for module, value in items:
-        expert = routed_expert(module)
+        expert = routed_expert(module, grammar)
         if expert is not None:
             grouped.setdefault(expert.experts, {}).setdefault(expert.expert, {})[expert.proj] = value
     return grouped
 
 
-def moe_block(experts: str) -> str:
+def moe_block(experts: str, grammar: ExpertGrammar = DEFAULT) -> str:
     """The MoE block that holds a routed experts module (model.layers.3.mlp.experts -> model.layers.3.mlp): its
     router and shared expert live there."""
-    return experts.removesuffix(".experts")
+    return grammar.moe_block(experts)
 
 
-def router_weights(experts: str) -> list[str]:
-    """Where the router weight of an experts module may be, in the order to try (ROUTER_MODULES)."""
-    return [f"{moe_block(experts)}.{leaf}.weight" for leaf in ROUTER_MODULES]
+def router_weights(experts: str, grammar: ExpertGrammar = DEFAULT) -> list[str]:
+    """Where the router weight of an experts module may be, in the order to try (the grammar's routers)."""
+    return grammar.router_weights(experts)
 
 
-def router_bias_name(experts: str) -> str:
+def router_bias_name(experts: str, grammar: ExpertGrammar = DEFAULT) -> str:
     """The router's selection bias (GLM's and DeepSeek's `e_score_correction_bias`) of an experts module."""
-    return f"{moe_block(experts)}.{ROUTER_BIAS}"
+    return grammar.router_bias_name(experts)
 
 
-def shared_expert_modules(experts: str) -> list[str]:
-    """Where the shared expert of an experts module may be (SHARED_EXPERT_MODULES), in the order to try."""
-    return [f"{moe_block(experts)}.{leaf}" for leaf in SHARED_EXPERT_MODULES]
+def shared_expert_modules(experts: str, grammar: ExpertGrammar = DEFAULT) -> list[str]:
+    """Where the shared expert of an experts module may be (the grammar's shared experts), in the order to try."""
+    return grammar.shared_expert_modules(experts)
+
+
+def _sibling_set(leaf: str) -> int | None:
+    return next((i for i, members in enumerate(FUSED_SIBLINGS) if leaf in members), None)
 
 
 def weight_scale_group(module: str) -> str:
     """Modules whose weights a kernel fuses share this key, and must share one weight global scale: q/k/v of one
     attention, gate/up of one MLP or expert; any other module is a group of its own."""
     parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
-    for i, members in enumerate(FUSED_SIBLINGS):
-        if leaf in members:
-            return f"{parent}#{i}"
-    return module
+    sibling = _sibling_set(leaf)
+    return module if sibling is None else f"{parent}#{sibling}"
 
 
-def input_scale_group(module: str) -> str:
+def input_scale_group(module: str, grammar: ExpertGrammar = DEFAULT) -> str:
     """Modules that read one activation and so share one input scale: a layer's routed experts per projection (w13
     or w2: the kernels quantize the hidden states once for every expert, and EP then needs no all-reduce), and the
     fused groups of ``weight_scale_group``."""
-    expert = expert_module(module)
+    expert = expert_module(module, grammar)
     return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module)
 
 
@@ -247,39 +279,41 @@ def layer_of(name: str) -> int | None:
     return int(m.group("layer")) if m else None
 
 
-def expert_of(name: str) -> int | None:
-    m = EXPERT_RE.search(name)
-    return int(m.group("expert")) if m else None
+def expert_of(name: str, grammar: ExpertGrammar = DEFAULT) -> int | None:
+    split = grammar.split_expert(name)
+    return split[1] if split else None
 
 
-def linear_candidates(shapes: dict[str, tuple[int, ...]], text_config: dict, moe_intermediate: int) -> list[Candidate]:
+def linear_candidates(shapes: dict[str, tuple[int, ...]], text_config: dict, moe_intermediate: int,
+                      grammar: ExpertGrammar = DEFAULT) -> list[Candidate]:
     """Every Linear weight in the checkpoint, with fused [E, H, 2I] / [E, I, H] expert tensors split per expert."""
     found: list[Candidate] = []
     hidden = int(text_config["hidden_size"])
     for name, shape in shapes.items():
-        leaf = name.rsplit(".", 1)[-1]
         if name.endswith(".weight") and len(shape) == 2 and not NOT_LINEAR.search(name[: -len(".weight")]):
             module = name[: -len(".weight")]
             parent = module.rsplit(".", 1)[0] if "." in module else ""
             linear = Linear(module, SourceRef(name), shape[0], shape[1])
-            found.append(Candidate(linear, layer_of(name), expert_of(name), parent))
-        elif leaf in FUSED_EXPERT_TENSORS and len(shape) == 3 and ".experts." in f".{name}":
-            found.extend(_split_fused(name, shape, hidden, moe_intermediate))
+            found.append(Candidate(linear, layer_of(name), expert_of(name, grammar), parent))
+        elif grammar.is_fused_tensor(name, len(shape)):
+            found.extend(_split_fused(name, shape, hidden, moe_intermediate, grammar))
     return found
 
 
-def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int) -> list[Candidate]:
+def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int,
+                 grammar: ExpertGrammar) -> list[Candidate]:
     """Split [E, H, 2I] / [E, I, H] (HF checkpoints: K-major, "transposed") or [E, 2I, H] / [E, H, I] (what
     transformers 5 saves for some models) per expert. When H == 2I the shapes cannot tell: the HF layout wins."""
     experts_path, leaf = name.rsplit(".", 1)
     dims = tuple(shape[1:])
-    if leaf == "gate_up_proj":
+    gate_up = leaf == grammar.fused_gate_up
+    if gate_up:
         out_features, in_features = inter, hidden
-        parts = [("gate_proj", (0, inter)), ("up_proj", (inter, 2 * inter))]
+        parts = [(grammar.gate, (0, inter)), (grammar.up, (inter, 2 * inter))]
     else:
         out_features, in_features = hidden, inter
-        parts = [("down_proj", None)]
-    fused_out = 2 * inter if leaf == "gate_up_proj" else out_features
+        parts = [(grammar.down, None)]
+    fused_out = 2 * inter if gate_up else out_features
     if dims == (in_features, fused_out):
         transposed = True
     elif dims == (fused_out, in_features):
@@ -299,20 +333,19 @@ def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int) -> 
 
 
 def fused_groups(selected: list[Candidate]) -> list[list[Candidate]]:
-    """Group q/k/v and gate/up siblings (those selected) so they share a global scale; others stand alone."""
-    by_parent: dict[tuple[str, str], list[Candidate]] = {}
+    """Group q/k/v and gate/up siblings (those selected, by ``weight_scale_group``) so they share a global scale,
+    each group in its sibling order; others stand alone."""
+    by_group: dict[str, list[Candidate]] = {}
     groups: list[list[Candidate]] = []
     for cand in selected:
-        leaf = cand.linear.module.rsplit(".", 1)[-1]
-        sib = next((i for i, names in enumerate(FUSED_SIBLINGS) if leaf in names), None)
-        if sib is None:
+        key = weight_scale_group(cand.linear.module)
+        if key == cand.linear.module:
             groups.append([cand])
             continue
-        key = (cand.parent, str(sib))
-        if key not in by_parent:
-            by_parent[key] = []
-            groups.append(by_parent[key])
-        by_parent[key].append(cand)
+        if key not in by_group:
+            by_group[key] = []
+            groups.append(by_group[key])
+        by_group[key].append(cand)
     order = {name: i for names in FUSED_SIBLINGS for i, name in enumerate(names)}
     for group in groups:
         group.sort(key=lambda c: order.get(c.linear.module.rsplit(".", 1)[-1], 0))

@@ -12,6 +12,12 @@ def routing(tc: dict):
     return RoutingSpec("llama4_sigmoid_top1", int(tc["num_local_experts"]), int(tc.get("num_experts_per_tok") or 1))
 
 
+def moe_modules():
+    from fp4kit.families.moe_modules import BMM_EXPERTS
+
+    return BMM_EXPERTS  # transformers' Llama4TextExperts: BMM layout [E, H, 2I] / [E, I, H]
+
+
 FAMILY = Family(
     name="llama4",
     model_types=("llama4",),
@@ -22,6 +28,7 @@ FAMILY = Family(
     moe_intermediate=lambda tc: int(tc["intermediate_size"]),
     modelopt_fused_experts=True,
     hf_fused_experts=True,
+    moe_modules=moe_modules,
 )
 
 # Llama4ForCausalLM: vLLM 0.33's text-only loader (models/llama4.py, Llama4Model.load_moe_expert_weights) maps fused

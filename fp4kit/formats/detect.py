@@ -22,6 +22,7 @@ import torch
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect as detect_family
 from fp4kit.families.base import Family
+from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 from fp4kit.formats.base import Dialect, QuantModule
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.safetensors_files import loads, read_json
@@ -69,6 +70,11 @@ class QuantizedCheckpoint:
     exact_scales: dict[str, float] = field(default_factory=dict)
     _rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     _divisors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def grammar(self) -> ExpertGrammar:
+        """The family's MoE names (the default grammar when config.json names no family fp4kit knows)."""
+        return self.family.grammar if self.family is not None else DEFAULT
 
     @property
     def format(self) -> Dialect:
@@ -172,13 +178,16 @@ def _evidence(names: list[str]) -> dict[str, str]:
     return {d.name: found[d.name] for d in dialects() if d.name in found}
 
 
-def open_checkpoint(root: str | Path, strict: bool = True) -> QuantizedCheckpoint:
+def open_checkpoint(root: str | Path, strict: bool = True,
+                    reader: CheckpointReader | None = None) -> QuantizedCheckpoint:
     """Open an NVFP4 checkpoint directory of any registered dialect (raises Fp4kitError when it is not usable).
-    ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False."""
+    ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False.
+    ``reader``: a reader of ``root`` the caller already holds open (``strict`` is then its own); the checkpoint
+    closes it."""
     root = Path(root)
     config = read_config(root)
     declared, qconfig = _declared(root, config)
-    reader = CheckpointReader(root, check_finite=strict)
+    reader = CheckpointReader(root, check_finite=strict) if reader is None else reader
     try:
         names = reader.names()
         evidence = _evidence(names)

@@ -29,6 +29,7 @@ import re
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.grammar import DEFAULT as FUSED_GRAMMAR
 from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_modules
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
@@ -43,10 +44,12 @@ DIVISOR_SEARCH_ULPS = 4
 SCALAR = ()  # ModelOpt stores per-tensor scales as 0-d tensors
 
 WEIGHT, BLOCK_SCALE, GLOBAL_SCALE, INPUT_SCALE = "weight", "weight_scale", "weight_scale_2", "input_scale"
-FUSED_LEAVES = ("gate_up_proj", "down_proj")
+# ModelOpt reads the family names of its fused experts; every family fp4kit knows fuses them as the default grammar
+FUSED_LEAVES = FUSED_GRAMMAR.fused_tensors
 SUFFIXES = {"packed": f".{WEIGHT}", "block": f".{BLOCK_SCALE}", "global": f".{GLOBAL_SCALE}",
             "input": f".{INPUT_SCALE}"}
-_FUSED_GLOBAL = re.compile(rf"^(?P<experts>.*\.experts)\.(?P<leaf>{'|'.join(FUSED_LEAVES)})_{GLOBAL_SCALE}$")
+_FUSED_GLOBAL = re.compile(rf"^(?P<experts>.*\.{re.escape(FUSED_GRAMMAR.experts)})\."
+                           rf"(?P<leaf>{'|'.join(FUSED_LEAVES)})_{GLOBAL_SCALE}$")
 
 
 def fp32_divisor(divisor: torch.Tensor) -> torch.Tensor:
@@ -274,8 +277,9 @@ def fused_modules(reader: CheckpointReader) -> list[QuantModule]:
                      (num_experts, half_k * 2 // BLOCK, out_features))
         check_tensor(reader, f"{experts}.{leaf}", "global", names[GLOBAL_SCALE], None)
         input_name = names[INPUT_SCALE] if names[INPUT_SCALE] in reader else None
-        parts = [("gate_proj", (0, out_features // 2)), ("up_proj", (out_features // 2, out_features))] \
-            if leaf == "gate_up_proj" else [("down_proj", None)]
+        gate, up = FUSED_GRAMMAR.w13
+        parts = [(gate, (0, out_features // 2)), (up, (out_features // 2, out_features))] \
+            if leaf == FUSED_GRAMMAR.fused_gate_up else [(FUSED_GRAMMAR.down, None)]
         for e in range(num_experts):
             for proj, rows in parts:
                 n = out_features if rows is None else rows[1] - rows[0]

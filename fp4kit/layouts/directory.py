@@ -100,7 +100,7 @@ class LayoutReport:
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
-    grouped = group_experts((module.name, module) for module in ckpt.modules)
+    grouped = group_experts(((module.name, module) for module in ckpt.modules), ckpt.grammar)
     layers = [_moe_layer(experts, found) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
@@ -241,7 +241,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
     with open_checkpoint(src) as ckpt:
         layers = find_moe_layers(ckpt)
         if not layers:
-            raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`...experts.E.{{gate,up,down}}_proj`)")
+            raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`{ckpt.grammar.hint}`)")
         check_layers(layers, options)
         jobs = _jobs(ckpt, layers)
         reader = ckpt.reader

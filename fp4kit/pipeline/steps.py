@@ -139,7 +139,7 @@ def prepare(recipe: Recipe) -> None:
 
 
 def _backend(requested: str, device: str) -> tuple[str, list[str]]:
-    from fp4kit.verify.backends import triton_interpreter_active
+    from fp4kit.verify.triton_moe import triton_interpreter_active
 
     if device != "cpu" or requested != "auto" or triton_interpreter_active():
         return requested, []

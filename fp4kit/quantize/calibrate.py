@@ -1,11 +1,8 @@
 """Activation statistics for W4A4 NVFP4, one decoder layer in memory at a time (README.md, `fp4kit quantize`).
 
-The text model is built on the meta device from config.json, so it costs no memory. One forward of it with every
-decoder layer replaced by a recorder yields the embeddings and, per layer, the exact arguments the full model
-passes (rotary embeddings, causal or chunked masks, position ids; M-RoPE ids for the vision-language families).
-Then each layer in turn gets its weights from SRC in the layout transformers keeps in memory (per-expert tensors
-stacked into the fused [E, 2I, H] parameter, transposed fused tensors transposed back, exactly as transformers'
-loader does), runs every calibration hidden state through transformers' own decoder-layer class, and is dropped.
+The pass runs the layer-streaming text model (fp4kit/quantize/layer_model.py): embeddings and every layer's
+arguments from one forward of the meta-device model, then each decoder layer loaded from SRC, run over every
+calibration hidden state through transformers' own decoder-layer class, and dropped.
 
 Statistics per layer:
 - every ``nn.Linear``: amax of its input in that forward (attention, dense MLPs, shared experts);
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,12 +30,13 @@ from torch import nn
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import SourceRef
+from fp4kit.families.base import Family, SourceRef
+from fp4kit.families.grammar import ExpertGrammar
+from fp4kit.families.moe_modules import MoEModules
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
-
-READ_THREADS = 8  # concurrent expert reads while a layer loads
+from fp4kit.quantize.layer_model import TextModel, checkpoint_dtype, layer_inputs, text_model
 
 LayerCallback = Callable[[int, list[torch.Tensor]], None]
 
@@ -50,137 +47,15 @@ class CalibrationResult:
     routing_counts: dict[int, list[int]] = field(default_factory=dict)  # layer -> tokens routed to each expert
 
 
-class _StopForward(Exception):
-    pass
-
-
-class _LayerArguments(nn.Module):
-    """Stands in for decoder layer ``index``: records what the model passes it; the last one ends the forward."""
-
-    def __init__(self, index: int, last: bool, store: dict[int, tuple[tuple, dict]], inputs: list[torch.Tensor]):
-        super().__init__()
-        self.index, self.last, self.store, self.inputs = index, last, store, inputs
-
-    def forward(self, hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        if self.index == 0:
-            self.inputs.append(hidden_states)
-        self.store[self.index] = (args, kwargs)
-        if self.last:
-            raise _StopForward
-        return hidden_states
-
-
-@dataclass
-class _TextModel:
-    model: nn.Module  # on the meta device except the embeddings and the rotary embedding
-    layers: list[nn.Module | None]  # the decoder layers, on meta until their turn
-    prefix: str  # checkpoint name prefix of the text model, e.g. "model.language_model."
-    keep_fp32: tuple[str, ...]
-    scales_input: bool  # Llama-4: the router score multiplies the expert input; experts in BMM layout [E, H, 2I]
-
-
-def _text_model(reader: CheckpointReader, src: Path, dtype: torch.dtype, device: torch.device) -> _TextModel:
-    import transformers
-
-    config_dict = read_config(src)
-    family = detect(config_dict)
-    text_config = transformers.AutoConfig.from_pretrained(src).get_text_config()
-    embed_names = [n for n in reader.names() if n.endswith("embed_tokens.weight") and "layers." not in n]
-    if len(embed_names) != 1:
-        raise Fp4kitError(f"{src}: cannot find the text model's embed_tokens.weight (found {embed_names})")
-    prefix = embed_names[0][: -len("embed_tokens.weight")]
-    with torch.device("meta"):
-        model = transformers.AutoModel.from_config(text_config)
-    model.eval()
-    model.rotary_emb = type(model.rotary_emb)(config=model.config).to(device)
-    embedding = reader.read(embed_names[0]).to(device, dtype)
-    model.embed_tokens.load_state_dict({"weight": embedding}, assign=True)
-    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
-        getattr(model, "_keep_in_fp32_modules", None) or ()
-    )
-    scales_input = family.routing(family.text_config(config_dict)).scales_input
-    return _TextModel(model, list(model.layers), prefix, keep, scales_input)
-
-
-def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str,
-                      device: torch.device) -> dict[str, torch.Tensor]:
-    """The layer's parameters and buffers from the checkpoint, in the shapes the module holds them (fused experts
-    stacked on ``device``, the rest where the reader puts them)."""
-    state: dict[str, torch.Tensor] = {}
-    for key, expected in layer.state_dict().items():
-        name = prefix + key
-        if name in reader:
-            tensor = reader.read(name)
-        elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            tensor = _stack_experts(reader, name, expected, device)
-        else:
-            tensor = None
-        if tensor is None:
-            raise Fp4kitError(f"checkpoint lacks {name}, which transformers' {type(layer).__name__} needs")
-        # transformers' loader transposes fused expert tensors whose shape is not the module's (Transpose check_dims)
-        if tensor.shape != expected.shape and tensor.dim() == 3 and tensor.transpose(1, 2).shape == expected.shape:
-            tensor = tensor.transpose(1, 2)
-        if tensor.shape != expected.shape:
-            raise Fp4kitError(f"{name}: shape {list(tensor.shape)}, transformers expects {list(expected.shape)}")
-        state[key] = tensor
-    return state
-
-
-def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor,
-                   device: torch.device) -> torch.Tensor | None:
-    """Per-expert checkpoint tensors read straight into the fused parameter transformers holds ([E, 2I, H] as
-    cat(gate, up) per expert, or [E, H, I]), allocated on ``device``: the host holds only the experts in flight.
-    Experts are read by a few threads (reads and finiteness checks release the GIL)."""
-    experts, leaf = name.rsplit(".", 1)
-    parts = ("gate_proj", "up_proj") if leaf == "gate_up_proj" else ("down_proj",)
-    names = [[f"{experts}.{e}.{part}.weight" for part in parts] for e in range(expected.shape[0])]
-    if not all(n in reader for per_expert in names for n in per_expert):
-        return None
-    fused = torch.empty(expected.shape, dtype=reader.info(names[0][0]).dtype, device=device)
-
-    @torch.inference_mode()  # per thread: the fused tensor may be an inference tensor of the caller's
-    def place(e: int) -> None:
-        row = 0
-        for n in names[e]:
-            part = reader.read(n)
-            if part.shape != fused[e, row : row + part.shape[0]].shape:
-                raise Fp4kitError(f"{n}: shape {list(part.shape)} does not fit transformers' {name} "
-                                  f"{list(expected.shape)}")
-            fused[e, row : row + part.shape[0]].copy_(part)
-            row += part.shape[0]
-
-    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(names)), thread_name_prefix="fp4kit-read") as pool:
-        list(pool.map(place, range(len(names))))
-    return fused
-
-
-def _load_layer(text: _TextModel, reader: CheckpointReader, index: int, dtype: torch.dtype, device: torch.device):
-    layer = text.layers[index]
-    assert layer is not None
-    state = _layer_state_dict(reader, layer, f"{text.prefix}layers.{index}.", device)
-    for key, tensor in state.items():
-        keep_fp32 = any(f".{pattern}." in f".{key}." for pattern in text.keep_fp32)
-        state[key] = tensor.to(device, torch.float32 if keep_fp32 and dtype.itemsize < 4 else dtype).contiguous()
-    layer.load_state_dict(state, assign=True, strict=True)
-    return layer.eval()
-
-
-def _router_choice(router_output: tuple, moe_block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(router logits [T, E], chosen expert ids [T, k]) from what transformers' router module returned."""
-    if len(router_output) == 3:  # Qwen3 / GLM / DeepSeek routers: (logits, top-k weights, top-k ids)
-        return router_output[0], router_output[2]
-    logits = router_output[1]  # Llama-4 router: (scores, logits), top-k on the logits
-    return logits, torch.topk(logits, moe_block.top_k, dim=1).indices
-
-
 class _LayerHooks:
     """Hooks on one loaded decoder layer: ``_linear_hook(name)`` before every wanted Linear, and per MoE block, once its
     router has run and the block has returned, ``_on_moe(experts path, experts, hidden [T, H], logits, top ids)``.
     ``close`` removes them."""
 
-    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None):
+    def __init__(self, text: TextModel, layer: nn.Module, index: int, modules: set[str] | None):
         self.layer_prefix = f"{text.prefix}layers.{index}."
         self.scales_input = text.scales_input
+        self.moe, self.grammar = text.moe, text.grammar
         self.modules = modules
         self.router_output: tuple | None = None
         self.handles = []
@@ -188,11 +63,10 @@ class _LayerHooks:
         for name, module in layer.named_modules():
             if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
                 self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
-            experts = getattr(module, "experts", None)
-            if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-                router = module.router if hasattr(module, "router") else module.gate
+            experts = self.moe.experts(module)
+            if experts is not None:
                 self.moe_experts.append(experts)
-                self.handles.append(router.register_forward_hook(self._router_hook))
+                self.handles.append(self.moe.router(module).register_forward_hook(self._router_hook))
                 self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
 
     def _wanted(self, name: str) -> bool:
@@ -212,8 +86,8 @@ class _LayerHooks:
         def hook(module: nn.Module, args: tuple, output: object) -> None:
             hidden = args[0].reshape(-1, args[0].shape[-1])
             assert self.router_output is not None
-            logits, top_ids = _router_choice(self.router_output, module)
-            self._on_moe(f"{block_name}.experts", experts, hidden, logits, top_ids)
+            logits, top_ids = self.moe.router_choice(self.router_output, module)
+            self._on_moe(f"{block_name}.{self.moe.experts_attribute}", experts, hidden, logits, top_ids)
 
         return hook
 
@@ -225,11 +99,11 @@ class _LayerHooks:
 class _AmaxRecorder(_LayerHooks):
     """Running input amax of every Linear and routed expert of one layer, kept on the device until ``flush``."""
 
-    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None):
+    def __init__(self, text: TextModel, layer: nn.Module, index: int, modules: set[str] | None):
         self.amax: dict[str, torch.Tensor] = {}
         self.counts: torch.Tensor | None = None
         super().__init__(text, layer, index, modules)
-        self.num_experts = self.moe_experts[-1].gate_up_proj.shape[0] if self.moe_experts else None
+        self.num_experts = self.moe.num_experts(self.moe_experts[-1]) if self.moe_experts else None
 
     def _update(self, name: str, amax: torch.Tensor) -> None:
         amax = amax.detach().float()
@@ -249,18 +123,17 @@ class _AmaxRecorder(_LayerHooks):
 
     @torch.no_grad()
     def _expert_amax(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-        num_experts = experts.gate_up_proj.shape[0]
-        names = [(f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj") for e in range(num_experts)]
+        num_experts = self.moe.num_experts(experts)
+        names = [self.grammar.expert_linears(path, e) for e in range(num_experts)]
         if self.modules is not None and not any(n in self.modules for triple in names for n in triple):
             return
         hidden_amax = hidden.abs().amax()
-        product = _Product(hidden, experts.gate_up_proj[0].t() if self.scales_input else experts.gate_up_proj[0])
+        product = _Product(hidden, self.moe.w13(experts, 0))
         for e, (gate_name, up_name, down_name) in enumerate(names):
-            weight = experts.gate_up_proj[e]
+            weight = self.moe.w13(experts, e)
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
                 x = hidden * torch.sigmoid(logits[:, e : e + 1].float()).to(hidden.dtype)
                 x_amax = x.abs().amax()
-                weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
             else:
                 x, x_amax = hidden, hidden_amax
             gate, up = product(x, weight).chunk(2, dim=-1)
@@ -304,33 +177,29 @@ class _Product:
         return self.rounded.copy_(self.out)
 
 
-def _checkpoint_dtype(src: Path) -> torch.dtype:
-    config = read_config(src)
-    text = config.get("text_config") or config
-    name = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    return getattr(torch, str(name), torch.bfloat16) if name else torch.bfloat16
-
-
 @contextlib.contextmanager
 def _layer_pass(src: Path, token_ids: torch.Tensor, device: str, batch_size: int, dtype: torch.dtype | None,
-                batch_share: tuple[int, int]) -> Iterator[tuple]:
+                batch_share: tuple[int, int], config: dict | None, family: Family | None) -> Iterator[tuple]:
     """What a layer-streaming pass over SRC starts from: (reader, text model, dtype, device, embedded hidden states per
-    batch, per batch shape the arguments of every layer), after checking the token ids against the model."""
+    batch, per batch shape the arguments of every layer), after checking the token ids against the model.
+    ``config`` / ``family``: SRC's config.json and family, when the caller has them (read and detected otherwise)."""
     src = Path(src)
     _check_calibration_arguments(token_ids, batch_size)
+    config = read_config(src) if config is None else config
+    family = detect(config) if family is None else family
     torch_device = torch.device(device)
-    dtype = dtype or _checkpoint_dtype(src)
+    dtype = dtype or checkpoint_dtype(config)
     memory.bound_onednn_kernel_cache()
     # without it, freed buffers of a few MB pile up in glibc's heaps during a layer, differently from run to run
     with CheckpointReader(src) as stored, memory.large_frees_returned_to_os():
         # a quantized source's Linears (fp4kit.io.sources) come dequantized: fp32 products cast to the layer's dtype
-        reader = dequantized_view(stored, read_config(src), dtype, torch_device)
-        text = _text_model(reader, src, dtype, torch_device)
+        reader = dequantized_view(stored, config, dtype, torch_device)
+        text = text_model(reader, config, family, dtype, torch_device, src)
         vocab_size = text.model.config.vocab_size
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
             raise Fp4kitError(f"calibration token ids must lie in [0, vocab_size {vocab_size}), got "
                               f"[{int(token_ids.min())}, {int(token_ids.max())}]")
-        hidden_batches, layer_args = _layer_inputs(text, token_ids.to(torch_device), batch_size, batch_share)
+        hidden_batches, layer_args = layer_inputs(text, token_ids.to(torch_device), batch_size, batch_share)
         yield reader, text, dtype, torch_device, hidden_batches, layer_args
 
 
@@ -345,6 +214,8 @@ def calibrate(
     on_layer: LayerCallback | None = None,
     batch_share: tuple[int, int] = (0, 1),
     progress: Callable[[int, int], None] | None = None,
+    config: dict | None = None,
+    family: Family | None = None,
 ) -> CalibrationResult:
     """Input amax of every Linear (``modules``: only those names) and routing counts, streaming SRC by layer.
 
@@ -352,15 +223,16 @@ def calibrate(
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
     ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.quantize.distributed to
     combine. ``progress(done, total)`` counts batch forwards, layers x batches in all (called with 0 before the first).
+    ``config`` / ``family``: SRC's config.json and family when the caller has them.
     """
     result = CalibrationResult()
-    with _layer_pass(src, token_ids, device, batch_size, dtype, batch_share) as (reader, text, dtype, torch_device,
-                                                                                 hidden_batches, layer_args):
+    with _layer_pass(src, token_ids, device, batch_size, dtype, batch_share, config, family) as (
+            reader, text, dtype, torch_device, hidden_batches, layer_args):
         total, done = len(text.layers) * len(hidden_batches), 0
         if progress:
             progress(0, total)
         for index in range(len(text.layers)):
-            layer = _load_layer(text, reader, index, dtype, torch_device)
+            layer = text.load_layer(reader, index, dtype, torch_device)
             recorder = _AmaxRecorder(text, layer, index, modules)
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
@@ -369,7 +241,7 @@ def calibrate(
                 if progress:
                     progress(done, total)
             recorder.flush(result, index)
-            text.layers[index] = None  # its weights go with it
+            text.drop_layer(index)
             del layer, recorder
             memory.trim_freed_memory()
             if on_layer is not None:
@@ -383,29 +255,6 @@ def _check_calibration_arguments(token_ids: torch.Tensor, batch_size: int) -> No
                           f"{token_ids.dtype}{list(token_ids.shape)}")
     if batch_size < 1:
         raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
-
-
-def _layer_inputs(text: _TextModel, token_ids: torch.Tensor, batch_size: int, batch_share: tuple[int, int]):
-    """Embedded hidden states per batch, and per batch shape the arguments the model passes each layer."""
-    hidden_batches: list[torch.Tensor] = []
-    layer_args: dict[tuple[int, ...], dict[int, tuple[tuple, dict]]] = {}
-    count = len(text.layers)
-    rank, world = batch_share
-    for start in range(batch_size * rank, token_ids.shape[0], batch_size * world):
-        store: dict[int, tuple[tuple, dict]] = {}
-        text.model.layers = nn.ModuleList(
-            [_LayerArguments(i, i == count - 1, store, hidden_batches) for i in range(count)]
-        )
-        try:
-            text.model(input_ids=token_ids[start : start + batch_size], use_cache=False)
-        except _StopForward:
-            pass
-        except (RuntimeError, ValueError) as exc:  # e.g. a rope config that does not fit the head dimension
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            model = type(text.model).__name__
-            raise Fp4kitError(f"transformers' {model} cannot run this config.json: {message}") from None
-        layer_args.setdefault(tuple(hidden_batches[-1].shape), store)
-    return hidden_batches, layer_args
 
 
 @dataclass
@@ -436,7 +285,7 @@ class _SecondMomentRecorder(_LayerHooks):
     """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed and the routed experts'
     computation restored by ``close``). The layer's output during that forward is not its real output."""
 
-    def __init__(self, text: _TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool):
+    def __init__(self, text: TextModel, layer: nn.Module, index: int, modules: set[str] | None, full: bool):
         super().__init__(text, layer, index, modules)
         self.full = full
         self.stats = LayerStatistics(self.layer_prefix)
@@ -484,7 +333,7 @@ class _SecondMomentRecorder(_LayerHooks):
     @torch.no_grad()
     def _on_moe(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
                 top_ids: torch.Tensor) -> None:
-        num_experts = experts.gate_up_proj.shape[0]
+        num_experts = self.moe.num_experts(experts)
         routed = torch.zeros((num_experts, hidden.shape[0]), dtype=torch.bool, device=hidden.device)
         routed.scatter_(0, top_ids.t().to(torch.int64), True)
         # the tokens of each expert in ascending order, all experts' in one tensor: one device sync per layer
@@ -494,25 +343,22 @@ class _SecondMomentRecorder(_LayerHooks):
         for e, count in enumerate(counts):
             tokens = token_of[start : start + count]
             start += count
-            names = [f"{path}.{e}.gate_proj", f"{path}.{e}.up_proj", f"{path}.{e}.down_proj"]
+            names = self.grammar.expert_linears(path, e)
             if not any(self._wanted(n) for n in names):
                 continue
             if count == 0:
                 for n in names:  # zero statistics: the expert is known, and known to have seen nothing
                     if n not in self.stats.hessians:
-                        self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(0, self._inner(experts)))
+                        self._add([n], hidden[:0] if n != names[2] else hidden.new_zeros(
+                            0, self.moe.intermediate(experts)))
                 continue
             x = hidden[tokens]
-            weight = experts.gate_up_proj[e]
+            weight = self.moe.w13(experts, e)
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
                 x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
-                weight = weight.t()  # Llama-4 keeps the BMM layout [H, 2I]
             self._add(names[:2], x)
             gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
             self._add(names[2:], experts.act_fn(gate) * up)
-
-    def _inner(self, experts: nn.Module) -> int:
-        return experts.gate_up_proj.shape[-1 if self.scales_input else -2] // 2
 
     def close(self) -> LayerStatistics:  # type: ignore[override]
         super().close()
@@ -527,7 +373,8 @@ class LoadedLayer:
 
     module: nn.Module
     prefix: str  # checkpoint name prefix of the layer's modules, e.g. "model.layers.3."
-    bmm_experts: bool  # Llama-4: routed experts in BMM layout [E, H, 2I] / [E, I, H]
+    moe: MoEModules
+    grammar: ExpertGrammar
 
     def weight(self, name: str) -> torch.Tensor:
         """The [N, K] weight of module ``name`` as a view of the layer's parameters: an nn.Linear's weight, or a
@@ -536,14 +383,9 @@ class LoadedLayer:
         head, _, leaf = relative.rpartition(".")
         experts_path, _, expert = head.rpartition(".")
         experts = self.module.get_submodule(experts_path) if expert.isdigit() and experts_path else None
-        if experts is None or not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        if experts is None or not self.moe.is_experts(experts):
             return self.module.get_submodule(relative).weight
-        e = int(expert)
-        if leaf == "down_proj":
-            return experts.down_proj[e].t() if self.bmm_experts else experts.down_proj[e]
-        fused = experts.gate_up_proj[e].t() if self.bmm_experts else experts.gate_up_proj[e]
-        rows = fused.shape[0] // 2
-        return fused[:rows] if leaf == "gate_proj" else fused[rows:]
+        return self.moe.weight(experts, int(expert), leaf, self.grammar)
 
     def source_weight(self, name: str, source: SourceRef, stored: TensorInfo) -> torch.Tensor | None:
         """``weight(name)`` where it holds exactly the checkpoint's [N, K] weight of the Linear (``source``, stored as
@@ -554,7 +396,7 @@ class LoadedLayer:
         weight = self.weight(name)
         if source.quantized is not None or stored.dtype != weight.dtype:
             return None
-        if source.expert is not None and source.transposed != self.bmm_experts and stored.shape[-1] == stored.shape[-2]:
+        if source.expert is not None and source.transposed != self.moe.bmm and stored.shape[-1] == stored.shape[-2]:
             return None
         return weight
 
@@ -581,6 +423,8 @@ def calibrate_quantized(
     dtype: torch.dtype | None = None,
     on_layer: Callable[[int, CalibrationResult], None] | None = None,
     input_amax: bool = True,
+    config: dict | None = None,
+    family: Family | None = None,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -588,19 +432,20 @@ def calibrate_quantized(
     gives the next layer's inputs (quantization errors propagate, as llm-compressor's sequential pipeline does) and
     the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
     result)`` runs once a layer's are in ``result``. ``input_amax`` False (weight-only output): only the routing
-    counts are recorded, which spares running every token through every expert."""
+    counts are recorded, which spares running every token through every expert. ``config`` / ``family``: as
+    ``calibrate``'s."""
     result = CalibrationResult()
-    with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1)) as (reader, text, dtype, torch_device,
-                                                                           hidden_batches, layer_args):
+    with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1), config, family) as (
+            reader, text, dtype, torch_device, hidden_batches, layer_args):
         for index in range(len(text.layers)):
-            layer = _load_layer(text, reader, index, dtype, torch_device)
+            layer = text.load_layer(reader, index, dtype, torch_device)
             recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
             for hidden in hidden_batches:
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 layer(hidden, *args, **kwargs)
             stats = recorder.close()
             del recorder
-            loaded = LoadedLayer(layer, stats.layer_prefix, text.scales_input)
+            loaded = LoadedLayer(layer, stats.layer_prefix, text.moe, text.grammar)
             replacements = quantize_layer(index, loaded, stats)
             del stats
             loaded.set_weights(replacements)
@@ -609,7 +454,7 @@ def calibrate_quantized(
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)
             amax.flush(result, index)
-            text.layers[index] = None
+            text.drop_layer(index)
             del layer, loaded, amax, replacements
             memory.trim_freed_memory()
             if on_layer is not None:

@@ -379,7 +379,7 @@ def _calibrate(
     phase = start_phase(progress, "calibrating", None, "batches", f"{token_ids.shape[0]} samples x "
                         f"{token_ids.shape[1]} tokens, {batches} batches through each decoder layer")
     result = calibrate(src, token_ids, options.device, options.batch_size, modules, batch_share=ranks.batch_share,
-                       progress=phase)
+                       progress=phase, config=plan.config, family=plan.family)
     result = ranks.combine_calibration(result, sorted(modules))
     return input_scale_divisors(plan, result.input_amax, options.moe_input_scales), result.routing_counts
 
@@ -441,7 +441,8 @@ def _quantize_calibrated(
 
     modules = {c.linear.module for g in plan.groups for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
-                                 full_hessians=options.method == "gptq", on_layer=on_layer, input_amax=with_input)
+                                 full_hessians=options.method == "gptq", on_layer=on_layer, input_amax=with_input,
+                                 config=plan.config, family=plan.family)
     rest = [g for g in plan.groups if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)

@@ -105,7 +105,7 @@ def build_plan(
     consumed_by_source = source.consumed()
     text_config = family.check_config(config, shapes)
     candidates = [_with_source(c, source) for c in
-                  linear_candidates(shapes, text_config, family.moe_intermediate(text_config))]
+                  linear_candidates(shapes, text_config, family.moe_intermediate(text_config), family.grammar)]
     ignore_res = _compile((family.default_ignore(config) if default_ignore else []) + (ignore or []), "--ignore")
     target_res = _compile(targets or [], "--targets")
 
@@ -176,7 +176,7 @@ def source_candidates(reader: CheckpointReader, config: dict, prefix: str = "",
     text_config = family.text_config(config)
     shapes = {name: shape for name, shape in shapes.items() if name.startswith(prefix)}
     return [_with_source(c, source) for c in
-            linear_candidates(shapes, text_config, family.moe_intermediate(text_config))]
+            linear_candidates(shapes, text_config, family.moe_intermediate(text_config), family.grammar)]
 
 
 def read_linear_weight(reader: CheckpointReader, source: SourceFormat | None, module: str) -> torch.Tensor:

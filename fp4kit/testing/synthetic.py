@@ -22,12 +22,16 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families import qwen3_moe
 from fp4kit.families.base import layer_of
 from fp4kit.io.checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointReader, PlannedTensor, ShardWriter
 
 WEIGHT_STD = 0.02
 NORM_STD = 0.1
 REAL_SHARD_BYTES = 4 * 10**9  # Qwen3-30B-A3B ships 16 shards of ~4 GB
+
+
+QWEN3 = qwen3_moe.FAMILY.grammar
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ def qwen3_moe_config(dims: Qwen3MoeDims) -> dict:
 
 def _layer_plan(layer: int, dims: Qwen3MoeDims) -> list[PlannedTensor]:
     bf16, p = torch.bfloat16, f"model.layers.{layer}."
+    experts = QWEN3.experts_of(f"{p}mlp")
     q_width, kv_width = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
     tensors = [
         PlannedTensor(p + "input_layernorm.weight", bf16, (dims.hidden,)),
@@ -94,13 +99,12 @@ def _layer_plan(layer: int, dims: Qwen3MoeDims) -> list[PlannedTensor]:
         PlannedTensor(p + "self_attn.q_norm.weight", bf16, (dims.head_dim,)),
         PlannedTensor(p + "self_attn.k_norm.weight", bf16, (dims.head_dim,)),
         PlannedTensor(p + "post_attention_layernorm.weight", bf16, (dims.hidden,)),
-        PlannedTensor(p + "mlp.gate.weight", bf16, (dims.num_experts, dims.hidden)),
+        PlannedTensor(QWEN3.router_weights(experts)[0], bf16, (dims.num_experts, dims.hidden)),
     ]
+    w13_shape, w2_shape = (dims.moe_intermediate, dims.hidden), (dims.hidden, dims.moe_intermediate)
     for e in range(dims.num_experts):
-        expert = f"{p}mlp.experts.{e}."
-        tensors.append(PlannedTensor(expert + "gate_proj.weight", bf16, (dims.moe_intermediate, dims.hidden)))
-        tensors.append(PlannedTensor(expert + "up_proj.weight", bf16, (dims.moe_intermediate, dims.hidden)))
-        tensors.append(PlannedTensor(expert + "down_proj.weight", bf16, (dims.hidden, dims.moe_intermediate)))
+        for proj, name in zip(QWEN3.projections, QWEN3.expert_linears(experts, e), strict=True):
+            tensors.append(PlannedTensor(f"{name}.weight", bf16, w2_shape if proj == QWEN3.down else w13_shape))
     return tensors
 
 

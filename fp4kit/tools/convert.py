@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ from fp4kit.io.streaming import prefetched
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.registry import DIALECT_NAMES, dialect
 from fp4kit.tools import dense
+from fp4kit.tools.convert_report import ConvertReport
 from fp4kit.tools.repair import RepairReport, rescale, unified_scales
 
 QUEUE_DEPTH = 4
@@ -47,29 +48,11 @@ QUEUE_DEPTH = 4
 @dataclass
 class FusedJob:
     experts: str
-    leaf: str  # gate_up_proj or down_proj
+    leaf: str  # the grammar's fused gate/up or down tensor
     members: list[QuantModule]  # expert-major; gate before up
 
 
 Job = QuantModule | FusedJob | str  # str: a tensor copied unchanged
-
-
-@dataclass
-class ConvertReport:
-    source_dialect: str
-    target_dialect: str
-    scheme: str
-    family: str
-    quantized_modules: int
-    fused_tensors: int
-    passthrough_tensors: int
-    exact_scales_recorded: int
-    input_bytes: int
-    output_bytes: int
-    output_files: list[str]
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-    repair: RepairReport | None = None
 
 
 Scales = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # module -> (weight divisor, input divisor)
@@ -84,13 +67,13 @@ def _scales(ckpt: QuantizedCheckpoint) -> Scales:
 def _fused_jobs(ckpt: QuantizedCheckpoint, scales: Scales) -> tuple[list[FusedJob], list[str]]:
     """Expert Linears (Llama-4's) that can be written in a fused layout (ModelOpt's) without changing a value."""
     by_leaf: dict[tuple[str, str], dict[int, dict[str, QuantModule]]] = {}
+    grammar = ckpt.grammar
     for m in ckpt.modules:
-        if expert := routed_expert(m.name):
-            leaf = "down_proj" if expert.proj == "down_proj" else "gate_up_proj"
-            by_leaf.setdefault((expert.experts, leaf), {}).setdefault(expert.expert, {})[expert.proj] = m
+        if expert := routed_expert(m.name, grammar):
+            by_leaf.setdefault((expert.experts, expert.fused_leaf), {}).setdefault(expert.expert, {})[expert.proj] = m
     jobs, notes = [], []
     for (experts, leaf), found in by_leaf.items():
-        projs = ("down_proj",) if leaf == "down_proj" else ("gate_proj", "up_proj")
+        projs = grammar.fused_parts(leaf)
         if sorted(found) != list(range(len(found))) or any(sorted(p) != sorted(projs) for p in found.values()):
             notes.append(f"{experts}.{leaf}: not every expert is quantized; kept per-expert")
             continue
@@ -123,7 +106,7 @@ def _planned(job: Job, target: Dialect, ckpt: QuantizedCheckpoint) -> list[Plann
         return [PlannedTensor(job, info.dtype, info.shape)]
     if isinstance(job, FusedJob):
         first = job.members[0]
-        per_expert = 2 if job.leaf == "gate_up_proj" else 1
+        per_expert = len(ckpt.grammar.fused_parts(job.leaf))
         return target.fused_planned(job.experts, job.leaf, len(job.members) // per_expert,  # type: ignore[attr-defined]
                                     first.out_features * per_expert, first.in_features, first.input_scale is not None)
     return target.planned(job.name, job.out_features, job.in_features, job.input_scale is not None)
@@ -147,7 +130,7 @@ def _encode(job: Job, target: Dialect, ckpt: QuantizedCheckpoint, scales: Scales
     if isinstance(job, str):
         return {job: ckpt.reader.read(job)}
     if isinstance(job, FusedJob):
-        per_expert = 2 if job.leaf == "gate_up_proj" else 1
+        per_expert = len(ckpt.grammar.fused_parts(job.leaf))
         weights, inputs = [], []
         for i in range(0, len(job.members), per_expert):
             parts = [_read(ckpt, m, scales, repaired) for m in job.members[i : i + per_expert]]

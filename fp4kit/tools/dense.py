@@ -26,6 +26,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpo
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, TensorInfo, copy_side_files
 from fp4kit.io.output import atomic_directory, check_destination
 from fp4kit.layouts.directory import MoELayer, find_moe_layers
+from fp4kit.tools.convert_report import ConvertReport
 
 TARGET = "bf16"
 
@@ -37,10 +38,11 @@ class DenseView:
         self.ckpt, self.dtype = ckpt, dtype
         self.fused: dict[str, tuple[MoELayer, str]] = {}
         in_fused: set[str] = set()
+        self.grammar = ckpt.grammar
         if ckpt.family is not None and ckpt.family.hf_fused_experts:
             for layer in find_moe_layers(ckpt):
-                self.fused[f"{layer.experts}.gate_up_proj"] = (layer, "gate_up_proj")
-                self.fused[f"{layer.experts}.down_proj"] = (layer, "down_proj")
+                for leaf in self.grammar.fused_tensors:
+                    self.fused[self.grammar.fused_tensor(layer.experts, leaf)] = (layer, leaf)
                 in_fused.update(m.name for members in layer.members for m in members)
         self.modules: dict[str, QuantModule] = {f"{m.name}.weight": m for m in ckpt.modules if m.name not in in_fused}
         self._passthrough = set(ckpt.passthrough)
@@ -57,8 +59,8 @@ class DenseView:
             return PlannedTensor(name, self.dtype, (m.out_features, m.in_features))
         if name in self.fused:
             layer, leaf = self.fused[name]
-            shape = (layer.hidden, 2 * layer.intermediate) if leaf == "gate_up_proj" else (layer.intermediate,
-                                                                                            layer.hidden)
+            gate_up = leaf == self.grammar.fused_gate_up
+            shape = (layer.hidden, 2 * layer.intermediate) if gate_up else (layer.intermediate, layer.hidden)
             return PlannedTensor(name, self.dtype, (layer.num_experts, *shape))
         return self.ckpt.reader.info(name)
 
@@ -74,7 +76,7 @@ class DenseView:
         info = self.info(name)
         out = torch.empty(info.shape, dtype=self.dtype)
         for e, (gate, up, down) in enumerate(layer.members):
-            parts = (gate, up) if leaf == "gate_up_proj" else (down,)
+            parts = (gate, up) if leaf == self.grammar.fused_gate_up else (down,)
             column = 0
             for module in parts:  # canonical [N, K] -> K-major columns
                 out[e, :, column : column + module.out_features] = self.ckpt.read_weight(module).dequantize(
@@ -93,8 +95,6 @@ def dequantize_checkpoint(
 ):
     """Write NVFP4 checkpoint ``src`` as a dense checkpoint into ``dst`` (created atomically): dequantized weights in
     ``dtype`` (BF16 for `convert --to bf16`; float32 keeps the dequantized values exact), other tensors as stored."""
-    from fp4kit.tools.convert import ConvertReport
-
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     with open_checkpoint(src) as ckpt:

@@ -15,6 +15,7 @@ import numpy
 import torch
 
 from fp4kit.families.base import ATTENTION_QUERY_RE, group_experts, layer_of
+from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.formats.modelopt import HF_QUANT_CONFIG
 from fp4kit.formats.modelopt import NAME as MO
@@ -48,7 +49,7 @@ def _finite_positive(value: float | None) -> bool:
 def vllm_checks(ckpt: QuantizedCheckpoint, scales: dict[str, tuple[float, float | None]], report: Report) -> None:
     """``scales``: module -> (weight divisor, input divisor or None), as fp4kit.tools.inspect reads them."""
     _input_scales(ckpt, scales, report)
-    _experts(scales, report)
+    _experts(scales, report, ckpt.grammar)
     _mtp(ckpt, report)
     _kv_cache(ckpt, report)
     _zero_block_scales(ckpt, report)
@@ -69,19 +70,20 @@ def _input_scales(ckpt: QuantizedCheckpoint, scales: dict[str, tuple[float, floa
                    f"W4A4 module with {what}: vLLM quantizes its activations with 1 / that")
 
 
-def _experts(scales: dict[str, tuple[float, float | None]], report: Report) -> None:
-    layers = group_experts(scales.items())
+def _experts(scales: dict[str, tuple[float, float | None]], report: Report, grammar: ExpertGrammar) -> None:
+    layers = group_experts(scales.items(), grammar)
+    gate, up = grammar.w13
     for experts, members in layers.items():
         for e, projs in sorted(members.items()):
-            if "gate_proj" in projs and "up_proj" in projs and projs["gate_proj"][0] != projs["up_proj"][0]:
-                ratio = projs["up_proj"][0] / projs["gate_proj"][0] if projs["gate_proj"][0] else float("inf")
-                report("vllm_gate_up_global_scale", f"{experts}.{e}.up_proj",
-                       f"weight global scale differs from gate_proj's (ratio {ratio:.4g}); vLLM dequantizes up_proj "
-                       f"with gate_proj's")
-        gate_up = {projs[p][1] for projs in members.values() for p in ("gate_proj", "up_proj")
+            if gate in projs and up in projs and projs[gate][0] != projs[up][0]:
+                ratio = projs[up][0] / projs[gate][0] if projs[gate][0] else float("inf")
+                report("vllm_gate_up_global_scale", grammar.expert_linear(experts, e, up),
+                       f"weight global scale differs from {gate}'s (ratio {ratio:.4g}); vLLM dequantizes {up} "
+                       f"with {gate}'s")
+        gate_up = {projs[p][1] for projs in members.values() for p in grammar.w13
                    if p in projs and projs[p][1] is not None}
         if len(gate_up) > 1:
-            report("vllm_per_expert_input_scale", f"{experts}.*.gate_proj",
+            report("vllm_per_expert_input_scale", f"{experts}.*.{gate}",
                    f"{len(gate_up)} different gate/up input scales over {len(members)} experts; vLLM's FlashInfer "
                    f"backends quantize the hidden states once with the largest (`fp4kit convert --repair` shares one)")
 

@@ -1,6 +1,6 @@
 """`fp4kit eval`: a quantized checkpoint's next-token distribution against its source, one decoder layer at a time.
 
-Both models run the calibration pass's streaming forward (fp4kit/quantize/calibrate.py): embeddings and every layer's
+Both models run the layer-streaming text model (fp4kit/quantize/layer_model.py): embeddings and every layer's
 arguments from a forward of the meta-device text model, then each decoder layer built with transformers' own class,
 loaded alone, run over every sample's hidden states and dropped. A quantized checkpoint is read through
 ``fp4kit.tools.dense.DenseView``: its NVFP4 weights dequantized from the canonical form, in the family's HF layout, so
@@ -10,7 +10,7 @@ weights of one layer at a time.
 W4A4 checkpoints (input scales present) run with their activations quantized as the Blackwell kernels do: the
 input of every quantized Linear and, per routed expert, the gate/up input and the down input are quantized per
 16-block with the stored static global scale and dequantized again (``fake_quantize_activation`` of
-fp4kit/verify/reference.py). Routed experts then run expert by expert (the eager loop of transformers' experts
+fp4kit/nvfp4.py). Routed experts then run expert by expert (the eager loop of transformers' experts
 class, with those two quantization points); weight-only checkpoints run transformers' experts unchanged.
 
 Measured on the positions that have a next token (samples x (seq_len - 1)): mean KL(source || quantized) of the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,11 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families import detect
+from fp4kit.families.base import Family
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.sources import DequantizedView, detect_source
-from fp4kit.verify.reference import fake_quantize_activation
+from fp4kit.nvfp4 import fake_quantize_activation
 
 DTYPES = ("float32", "bfloat16")  # compute dtypes
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits per chunk of tokens (x2 models): bounded whatever the vocabulary
@@ -80,56 +81,21 @@ def _linear_input_hook(divisor: torch.Tensor):
     return hook
 
 
-def _routed_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
-    """Qwen3 / GLM experts (forward(hidden [T, H], top_k_index, top_k_weights)), [E, 2I, H] / [E, H, I]."""
-    owner = weakref.ref(experts)  # the forward is stored on the module: a strong reference would be a cycle
-
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        experts = owner()
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            token_idx, slot = torch.where(top_k_index == e)
-            x = _fake_quantized(hidden_states[token_idx], div13[e])
-            gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(_fake_quantized(experts.act_fn(gate) * up, div2[e]), experts.down_proj[e])
-            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot, None]).to(out.dtype))
-        return out
-
-    return forward
-
-
-def _bmm_experts_w4a4(experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor]):
-    """Llama-4 experts (forward(routed_in [E * T, H]), every expert over all tokens), [E, H, 2I] / [E, I, H]."""
-    owner = weakref.ref(experts)
-
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        experts = owner()
-        per_expert = hidden_states.view(experts.gate_up_proj.shape[0], -1, hidden_states.shape[-1])
-        outs = []
-        for e in range(per_expert.shape[0]):
-            gate_up = _fake_quantized(per_expert[e], div13[e]) @ experts.gate_up_proj[e]
-            gate, up = gate_up.chunk(2, dim=-1)
-            outs.append(_fake_quantized(up * experts.act_fn(gate), div2[e]) @ experts.down_proj[e])
-        return torch.stack(outs).view(-1, hidden_states.shape[-1])
-
-    return forward
-
-
-def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], bmm_experts: bool) -> set[str]:
+def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], family: Family) -> set[str]:
     """Quantize the activations of every quantized Linear and routed expert under ``module`` (whose checkpoint name
-    is ``prefix``, e.g. "model.layers.3."), in place; returns the module names covered. ``bmm_experts``: Llama-4's
-    experts class (every expert over all tokens, the router score already applied to its input)."""
+    is ``prefix``, e.g. "model.layers.3."), in place; returns the module names covered. The family's MoE modules
+    (``Family.moe_modules``) say how its transformers experts class runs, and so which forward replaces it."""
+    moe, grammar = family.moe_modules(), family.grammar
     covered: set[str] = set()
     for name, sub in module.named_modules():
         full = prefix + name
         if isinstance(sub, nn.Linear) and full in divisors:
             sub.register_forward_pre_hook(_linear_input_hook(divisors[full]))
             covered.add(full)
-        gate_up = getattr(sub, "gate_up_proj", None)
-        if isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and f"{full}.0.gate_proj" in divisors:
+        if moe.is_experts(sub) and grammar.expert_linear(full, 0, grammar.gate) in divisors:
             div13, div2 = [], []
-            for e in range(gate_up.shape[0]):
-                names = [f"{full}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            for e in range(moe.num_experts(sub)):
+                names = grammar.expert_linears(full, e)
                 missing = [n for n in names if n not in divisors]
                 if missing:
                     raise Fp4kitError(f"{missing[0]}: no input scale, other experts of the layer have one")
@@ -139,12 +105,12 @@ def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tenso
                 div13.append(divisors[names[0]])
                 div2.append(divisors[names[2]])
                 covered.update(names)
-            sub.forward = (_bmm_experts_w4a4 if bmm_experts else _routed_experts_w4a4)(sub, div13, div2)
+            sub.forward = moe.w4a4_forward(sub, div13, div2, _fake_quantized)
     return covered
 
 
-def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], bmm_experts: bool) -> None:
-    covered = emulate_w4a4(layer, prefix, divisors, bmm_experts)
+def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], family: Family) -> None:
+    covered = emulate_w4a4(layer, prefix, divisors, family)
     missed = sorted(n for n in divisors if n.startswith(prefix) and n not in covered)
     if missed:
         raise Fp4kitError(f"{missed[0]}: has an input scale but is neither a Linear nor a routed expert of "
@@ -160,15 +126,16 @@ class _Model:
 
         self.root = root
         self.config = read_config(root)
+        self.family = detect(self.config)
         self.divisors: dict[str, torch.Tensor] = {}
         self.reader: CheckpointReader | DenseView | DequantizedView
-        stored = stack.enter_context(CheckpointReader(root))
+        stored = stack.enter_context(CheckpointReader(root))  # the directory's one reader
         source = detect_source(self.config, {n: (i.dtype, i.shape) for n, i in stored.tensors.items()})
         if source.quantized:
             self.scheme = source.name
             self.reader = DequantizedView(stored, source, torch.float32)
-        elif _is_quantized(root, self.config):
-            ckpt = stack.enter_context(open_checkpoint(root))
+        elif _is_quantized(root, self.config, stored):
+            ckpt = stack.enter_context(open_checkpoint(root, reader=stored))
             self.scheme = ckpt.scheme
             self.divisors = input_divisors(ckpt)
             self.reader = DenseView(ckpt, torch.float32)
@@ -177,19 +144,16 @@ class _Model:
             self.reader = stored
 
 
-def _is_quantized(root: Path, config: dict) -> bool:
+def _is_quantized(root: Path, config: dict, reader: CheckpointReader) -> bool:
     from fp4kit.registry import dialects
 
     if config.get("quantization_config") or any((root / name).exists() for name in config_files()):
         return True
-    with CheckpointReader(root) as reader:
-        return any(d.owns(n) for n in reader.names() for d in dialects())
+    return any(d.owns(n) for n in reader.names() for d in dialects())
 
 
 def _check_compatible(source: _Model, quantized: _Model) -> None:
-    from fp4kit.families import detect
-
-    texts = [detect(m.config).text_config(m.config) for m in (source, quantized)]
+    texts = [m.family.text_config(m.config) for m in (source, quantized)]
     for key in _COMPATIBLE_KEYS:
         a, b = (text.get(key, m.config.get(key)) for text, m in zip(texts, (source, quantized), strict=True))
         if a != b:
@@ -238,7 +202,7 @@ def evaluate(
     """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L].
     ``progress(done, total)`` counts batch forwards: per decoder layer one per batch of each model, then one
     scoring pass per batch."""
-    from fp4kit.quantize.calibrate import _layer_inputs, _load_layer, _text_model
+    from fp4kit.quantize.layer_model import layer_inputs, text_model
 
     start = time.perf_counter()
     src, ckpt = Path(src), Path(ckpt)
@@ -255,13 +219,14 @@ def evaluate(
         memory.bound_onednn_kernel_cache()
         models = [_Model(src, stack), _Model(ckpt, stack)]
         _check_compatible(*models)
-        texts = [_text_model(m.reader, src, dtype, torch_device) for m in models]  # one config: SRC's
+        source = models[0]  # both models are built from SRC's config.json
+        texts = [text_model(m.reader, source.config, source.family, dtype, torch_device, src) for m in models]
         vocab_size = texts[0].model.config.vocab_size
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size:
             raise Fp4kitError(f"eval token ids must lie in [0, vocab_size {vocab_size}), got "
                               f"[{int(token_ids.min())}, {int(token_ids.max())}]")
         ids = token_ids.to(torch_device)
-        inputs = [_layer_inputs(text, ids, batch_size, (0, 1)) for text in texts]
+        inputs = [layer_inputs(text, ids, batch_size) for text in texts]
         hidden = [hidden_batches for hidden_batches, _ in inputs]
         layer_errors = []
         total, done = (2 * len(texts[0].layers) + 1) * len(hidden[0]), 0
@@ -269,9 +234,9 @@ def evaluate(
             progress(0, total)
         for index in range(len(texts[0].layers)):
             for side, (model, text) in enumerate(zip(models, texts, strict=True)):
-                layer = _load_layer(text, model.reader, index, dtype, torch_device)
+                layer = text.load_layer(model.reader, index, dtype, torch_device)
                 if model.divisors:
-                    _emulate_layer(layer, f"{text.prefix}layers.{index}.", model.divisors, text.scales_input)
+                    _emulate_layer(layer, text.layer_prefix(index), model.divisors, text.family)
                 layer_args = inputs[side][1]
                 for b, states in enumerate(hidden[side]):
                     args, kwargs = layer_args[tuple(states.shape)][index]
@@ -279,7 +244,7 @@ def evaluate(
                     done += 1
                     if progress:
                         progress(done, total)
-                text.layers[index] = None
+                text.drop_layer(index)
                 del layer
                 memory.trim_freed_memory()
             layer_errors.append(_relative_error(hidden[0], hidden[1]))

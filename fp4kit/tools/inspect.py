@@ -182,7 +182,7 @@ def _sizes(ckpt: QuantizedCheckpoint) -> tuple[int | None, int | None, int | Non
     experts: set[tuple[str, int]] = set()
     hidden = inter = None
     for m in ckpt.modules:
-        expert = expert_module(m.name)
+        expert = expert_module(m.name, ckpt.grammar)
         if expert:
             experts.add((expert.experts, expert.expert))
             if expert.fused == "w13":
@@ -215,7 +215,7 @@ def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
         summary = entry(m.name)
         summary.quantized_linears += 1
         summary.shapes.setdefault(m.name.rsplit(".", 1)[-1], [m.out_features, m.in_features])
-        if expert := expert_module(m.name):
+        if expert := expert_module(m.name, ckpt.grammar):
             experts.setdefault((summary.part, summary.layer), set()).add(expert.expert)
         for name in (m.packed, m.block_scale, m.global_scale, m.input_scale):
             if name and name not in counted:
@@ -271,8 +271,8 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                 progress(done, len(ckpt.modules))
             scales[m.name] = _module_scales(ckpt, m, problems)
             counts = _block_scale_problems(ckpt, m, problems)
-            if expert := expert_module(m.name):
-                key = f"{expert.experts}.{'w2' if expert.proj == 'down_proj' else 'w13'}"
+            if expert := expert_module(m.name, ckpt.grammar):
+                key = f"{expert.experts}.{expert.fused}"
                 histograms[key] = histograms[key] + counts if key in histograms else counts
         if progress:
             progress(len(ckpt.modules), len(ckpt.modules))

@@ -1,6 +1,6 @@
 """Which output rows of a W4A4-emulated MoE may legitimately differ between two correct computations.
 
-W4A4 emulation rounds the input of each GEMM to NVFP4 (`fp4kit.verify.reference.fake_quantize_activation`): an E2M1
+W4A4 emulation rounds the input of each GEMM to NVFP4 (`fp4kit.nvfp4.fake_quantize_activation`): an E2M1
 code per element and an FP8 E4M3 scale per 16-block. Rounding is discontinuous, so when a kernel's value differs from
 the reference's by a few fp32 ulps (another summation order in GEMM1, another exp), an element sitting within that
 distance of an E2M1 rounding boundary can round one code apart, and a block whose amax·G/6 sits that close to an FP8
@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fp4kit.families.routing import RoutingSpec
-from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX, fp32_multiplier
-from fp4kit.verify.reference import block_scale_input, fake_quantize_activation
+from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX, block_scale_input, fake_quantize_activation, fp32_multiplier
 
 ACCUMULATION_EPS = 1e-5
 RECIPROCAL_EPS = 2.0**-22  # x·(1/d) instead of x/d: within 2 ulps

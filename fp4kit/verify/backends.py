@@ -9,9 +9,9 @@ logits.
 - ``triton``: fp4kit's fused NVFP4 MoE on any CUDA GPU; on a CPU under TRITON_INTERPRET=1 for tiny shapes only.
 - ``flashinfer-cutlass``: FlashInfer ``cutlass_fused_moe`` (NVFP4 W4A4), sm100 / sm120 with flashinfer installed.
 - ``flashinfer-trtllm``: FlashInfer ``trtllm_fp4_block_scale_moe``, sm100 family only.
-- ``marlin``: vLLM's ``fused_marlin_moe`` (W4A16), sm75+ with vLLM importable.
+- ``marlin``: vLLM's Marlin NVFP4 MoE (W4A16), sm75+ with vLLM's ops registered (`fp4kit.verify.vllm_marlin`).
 The FlashInfer and Marlin runners take their weights from `fp4kit.layouts` transforms of the canonical layer; no
-machine here has run them (they need sm100 / vLLM), so a failure of theirs is reported, not hidden.
+machine here has run the FlashInfer ones (they need sm100), so a failure of theirs is reported, not hidden.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ import torch
 from torch import Tensor
 
 from fp4kit.families.routing import RoutingSpec
+from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.verify.ambiguity import RECIPROCAL_EPS
 from fp4kit.verify.moe_layer import QuantizedMoe
+from fp4kit.verify.triton_moe import triton_interpreter_active
 
 Runner = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ActivationDiv = tuple[Tensor, Tensor] | None
@@ -58,18 +60,6 @@ def enable_triton_interpreter() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def triton_interpreter_active() -> bool:
-    """Whether @triton.jit functions run under Triton's interpreter in this process."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    if "triton.language" not in sys.modules:
-        return True
-    import triton.language as tl
-
-    # a compiled-mode JITFunction here means triton.language was imported before TRITON_INTERPRET=1 was set
-    return type(getattr(tl, "zeros", None)).__name__ != "JITFunction"
-
-
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -85,6 +75,12 @@ class Backend:
         """Whether this token count and layer shape can run here (the interpreter is only for tiny shapes)."""
         if self.name == "flashinfer-cutlass" and spec.scales_input:
             return False, "Llama-4's input-side routing weight is not wired to cutlass_fused_moe"
+        if self.name == "marlin":
+            from fp4kit.layouts.marlin import shape_problems
+
+            problems = shape_problems(moe.w13.shape[2], moe.w2.shape[2])
+            if problems:
+                return False, f"Marlin MoE tiles: {'; '.join(problems)}"
         if self.name == "triton" and device.type == "cpu":
             hidden, inter = moe.w13.shape[2], moe.w2.shape[2]
             if num_tokens * spec.top_k > INTERPRETER_MAX_PAIRS or max(hidden, inter) > INTERPRETER_MAX_DIM:
@@ -128,14 +124,18 @@ def _flashinfer_available(families: tuple[int, ...], what: str) -> Callable[[tor
 
 
 def _marlin_available(device: torch.device) -> tuple[bool, str]:
+    from fp4kit.verify.vllm_marlin import OPS_LIBRARY_ENV, find_ops
+
     capability = _capability(device)
     if capability is None:
         return False, "no GPU: Marlin needs CUDA sm75+"
     if capability < (7, 5):
         return False, f"sm{capability[0]}{capability[1]}: Marlin needs sm75+"
-    if not _importable("vllm"):
-        return False, "vllm not installed"
-    return True, f"sm{capability[0]}{capability[1]}"
+    if not _importable("vllm") and not os.environ.get(OPS_LIBRARY_ENV):
+        return False, (f"vllm not installed, and {OPS_LIBRARY_ENV} names no library of its ops "
+                       "(scripts/device_build_vllm_marlin_moe.py builds one)")
+    ops, reason = find_ops()
+    return ops is not None, f"sm{capability[0]}{capability[1]}, {reason}" if ops else reason
 
 
 def dequantized(moe: QuantizedMoe, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -254,28 +254,36 @@ def _prepare_flashinfer_trtllm(
 def _prepare_marlin(
     moe: QuantizedMoe, spec: RoutingSpec, activation_div: ActivationDiv, device: torch.device
 ) -> Runner:
-    from vllm.model_executor.layers.fused_moe.fused_marlin_moe import fused_marlin_moe
+    from fp4kit.layouts.marlin import shape_problems
 
+    problems = shape_problems(moe.w13.shape[2], moe.w2.shape[2])
+    if problems:  # `fits` skips every batch of this layer: the runner is never called
+
+        def unfit(hidden: Tensor, weights: Tensor, ids: Tensor, logits: Tensor) -> Tensor:
+            raise RuntimeError(f"Marlin MoE tiles: {'; '.join(problems)}")
+
+        return unfit
+    return marlin_runner(moe.w13, moe.w2, list(range(moe.num_experts)), moe.num_experts, spec, device)
+
+
+def marlin_runner(w13: NVFP4Tensor, w2: NVFP4Tensor, local_to_global: list[int], num_experts: int,
+                  spec: RoutingSpec, device: torch.device, expert_map: bool = False) -> Runner:
+    """vLLM's Marlin MoE over the experts ``local_to_global`` (global ids of w13/w2's rows, in order) of a layer
+    of ``num_experts``; with ``expert_map``, as one EP rank: vLLM's expert_map, and foreign experts' rows left out
+    of the sum. Weights in the Marlin layout fp4kit writes (`fp4kit.layouts.marlin`, bf16 activations)."""
     from fp4kit.layouts import marlin
+    from fp4kit.verify.vllm_marlin import expert_map_of, find_ops, marlin_call
 
-    tensors = {
-        k: v.to(device) for k, v in marlin.transform(moe.w13, moe.w2, None, None, act_dtype=torch.bfloat16).items()
-    }
+    ops, reason = find_ops()
+    if ops is None:
+        raise RuntimeError(reason)
+    tensors = {k: v.to(device) for k, v in marlin.transform(w13, w2, None, None, act_dtype=torch.bfloat16).items()}
+    mapping = expert_map_of(local_to_global, num_experts, device) if expert_map else None
+    call = marlin_call(ops, tensors, marlin.FLOAT4_E2M1F_ID, num_experts, mapping, spec.scales_input, device)
 
     def run(hidden: Tensor, weights: Tensor, ids: Tensor, logits: Tensor) -> Tensor:
-        out = fused_marlin_moe(
-            hidden.to(torch.bfloat16),
-            gating_output=logits,
-            topk_weights=weights.float(),
-            topk_ids=ids.to(torch.int32),
-            quant_type_id=marlin.FLOAT4_E2M1F_ID,
-            global_num_experts=moe.num_experts,
-            apply_router_weight_on_input=spec.scales_input,  # Llama-4 (top-1)
-            bias1=None,
-            bias2=None,
-            **tensors,
-        )
-        return out.float()
+        return call(hidden.to(torch.bfloat16).contiguous(), weights.float().contiguous(),
+                    ids.to(torch.int32).contiguous()).float()
 
     return run
 

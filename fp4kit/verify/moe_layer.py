@@ -247,6 +247,7 @@ class RankExperts:
     held: Tensor  # bool [E]: experts whose tensors this rank stores
     mapped: Tensor  # bool [E]: experts its expert_map.json says it holds
     moe: QuantizedMoe  # non-held experts are all-zero weights with unit scales
+    local_index: Tensor  # int64 [E]: each expert's index on this rank by its expert_map.json, -1 elsewhere
 
 
 def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> RankExperts:
@@ -262,12 +263,13 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
         raise Fp4kitError(
             f"{rank_dir / EXPERT_MAP}: layer {layer} maps {len(expert_map)} experts, expected {num_experts}"
         )
-    mapped = torch.tensor([int(local) >= 0 for local in expert_map])
+    local_index = torch.tensor([int(local) for local in expert_map], dtype=torch.int64)
+    mapped = local_index >= 0
     with open_checkpoint(rank_dir) as ckpt:
-        found = group_experts((m.name, m) for m in ckpt.modules).get(experts_module, {})
+        found = group_experts(((m.name, m) for m in ckpt.modules), ckpt.grammar).get(experts_module, {})
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
         moe = _stack_held(ckpt, found, held, full)
-    return RankExperts(rank, held, mapped, moe)
+    return RankExperts(rank, held, mapped, moe, local_index)
 
 
 def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModule]], held: Tensor,

@@ -12,7 +12,8 @@ from torch import Tensor
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.routing import route
 from fp4kit.layouts import StackedExperts
-from fp4kit.verify.backends import BACKENDS, dequantized
+from fp4kit.nvfp4 import NVFP4Tensor
+from fp4kit.verify.backends import BACKENDS, dequantized, marlin_runner
 from fp4kit.verify.checks import (
     DEFAULT_TOL_SOURCE,
     SIDE_CHECK_TOKENS,
@@ -23,7 +24,14 @@ from fp4kit.verify.checks import (
     route_batch,
     shared_output,
 )
-from fp4kit.verify.moe_layer import QuantizedMoe, SourceMoe, layout_transform, read_rank_layer, undo_layout
+from fp4kit.verify.moe_layer import (
+    QuantizedMoe,
+    RankExperts,
+    SourceMoe,
+    layout_transform,
+    read_rank_layer,
+    undo_layout,
+)
 from fp4kit.verify.reference import moe_reference
 
 
@@ -113,6 +121,41 @@ def check_expert_parallel(v: LayerVerifier, shards: Path) -> None:
         tolerance=TOL_EP,
         tokens=num_tokens,
     )
+    if EXPERT_MAP_BACKEND in v.runners:
+        _expert_map_kernel(v, ranks, f"{target} ({len(ranks)} ranks)", hidden, logits, weights, ids)
+
+
+EXPERT_MAP_BACKEND = "marlin"  # the backend that runs one EP rank the way the engine does, with its expert_map
+
+
+def _expert_map_kernel(v: LayerVerifier, ranks: list[RankExperts], target: str, hidden: Tensor, logits: Tensor,
+                       weights: Tensor, ids: Tensor) -> None:
+    """``ep-kernel``: each rank through the engine's kernel with only its own experts and vLLM's expert_map (global
+    id -> local index, -1 for the other ranks' experts), summed over ranks, vs the unsharded reference."""
+    name, num_tokens = EXPERT_MAP_BACKEND, len(hidden)
+    fits, why = BACKENDS[name].fits(v.device, num_tokens, v.moe, v.spec)
+    if not fits:
+        v.skip("ep-kernel", f"{name}: {target}", why, tokens=num_tokens)
+        return
+    expected = v.runners["reference"](hidden, weights, ids, logits)
+    total = torch.zeros_like(expected)
+    try:
+        for rank in ranks:
+            local = [int(e) for e in rank.local_index.argsort() if rank.local_index[e] >= 0]
+            w13, w2 = rank.moe.w13, rank.moe.w2
+            pick = torch.tensor(local, dtype=torch.long)
+            run = marlin_runner(
+                NVFP4Tensor(w13.packed[pick], w13.block_scale[pick], w13.global_scale_div[pick]),
+                NVFP4Tensor(w2.packed[pick], w2.block_scale[pick], w2.global_scale_div[pick]),
+                local, v.moe.num_experts, v.spec, v.device, expert_map=True,
+            )
+            total += run(hidden, weights, ids, logits)
+    except Exception as exc:
+        v.add("ep-kernel", f"{name}: {target}", False, tokens=num_tokens, detail=f"crashed: {exc!r}"[:300])
+        return
+    error = relative_error(total, expected)
+    v.add("ep-kernel", f"{name}: {target}", error <= v.options.tol_kernel, error=error,
+          tolerance=v.options.tol_kernel, tokens=num_tokens)
 
 
 def rank_directories(shards: Path) -> list[Path]:

@@ -5,8 +5,7 @@ The expert is SwiGLU: w2 · (silu(w1 x) * (w3 x)). Routing weights multiply the 
 (`RoutingSpec.scales_input`), where they multiply the expert input (transformers' `Llama4TextMoe`).
 
 W4A4 emulation (docs/verify.md): with ``activation_global_div`` = (D_a13 [E], D_a2 [E]) the input of each GEMM is
-quantized per 16-block the way NVFP4 kernels do at run time — block scale s = fp8(amax_blk / 6 · G_a) with the static
-per-expert multiplier G_a = fp32(1 / D_a), codes = rne_e2m1(x / (s / G_a)), an all-zero block gives zeros — and
+quantized per 16-block the way NVFP4 kernels do at run time (``fp4kit.nvfp4.fake_quantize_activation``) and
 dequantized again, so the kernel's W4A4 arithmetic and this reference differ only in summation order.
 """
 
@@ -18,13 +17,8 @@ from torch import Tensor
 
 from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import (
-    BLOCK,
-    FP4_MAX,
-    FP8_MAX,
     NVFP4Tensor,
-    e2m1_codes,
-    e2m1_values,
-    fp32_multiplier,
+    fake_quantize_activation,
     global_scale_mul,
     quantize,
 )
@@ -61,26 +55,6 @@ def dequantize_experts(experts: NVFP4Tensor, dtype: torch.dtype = torch.float32)
             for e in range(experts.packed.shape[0])
         ]
     )
-
-
-def block_scale_input(block_amax: Tensor, global_mul: Tensor) -> Tensor:
-    """amax_blk / 6 · G_a in fp32, the value rounded to the FP8 block scale. The divisor is a tensor on amax's device:
-    CUDA torch turns a division by a Python number into a multiplication by its reciprocal, which is not amax / 6
-    in the last bit, and activations often sit exactly on an FP8 rounding tie (the kernel divides exactly)."""
-    return block_amax / torch.tensor(FP4_MAX, device=block_amax.device) * global_mul
-
-
-def fake_quantize_activation(x: Tensor, global_div: Tensor) -> Tensor:
-    """Quantize-dequantize fp32 activations [..., K] per 16-block with a static divisor global scale D_a (0-d)."""
-    global_mul = fp32_multiplier(global_div).to(x.device)
-    blocks = x.float().unflatten(-1, (-1, BLOCK))
-    block_amax = blocks.abs().amax(dim=-1, keepdim=True)
-    block_scale = torch.clamp(block_scale_input(block_amax, global_mul), max=FP8_MAX).to(torch.float8_e4m3fn).float()
-    divisor = block_scale / global_mul
-    safe_divisor = torch.where(divisor > 0, divisor, torch.ones_like(divisor))
-    values = e2m1_values(e2m1_codes(blocks / safe_divisor))
-    dequantized = torch.where(divisor > 0, values * block_scale / global_mul, torch.zeros_like(values))
-    return dequantized.flatten(-2)
 
 
 def moe_reference(

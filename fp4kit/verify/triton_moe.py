@@ -25,6 +25,8 @@ accumulation: equal to the Blackwell kernels up to summation order. The referenc
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -247,12 +249,22 @@ class TritonMoeWeights:
         )
 
 
+def triton_interpreter_active() -> bool:
+    """Whether @triton.jit functions run under Triton's interpreter in this process."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if "triton.language" not in sys.modules:
+        return True
+    import triton.language as tl
+
+    # a compiled-mode JITFunction here means triton.language was imported before TRITON_INTERPRET=1 was set
+    return type(getattr(tl, "zeros", None)).__name__ != "JITFunction"
+
+
 def _interpreted(hidden: Tensor) -> bool:
     """True under TRITON_INTERPRET=1 on a CPU tensor; raises where the kernel cannot run at all."""
     if hidden.device.type == "cuda":
         return False
-    from fp4kit.verify.backends import triton_interpreter_active
-
     if not triton_interpreter_active():
         raise Fp4kitError("the Triton MoE kernel needs a CUDA device, or TRITON_INTERPRET=1 set before triton was "
                           "first imported to run on a CPU")
