@@ -264,3 +264,130 @@ def fake_quantize_activation(x: torch.Tensor, global_div: torch.Tensor) -> torch
     values = e2m1_values(e2m1_codes(blocks / safe_divisor))
     dequantized = torch.where(divisor > 0, values * block_scale / global_mul, torch.zeros_like(values))
     return dequantized.flatten(-2)
+
+
+# --- MXFP4 -> NVFP4 without rounding -------------------------------------------------------------------------
+
+MX_BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+# the powers of two FP8 E4M3 holds exactly: 2^-9 (its smallest subnormal) .. 2^8 (256; 448 is not a power of two)
+E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8
+# the global multiplier 2^m must be a normal fp32 value, and so must its divisor 2^-m (ModelOpt stores that)
+GLOBAL_POW2_MIN, GLOBAL_POW2_MAX = -126, 126
+_MAGNITUDE_BITS = 0x7777777777777777  # of the 16 E2M1 codes in 8 bytes (the sign bits left out: -0 is zero)
+
+
+@dataclass
+class Mxfp4Weight:
+    """An MXFP4 weight as stored: E2M1 codes packed two per byte along K, element 2j in the low nibble (the byte
+    layout of NVFP4Tensor.packed) [N, K/2], and one E8M0 exponent byte per 32 inputs [N, ceil(K/32)]: the block's
+    values are its codes times 2^(byte - 127)."""
+
+    packed: torch.Tensor
+    exponents: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], self.packed.shape[1] * 2)
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact fp32 values (NaN where the exponent byte is 255)."""
+        scale = torch.ldexp(torch.ones_like(self.exponents, dtype=torch.float32),
+                            self.exponents.to(torch.int32) - E8M0_BIAS)
+        scale = torch.where(self.exponents == E8M0_NAN, torch.nan, scale)
+        values = unpack_e2m1(self.packed)
+        return values.mul_(scale.repeat_interleave(MX_BLOCK, dim=-1)[..., : values.shape[-1]])
+
+
+@dataclass
+class CastResult:
+    tensors: list[NVFP4Tensor]
+    exact_blocks: int  # NVFP4 16-blocks holding the source's codes, with the source's values
+    requantized_blocks: int  # 16-blocks whose scale the E4M3 range left by the global scale cannot hold
+
+
+def _mx_block_exponents(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the exponent k of each MXFP4 32-block [N, ceil(K/32)] as int32, whether the block holds a nonzero code)."""
+    if weight.packed.dim() != 2 or weight.packed.shape[-1] % (BLOCK // 2):
+        raise ValueError(f"MXFP4 weight of shape {list(weight.shape)}: [N, K] with K a multiple of {BLOCK}")
+    if bool((weight.exponents == E8M0_NAN).any()):
+        raise NonFiniteError("MXFP4 exponent 255 (NaN)")
+    k = weight.exponents.to(torch.int32) - E8M0_BIAS
+    if weight.packed.numel() == 0:
+        return k, torch.zeros(k.shape, dtype=torch.bool)
+    words = weight.packed.contiguous().view(torch.int64)  # a 16-block is 8 bytes: one int64
+    if words.shape[-1] % 2:  # a last 32-block of 16 inputs
+        words = torch.nn.functional.pad(words, (0, 1))
+    pairs = words.view(words.shape[0], -1, 2)
+    return k, ((pairs[..., 0] | pairs[..., 1]) & _MAGNITUDE_BITS).ne(0)
+
+
+def _block16_nonzero(weight: Mxfp4Weight) -> torch.Tensor:
+    """Whether each 16-block [N, K/16] holds a nonzero code (its nibbles' magnitude bits under one mask)."""
+    return (weight.packed.contiguous().view(torch.int64) & _MAGNITUDE_BITS).ne(0)
+
+
+def mxfp4_global_exponent(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The m of the global multiplier 2^m for blocks of exponents k (``parts``: each member's k and which of its
+    blocks are nonzero): the largest nonzero block gets the scale 2^8, so no block is above E4M3's range (that one
+    would saturate at 448 and clip), and every block within 17 binades of it is exact; smaller ones are re-quantized
+    as RTN would."""
+    lowest = torch.iinfo(torch.int32).min
+    tops = [int(torch.where(nonzero, k, lowest).max()) for k, nonzero in parts if k.numel()]
+    top = max(tops, default=lowest)
+    if top == lowest:  # no nonzero block
+        return 0
+    return max(GLOBAL_POW2_MIN, min(GLOBAL_POW2_MAX, E4M3_POW2_MAX - top))
+
+
+def _e4m3_pow2_bytes(j: torch.Tensor) -> torch.Tensor:
+    """The E4M3 bytes of 2^j for int32 j in [-9, 8]: exponent field j + 7 for normals (j >= -6), the mantissa bit
+    j + 9 of a subnormal below."""
+    return torch.where(j >= -6, (j + 7) << 3, 1 << (j + 9).clamp(min=0)).to(torch.uint8)
+
+
+def _per_16(per_32: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[N, G] per 32-block -> [N, blocks] per 16-block (each value twice; a last half block once)."""
+    rows = per_32.shape[0]
+    return per_32.unsqueeze(-1).expand(rows, per_32.shape[1], MX_BLOCK // BLOCK).reshape(rows, -1)[:, :blocks]
+
+
+def _cast_one(weight: Mxfp4Weight, k: torch.Tensor, nonzero: torch.Tensor, m: int,
+              global_mul: torch.Tensor) -> tuple[NVFP4Tensor, int]:
+    """One member of cast_mxfp4_group: its NVFP4 tensor and how many 16-blocks were re-quantized."""
+    blocks = weight.shape[-1] // BLOCK
+    divisor = torch.tensor(2.0**-m, dtype=torch.float64)
+    j = k + m
+    outside = (j < E4M3_POW2_MIN) | (j > E4M3_POW2_MAX)  # above only where m was clamped
+    scale = _per_16(_e4m3_pow2_bytes(j.clamp(E4M3_POW2_MIN, E4M3_POW2_MAX)), blocks)
+    if not bool((nonzero & outside).any()):  # every block exact: the codes as stored, powers of two as scales
+        return NVFP4Tensor(weight.packed, scale.view(torch.float8_e4m3fn), divisor), 0
+    redo = _block16_nonzero(weight) & _per_16(outside, blocks)
+    count = int(redo.sum())
+    packed = weight.packed.clone()
+    values = weight.dequantize().unflatten(-1, (-1, BLOCK))[redo]  # [count, 16], exact
+    redo_scale = rtn_block_scale(values.abs().amax(-1), global_mul)
+    packed.unflatten(-1, (-1, BLOCK // 2))[redo] = encode_blocks(values, redo_scale / global_mul).view(count, -1)
+    scale = scale.clone()
+    scale[redo] = redo_scale.to(torch.float8_e4m3fn).view(torch.uint8)
+    return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), divisor), count
+
+
+def cast_mxfp4_group(weights: list[Mxfp4Weight]) -> CastResult:
+    """NVFP4 of MXFP4 tensors a kernel fuses, under one power-of-two global scale 2^-m (multiplier 2^m): each 32-block
+    of codes x 2^k becomes two 16-blocks with the same code bytes and block scale 2^(k + m), which dequantize to
+    exactly the source's values wherever 2^(k + m) is an E4M3 power of two (2^-9 .. 2^8; the largest block at 2^8).
+    Any other 16-block holding a nonzero code is re-quantized (RTN under the same global scale) from its exact
+    values, and counted; an all-zero block keeps its codes under the nearest such scale. No arithmetic touches the
+    codes: they are the source's bytes."""
+    parts = [_mx_block_exponents(w) for w in weights]
+    m = mxfp4_global_exponent(parts)
+    global_mul = torch.tensor(2.0**m, dtype=torch.float32)
+    tensors, exact, requantized = [], 0, 0
+    for weight, (k, nonzero) in zip(weights, parts, strict=True):
+        tensor, count = _cast_one(weight, k, nonzero, m, global_mul)
+        tensors.append(tensor)
+        exact += tensor.block_scale.numel() - count
+        requantized += count
+    return CastResult(tensors, exact, requantized)

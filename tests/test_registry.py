@@ -143,7 +143,9 @@ ALLOWED: dict[str, tuple[set[str] | None, str]] = {
     "registry.py": (None, "the registry"),
     "io/checkpoint.py": ({"hf_quant_config.json"}, "the I/O layer's files that writers rewrite (checked to cover all)"),
     "ep/scales.py": ({"input_global_scale", "input_scale"}, "torch-free table (checked above)"),
-    "io/sources.py": ({"compressed-tensors", ".weight_packed"}, "pack-quantized INT sources: another format"),
+    "io/sources.py": ({"compressed-tensors", ".weight_packed", "modelopt", "hf_quant_config.json", ".input_scale"},
+                      "quantized sources: compressed-tensors' INT, FP8 (its dropped static input scale) and MXFP4 "
+                      "formats; ModelOpt's configs only recognized, to refuse them as sources"),
     "testing/fixtures.py": (None, "test fixtures"),
     "testing/synthetic.py": (None, "test fixtures"),
     "verify/backends.py": ({"marlin"}, "verify's kernel runners (a Marlin runner), not layout backends"),

@@ -45,10 +45,12 @@ def quantize(
         typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
                           "per-expert: each expert's own")
     ] = "shared",
-    method: Annotated[Literal["rtn", "mse", "gptq"], typer.Option(
+    method: Annotated[Literal["rtn", "mse", "gptq"] | None, typer.Option(
         help="rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (weighted by "
-             "calibration activations when calibrating: scheme nvfp4 or --calib); gptq: GPTQ on calibration data")
-    ] = "rtn",
+             "calibration activations when calibrating: scheme nvfp4 or --calib); gptq: GPTQ on calibration data. "
+             "Default: rtn, and an MXFP4 source cast to NVFP4 without rounding (any --method re-quantizes it from "
+             "its exact values)", show_default=False)
+    ] = None,
     gptq_damp: Annotated[float, typer.Option(help="GPTQ damping, a fraction of the Hessian's mean diagonal")] = 0.01,
     gptq_min_tokens: Annotated[
         int, typer.Option(help="GPTQ: routed experts with fewer calibration tokens fall back to mse")
@@ -65,7 +67,7 @@ def quantize(
                            help="encode bf16 weights on the CPU with fp4kit's C loop (same bytes as torch ops)")
     ] = True,
     dequant_dtype: Annotated[Literal["fp32", "bf16"], typer.Option(
-        help="FP8-block / INT4 sources: dequantize to fp32 (one rounding) or bf16 (the peers' two)")] = "fp32",
+        help="FP8 / INT4 / MXFP4 sources: dequantize to fp32 (one rounding) or bf16 (the peers' two)")] = "fp32",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -81,8 +83,8 @@ def quantize(
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
-        method=method, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens, gptq_scales=gptq_scales,
-        input_scales_from=input_scales_from,
+        method=method or "rtn", cast_mxfp4=method is None, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens,
+        gptq_scales=gptq_scales, input_scales_from=input_scales_from,
     )
     # warnings even with -q (they say what an option did not do), on rank 0 only
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",
@@ -92,6 +94,10 @@ def quantize(
             shown = ", ".join(report.fallback_modules[:8]) + (" ..." if len(report.fallback_modules) > 8 else "")
             typer.echo(f"{report.method}: {len(report.fallback_modules)} Linears fell back to mse (too few "
                        f"calibration tokens, or outside the calibrated layers): {shown}")
+        if report.mxfp4_cast:
+            typer.echo(f"MXFP4 source: {report.mxfp4_cast.get('exact', 0)} NVFP4 blocks cast exactly, "
+                       f"{report.mxfp4_cast.get('requantized', 0)} re-quantized (outside the E4M3 range of their "
+                       "group's global scale)")
         rate = report.input_bytes / max(report.seconds, 1e-9)
         typer.echo(
             f"{report.family}: {describe(report)}: {report.quantized_linears} Linears quantized, "

@@ -1,19 +1,24 @@
 """Source checkpoints that are already quantized, read as the dequantized Linears they encode.
 
-Two formats, detected from config.json ``quantization_config``:
+Detected from config.json ``quantization_config`` (docs/sources.md has every format's tensors and upstream sources):
 
 - FP8 block (``quant_method: fp8``, ``weight_block_size: [bm, bn]``; DeepSeek-V3/R1, MiniMax-M2, Qwen3 and GLM FP8
   releases): ``<m>.weight`` F8_E4M3 [N, K] and ``<m>.weight_scale_inv`` F32 [ceil(N/bm), ceil(K/bn)], a dequant
   multiplier per block; the last block of a row or column is partial (transformers' ``finegrained_fp8.py``,
   compressed-tensors' ``FP8BlockDequantizer``).
-- compressed-tensors pack-quantized INT (``quant_method: compressed-tensors``, format ``pack-quantized``;
-  Kimi-K2-Thinking's INT4): ``<m>.weight_packed`` I32 [N, ceil(K*bits/32)] with the values offset by 2^(bits-1) and
-  packed densely from the low bits up, ``<m>.weight_scale`` [N, K/group] (or [N, 1] per channel) and
-  ``<m>.weight_shape`` [2] = (N, K) (compressed-tensors' ``compressors/pack_quantized``); symmetric only.
+- compressed-tensors (``quant_method: compressed-tensors``), per config group's format:
+  ``pack-quantized`` INT (Kimi-K2-Thinking's INT4): ``<m>.weight_packed`` I32 [N, ceil(K*bits/32)] with the values
+  offset by 2^(bits-1) and packed densely from the low bits up, ``<m>.weight_scale`` [N, K/group] (or [N, 1] per
+  channel) and ``<m>.weight_shape`` [2] = (N, K) (``compressors/pack_quantized``); symmetric only.
+  ``float-quantized`` FP8 (FP8_DYNAMIC and FP8 releases): ``<m>.weight`` F8_E4M3 [N, K], ``<m>.weight_scale`` per
+  channel [N, 1], per tensor [1] or per block; read as FP8 blocks of (1, K), (N, K) or the block structure.
+  ``mxfp4-pack-quantized``: ``<m>.weight_packed`` U8 [N, K/2] E2M1 codes, ``<m>.weight_scale`` U8 [N, K/32] E8M0.
 
-Dequantization multiplies in fp32 (exact for INT, one fp32 rounding for FP8 x F32), then casts to the requested
-dtype: fp32 (NVFP4 then quantizes straight from it: one rounding) or bf16 (the peers' bf16 intermediate: two).
-Tensors the source kept unquantized are not touched.
+Everything else quantized is refused with one line (``detect_source``): another method, format or ModelOpt
+algorithm, NVFP4 checkpoints (as sources: ``refuse_nvfp4``), and quantization tensors that the read format does not
+consume. Dequantization multiplies in fp32 (exact for INT and MXFP4, and for FP8 with bf16 scales; one fp32 rounding
+for FP8 x F32), then casts to the requested dtype: fp32 (NVFP4 then quantizes straight from it: one rounding) or bf16
+(the peers' bf16 intermediate: two). Tensors the source kept unquantized are not touched.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.native import nvfp4_cpu
+from fp4kit.nvfp4 import unpack_e2m1
 
 DEQUANT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
@@ -56,11 +62,20 @@ class PackQuantized:
 
 
 @dataclass(frozen=True)
+class Mxfp4:
+    """MXFP4 weight: E2M1 codes packed two per byte along K (element 2j in the low nibble) [N, K/2] and one E8M0
+    exponent byte per 32 inputs [N, ceil(K/32)], the block's multiplier 2^(byte - 127) (255: NaN)."""
+
+    weight: str  # <m>.weight_packed
+    scale: str
+
+
+@dataclass(frozen=True)
 class QuantizedLinear:
     """One Linear of the source stored quantized: where its tensors are, and its dequantized [N, K]."""
 
     module: str
-    encoding: Fp8Block | PackQuantized
+    encoding: Fp8Block | PackQuantized | Mxfp4
     out_features: int
     in_features: int
     dtype: torch.dtype  # what dequantize returns
@@ -73,20 +88,22 @@ class QuantizedLinear:
     @property
     def tensors(self) -> tuple[str, ...]:
         enc = self.encoding
-        return (enc.weight, enc.scale) if isinstance(enc, Fp8Block) else (enc.weight, enc.scale, enc.shape)
+        return (enc.weight, enc.scale, enc.shape) if isinstance(enc, PackQuantized) else (enc.weight, enc.scale)
 
 
 @dataclass(frozen=True)
 class SourceFormat:
     name: str  # "bf16" (or whatever unquantized dtype), "fp8-block", "int4-pack-quantized", ...
     linears: dict[str, QuantizedLinear] = field(default_factory=dict)  # by module name
+    nvfp4: str | None = None  # an NVFP4 checkpoint: its dialect, in words (no Linears read)
+    dropped: tuple[str, ...] = ()  # tensors of the source's quantization that the output does not need
 
     @property
     def quantized(self) -> bool:
         return bool(self.linears)
 
     def consumed(self) -> set[str]:
-        return {name for linear in self.linears.values() for name in linear.tensors}
+        return {name for linear in self.linears.values() for name in linear.tensors} | set(self.dropped)
 
 
 def dequant_dtype_of(name: str) -> torch.dtype:
@@ -96,21 +113,103 @@ def dequant_dtype_of(name: str) -> torch.dtype:
 
 
 def detect_source(config: dict, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                  dequant_dtype: str = "fp32") -> SourceFormat:
-    """The source's format from config.json and the tensor headers (name -> (dtype, shape)).
+                  dequant_dtype: str = "fp32", root: Path | None = None) -> SourceFormat:
+    """The source's format from config.json and the tensor headers (name -> (dtype, shape)); ``root``: the
+    directory, whose ``hf_quant_config.json`` (ModelOpt's) is read too.
 
-    A config without ``quantization_config`` is a plain source; an FP8 or pack-quantized one must be consistent
-    with the headers: every quantized weight has its scales, of the shapes the format implies."""
+    A config without ``quantization_config`` is a plain source; a read format must be consistent with the headers:
+    every quantized weight has its scales, of the shapes the format implies. An NVFP4 checkpoint (either dialect)
+    comes back with ``nvfp4`` saying so and no Linears (a reader of sources refuses it: ``refuse_nvfp4``). Anything
+    else quantized (another method, format or algorithm, or quantization tensors no read format consumes) is an
+    Fp4kitError naming the field or tensor."""
     dtype = dequant_dtype_of(dequant_dtype)
+    side = _modelopt_side_config(root)
+    if side is not None:
+        return _nvfp4_or_refuse(side, f"{root}/hf_quant_config.json: quantization.quant_algo", tensors)
     qc = config.get("quantization_config")
-    if not isinstance(qc, dict):
+    if qc is None:
+        _refuse_unread(tensors, set(), "config.json has no quantization_config")
         return SourceFormat(_plain_name(tensors))
+    where = "config.json: quantization_config"
+    if not isinstance(qc, dict):
+        raise Fp4kitError(f"{where}: {type(qc).__name__}, not an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        return _fp8_block_source(qc, tensors, dtype)
-    if method == "compressed-tensors" and _ct_format(qc) == "pack-quantized":
-        return _pack_quantized_source(qc, tensors, dtype)
-    return SourceFormat(_plain_name(tensors))  # other formats: the plan refuses their 1-byte or packed weights
+        source = _fp8_block_source(qc, tensors, dtype)
+    elif method == "compressed-tensors":
+        source = _compressed_tensors_source(qc, tensors, dtype)
+    elif method == "modelopt":
+        return _nvfp4_or_refuse(qc.get("quant_algo"), f"{where}.quant_algo", tensors)
+    elif method == "mxfp4" and any(n.endswith(MXFP4_BLOCKS_SUFFIX) for n in tensors):
+        raise Fp4kitError(f"{where}.quant_method: mxfp4 with *{MXFP4_BLOCKS_SUFFIX} tensors: gpt-oss's MXFP4 experts; "
+                          "fp4kit reads their values (fp4kit.io.sources.dequantize_mxfp4) but has no gpt-oss family to "
+                          "quantize them with yet")
+    else:
+        raise Fp4kitError(f"{where}.quant_method: {method!r}; fp4kit reads unquantized sources, fp8 (block-scaled) "
+                          "and compressed-tensors (pack-quantized, float-quantized, mxfp4-pack-quantized)")
+    if source.nvfp4 is None:
+        _refuse_unread(tensors, source.consumed(), f"the {source.name} source's config does not say how")
+    return source
+
+
+# Tensors that only a quantized checkpoint holds: scales, packed codes, zero points (compressed-tensors, ModelOpt,
+# HF fp8, GPTQ/AWQ, MLX), gpt-oss's MXFP4 blocks, KV-cache scales
+QUANTIZATION_TENSOR = re.compile(
+    r"\.(weight_packed|weight_scale|weight_scale_inv|weight_scale_2|weight_shape|weight_zero_point|weight_global_scale"
+    r"|input_global_scale|input_scale|input_zero_point|output_scale|k_scale|v_scale|qweight|qzeros|scales|biases"
+    r"|g_idx)$|_(blocks|scales)$")
+MXFP4_BLOCKS_SUFFIX = "_blocks"
+ONE_BYTE = (torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _refuse_unread(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], consumed: set[str], why: str) -> None:
+    """A quantization tensor, or a 1-byte matrix, that the source's read format does not consume: fp4kit cannot say
+    what it holds, and copying it into the output would make a checkpoint that looks complete and is wrong."""
+    for name, (dtype, shape) in tensors.items():
+        if name in consumed:
+            continue
+        if QUANTIZATION_TENSOR.search(name):
+            raise Fp4kitError(f"{name}: a quantization tensor ({dtype}{list(shape)}) that fp4kit does not read; {why} "
+                              "to decode it")
+        if dtype in ONE_BYTE and len(shape) >= 2:
+            raise Fp4kitError(f"{name}: {dtype}{list(shape)}, a quantized tensor that fp4kit does not read; {why} "
+                              "to decode it")
+
+
+def _modelopt_side_config(root: Path | None) -> str | None:
+    """hf_quant_config.json's quant_algo ("" when it names none), None without the file."""
+    path = None if root is None else Path(root) / "hf_quant_config.json"
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise Fp4kitError(f"{path}: not readable JSON ({exc})") from None
+    section = data.get("quantization") if isinstance(data, dict) else None
+    algo = section.get("quant_algo") if isinstance(section, dict) else None
+    return str(algo or "")
+
+
+def _nvfp4_or_refuse(algo, where: str, tensors) -> SourceFormat:
+    if str(algo or "").upper() in ("NVFP4", "W4A16_NVFP4"):
+        return SourceFormat("nvfp4 (ModelOpt)", nvfp4="ModelOpt NVFP4")
+    raise Fp4kitError(f"{where}: {algo!r}; fp4kit reads no ModelOpt source but NVFP4 checkpoints (with fp4kit "
+                      "convert / inspect / verify / eval as the quantized side)")
+
+
+def refuse_nvfp4(source: SourceFormat, root: Path | str) -> SourceFormat:
+    """``source`` itself, unless it is an NVFP4 checkpoint: not a source fp4kit quantizes or checks against."""
+    if source.nvfp4 is not None:
+        raise Fp4kitError(f"{root}: an NVFP4 checkpoint ({source.nvfp4}), not a source fp4kit reads to quantize or to "
+                          "check against (fp4kit convert changes an NVFP4 checkpoint's dialect)")
+    return source
+
+
+def read_source(reader, config: dict, dequant_dtype: str = "fp32") -> SourceFormat:
+    """The format of the source checkpoint ``reader`` reads (fp4kit.io.checkpoint.CheckpointReader), refusing
+    NVFP4 and whatever ``detect_source`` refuses."""
+    headers = {n: (i.dtype, i.shape) for n, i in reader.tensors.items()}
+    return refuse_nvfp4(detect_source(config, headers, dequant_dtype, reader.root), reader.root)
 
 
 def _plain_name(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> str:
@@ -156,11 +255,144 @@ def _fp8_block_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int,
     return SourceFormat(f"fp8-block {bm}x{bn}", linears)
 
 
-def _ct_format(qc: dict) -> str | None:
-    """"pack-quantized" when the config or one of its groups (a mixed-precision config) says so."""
-    groups = qc.get("config_groups") or {}
-    formats = {qc.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
-    return "pack-quantized" if "pack-quantized" in formats else qc.get("format")
+# compressed-tensors formats (compressed_tensors/config/base.py CompressionFormat) this module reads
+CT_READ = ("pack-quantized", "float-quantized", "mxfp4-pack-quantized")
+CT_NVFP4 = "nvfp4-pack-quantized"
+
+
+def _ct_groups(qc: dict) -> dict[str, tuple[str | None, dict]]:
+    """config_groups key -> (its format: the group's own, else the config's; the group)."""
+    where = "config.json: quantization_config.config_groups"
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise Fp4kitError(f"{where}: missing or empty")
+    out = {}
+    for key, group in groups.items():
+        if not isinstance(group, dict):
+            raise Fp4kitError(f"{where}.{key}: {type(group).__name__}, not an object")
+        out[key] = (group.get("format") or qc.get("format"), group)
+    return out
+
+
+def _compressed_tensors_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                               dtype: torch.dtype) -> SourceFormat:
+    where = "config.json: quantization_config.config_groups"
+    groups = _ct_groups(qc)
+    formats = {fmt for fmt, _ in groups.values()}
+    if CT_NVFP4 in formats:
+        return SourceFormat("nvfp4 (compressed-tensors)", nvfp4=f"compressed-tensors {CT_NVFP4}")
+    for key, (fmt, _) in groups.items():
+        if fmt not in CT_READ:
+            raise Fp4kitError(f"{where}.{key}.format: {fmt!r}; fp4kit reads compressed-tensors sources in "
+                              f"{', '.join(CT_READ)}")
+    linears: dict[str, QuantizedLinear] = {}
+    names: list[str] = []
+    dropped: list[str] = []
+    if "pack-quantized" in formats:
+        pack = _pack_quantized_source(qc, tensors, dtype)
+        linears.update(pack.linears)
+        names.append(pack.name)
+    if "float-quantized" in formats:
+        fp8, kinds, inputs = _float_quantized_linears(groups, tensors, dtype)
+        linears.update(fp8)
+        names += [f"fp8-{kind}" for kind in sorted(kinds)]
+        dropped += inputs
+    if "mxfp4-pack-quantized" in formats:
+        linears.update(_mxfp4_linears(groups, tensors, dtype))
+        names.append("mxfp4")
+    return SourceFormat(" + ".join(names), linears, dropped=tuple(dropped))
+
+
+def _group_for(groups: dict[str, tuple[str | None, dict]], fmt: str, module: str, tensor: str) -> tuple[str, dict]:
+    """The first config group of format ``fmt`` that targets ``module`` (its key and weights arguments)."""
+    for key, (group_fmt, group) in groups.items():
+        if group_fmt == fmt and _targets(tuple(group.get("targets") or ("Linear",)), module):
+            weights = group.get("weights")
+            if not isinstance(weights, dict):
+                raise Fp4kitError(f"config.json: quantization_config.config_groups.{key}.weights: missing")
+            return key, weights
+    raise Fp4kitError(f"{tensor}: no {fmt} entry of config.json's quantization_config.config_groups targets {module}")
+
+
+def _float_quantized_linears(groups, tensors, dtype):
+    """compressed-tensors float-quantized FP8 (compressors/naive_quantized): ``<m>.weight`` F8_E4M3 [N, K] and
+    ``<m>.weight_scale`` a dequant multiplier per channel [N, 1], per tensor [1] (or []) or per block
+    [ceil(N/bm), ceil(K/bn)] (strategy block, ``block_structure`` [bm, bn]). A static activation scale
+    (``input_scale``) is the source's own serving choice: dropped, the NVFP4 output calibrates its own."""
+    where = "config.json: quantization_config.config_groups"
+    linears: dict[str, QuantizedLinear] = {}
+    kinds: set[str] = set()
+    inputs: list[str] = []
+    for name, (wdtype, wshape) in tensors.items():
+        if not name.endswith(".weight") or wdtype not in ONE_BYTE:
+            continue
+        module = name[: -len(".weight")]
+        key, weights = _group_for(groups, "float-quantized", module, name)
+        strategy = weights.get("strategy")
+        if weights.get("type") != "float" or weights.get("num_bits") != 8 or wdtype != torch.float8_e4m3fn:
+            raise Fp4kitError(f"{where}.{key}.weights: type {weights.get('type')!r} num_bits "
+                              f"{weights.get('num_bits')!r} for {name} {wdtype}; fp4kit reads float-quantized FP8 E4M3")
+        if not weights.get("symmetric", True) or f"{module}.weight_zero_point" in tensors:
+            raise Fp4kitError(f"{where}.{key}.weights: asymmetric (zero points); fp4kit reads symmetric FP8")
+        if len(wshape) != 2:
+            raise Fp4kitError(f"{name}: {wdtype}{list(wshape)}; float-quantized weights are [N, K]")
+        scale = f"{module}.weight_scale"
+        if scale not in tensors:
+            raise Fp4kitError(f"{name}: {scale} is missing")
+        sdtype, sshape = tensors[scale]
+        rows, cols = wshape
+        if strategy == "channel":
+            block, grid = (1, cols), [(rows, 1)]
+        elif strategy == "tensor":
+            block, grid = (rows, cols), [(1,), (), (1, 1)]
+        elif strategy == "block":
+            structure = weights.get("block_structure")
+            if (not isinstance(structure, list) or len(structure) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in structure)):
+                raise Fp4kitError(f"{where}.{key}.weights.block_structure: {structure!r}")
+            block = (structure[0], structure[1])
+            grid = [(math.ceil(rows / block[0]), math.ceil(cols / block[1]))]
+        else:
+            raise Fp4kitError(f"{where}.{key}.weights.strategy: {strategy!r}; fp4kit reads float-quantized FP8 per "
+                              "channel, tensor or block")
+        if not sdtype.is_floating_point or sdtype.itemsize < 2 or tuple(sshape) not in grid:
+            raise Fp4kitError(f"{scale}: {sdtype}{list(sshape)}, the {list(wshape)} weight per {strategy} needs a "
+                              f"16- or 32-bit float {list(grid[0])}")
+        kinds.add(strategy if strategy != "block" else f"block {block[0]}x{block[1]}")
+        linears[module] = QuantizedLinear(module, Fp8Block(name, scale, block), rows, cols, dtype)
+        inputs += [n for n in (f"{module}.input_scale",) if n in tensors]
+    return linears, kinds, inputs
+
+
+def _mxfp4_linears(groups, tensors, dtype):
+    """compressed-tensors mxfp4-pack-quantized (compressors/mxfp4/base.py over nvfp4's packing): ``<m>.weight_packed``
+    U8 [N, K/2] and ``<m>.weight_scale`` U8 [N, ceil(K/32)] E8M0 exponents; no global scale."""
+    where = "config.json: quantization_config.config_groups"
+    linears: dict[str, QuantizedLinear] = {}
+    for name, (pdtype, pshape) in tensors.items():
+        if not name.endswith(".weight_packed") or pdtype != torch.uint8:
+            continue
+        module = name[: -len(".weight_packed")]
+        key, weights = _group_for(groups, "mxfp4-pack-quantized", module, name)
+        if (weights.get("type") != "float" or weights.get("num_bits") != 4 or weights.get("group_size") != 32
+                or str(weights.get("scale_dtype") or "torch.uint8") not in ("torch.uint8", "uint8")):
+            raise Fp4kitError(f"{where}.{key}.weights: type {weights.get('type')!r} num_bits "
+                              f"{weights.get('num_bits')!r} group_size {weights.get('group_size')!r} scale_dtype "
+                              f"{weights.get('scale_dtype')!r}; MXFP4 is float, 4 bits, group 32, uint8 E8M0 scales")
+        if not weights.get("symmetric", True) or f"{module}.weight_zero_point" in tensors:
+            raise Fp4kitError(f"{where}.{key}.weights: asymmetric (zero points); fp4kit reads symmetric MXFP4")
+        scale = f"{module}.weight_scale"
+        if scale not in tensors:
+            raise Fp4kitError(f"{name}: {scale} is missing")
+        sdtype, sshape = tensors[scale]
+        if len(pshape) != 2:
+            raise Fp4kitError(f"{name}: {pdtype}{list(pshape)}; MXFP4 weights are uint8 [N, K/2]")
+        rows, cols = pshape[0], pshape[1] * 2
+        if sdtype != torch.uint8 or tuple(sshape) != (rows, math.ceil(cols / 32)):
+            raise Fp4kitError(f"{scale}: {sdtype}{list(sshape)}, the {name} {list(pshape)} weight needs uint8 "
+                              f"[{rows}, {math.ceil(cols / 32)}] (one E8M0 exponent per 32 inputs)")
+        linears[module] = QuantizedLinear(module, Mxfp4(name, scale), rows, cols, dtype)
+    return linears
 
 
 @dataclass(frozen=True)
@@ -177,7 +409,7 @@ def _pack_schemes(qc: dict) -> list[_PackScheme]:
         raise Fp4kitError(f"{where}: missing or empty")
     schemes = []
     for key, group in groups.items():
-        if isinstance(group, dict) and group.get("format") not in (None, "pack-quantized"):
+        if isinstance(group, dict) and (group.get("format") or qc.get("format")) != "pack-quantized":
             continue  # another format of a mixed-precision config: its weights are not read as packed INT
         weights = group.get("weights") if isinstance(group, dict) else None
         if not isinstance(weights, dict):
@@ -201,10 +433,10 @@ def _pack_schemes(qc: dict) -> list[_PackScheme]:
     return schemes
 
 
-def _targets(scheme: _PackScheme, module: str) -> bool:
-    """compressed-tensors' matching of a module name: "Linear" (every weight_packed module is one), "re:<regex>"
+def _targets(targets: tuple[str, ...], module: str) -> bool:
+    """compressed-tensors' matching of a module name: "Linear" (every quantized module is one), "re:<regex>"
     (re.match) or the exact name."""
-    for target in scheme.targets:
+    for target in targets:
         if target == "Linear" or target == module:
             return True
         if target.startswith("re:") and re.match(target[3:], module):
@@ -217,10 +449,10 @@ def _pack_quantized_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple
     schemes = _pack_schemes(qc)
     linears: dict[str, QuantizedLinear] = {}
     for name, (pdtype, pshape) in tensors.items():
-        if not name.endswith(".weight_packed"):
+        if not name.endswith(".weight_packed") or pdtype == torch.uint8:  # uint8: MXFP4's (or refused unread)
             continue
         module = name[: -len(".weight_packed")]
-        scheme = next((s for s in schemes if _targets(s, module)), None)
+        scheme = next((s for s in schemes if _targets(s.targets, module)), None)
         if scheme is None:
             raise Fp4kitError(f"{name}: no config_groups entry of config.json targets {module}")
         scale, shape = f"{module}.weight_scale", f"{module}.weight_shape"
@@ -328,6 +560,31 @@ def dequantize_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: 
     return values.to(dtype)
 
 
+def _block_multipliers(scale: torch.Tensor, linear: QuantizedLinear) -> torch.Tensor:
+    """An FP8 Linear's multipliers as fp32 [ceil(N/bm), ceil(K/bn)] (a per-tensor scale stored as [1] or [])."""
+    bm, bn = linear.encoding.block  # type: ignore[union-attr]
+    grid = (math.ceil(linear.out_features / bm), math.ceil(linear.in_features / bn))
+    return scale.to(torch.float32).reshape(grid)
+
+
+E8M0_NAN = 255
+
+
+def mxfp4_multipliers(exponents: torch.Tensor) -> torch.Tensor:
+    """fp32 2^(e - 127) of E8M0 exponent bytes (e = 0: the subnormal 2^-127), NaN for 255 (OCP MX)."""
+    scale = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.to(torch.int32) - 127)
+    return torch.where(exponents == E8M0_NAN, torch.nan, scale)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[..., N, K/2] E2M1 code bytes (element 2j in the low nibble, sign in bit 3) with [..., N, ceil(K/32)] E8M0
+    exponents -> [..., N, K] values, exact in fp32 (and in bf16: 2-bit significands, the exponents' range)."""
+    values = unpack_e2m1(packed)
+    cols = values.shape[-1]
+    scale = mxfp4_multipliers(exponents).repeat_interleave(32, dim=-1)[..., :cols]
+    return values.mul_(scale).to(dtype)
+
+
 def stored_fp8_block(reader, linear: QuantizedLinear) -> nvfp4_cpu.Fp8BlockWeight | None:
     """An FP8-block Linear planned in fp32 as its stored codes and block multipliers, for the C loop to quantize
     (fp4kit.nvfp4.quantize_group with native: the bytes of quantizing its fp32 dequantization, which is never made), or
@@ -338,7 +595,8 @@ def stored_fp8_block(reader, linear: QuantizedLinear) -> nvfp4_cpu.Fp8BlockWeigh
             or linear.in_features % nvfp4_cpu.BLOCK or not nvfp4_cpu.available()):
         return None
     return nvfp4_cpu.fp8_block_weight(reader.read(enc.weight, check_finite=False),
-                                      reader.read(enc.scale, check_finite=False), enc.block, _E4M3)
+                                      _block_multipliers(reader.read(enc.scale, check_finite=False), linear), enc.block,
+                                      _E4M3)
 
 
 def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None,
@@ -354,7 +612,9 @@ def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None
         return tensor if device is None else tensor.to(device, non_blocking=True)
 
     if isinstance(enc, Fp8Block):
-        return dequantize_fp8_block(read(enc.weight), read(enc.scale), enc.block, dtype)
+        return dequantize_fp8_block(read(enc.weight), _block_multipliers(read(enc.scale), linear), enc.block, dtype)
+    if isinstance(enc, Mxfp4):
+        return dequantize_mxfp4(read(enc.weight), read(enc.scale), dtype)
     shape = tuple(int(v) for v in reader.read(enc.shape).tolist())
     if shape != (linear.out_features, linear.in_features):
         raise Fp4kitError(f"{enc.shape}: {list(shape)}, but {enc.weight} and {enc.scale} hold "
@@ -373,13 +633,15 @@ class DequantizedView:
         self.reader, self.source, self.dtype, self.device = reader, source, dtype, device
         self.weights = {f"{m}.weight": linear for m, linear in source.linears.items()}
         self.stored = {t: linear for linear in source.linears.values() for t in linear.tensors}
+        self.dropped = set(source.dropped)
 
     def names(self) -> list[str]:
         return [name if name not in self.stored else f"{self.stored[name].module}.weight"
-                for name in self.reader.names() if name not in self.stored or name == self.stored[name].tensor]
+                for name in self.reader.names() if name not in self.dropped
+                and (name not in self.stored or name == self.stored[name].tensor)]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weights or (name in self.reader and name not in self.stored)
+        return name in self.weights or (name in self.reader and name not in self.stored and name not in self.dropped)
 
     def info(self, name: str):
         from fp4kit.io.checkpoint import PlannedTensor
@@ -394,7 +656,7 @@ class DequantizedView:
 
         linear = self.weights.get(name)
         if linear is None:
-            if name in self.stored:
+            if name in self.stored or name in self.dropped:
                 raise KeyError(name)
             return self.reader.read(name, check_finite=check_finite)
         weight = dequantize(self.reader, linear, self.dtype, self.device)  # fp32 product, then dtype
@@ -405,7 +667,7 @@ class DequantizedView:
 
 def dequantized_view(reader, config: dict, dtype: torch.dtype, device: torch.device | str | None = None):
     """``reader`` itself for an unquantized source, else a DequantizedView of it."""
-    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()})
+    source = read_source(reader, config)
     return DequantizedView(reader, source, dtype, device) if source.quantized else reader
 
 

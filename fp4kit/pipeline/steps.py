@@ -75,6 +75,8 @@ def run_quantize(ctx: StepContext, dst: Path) -> dict:
         value = getattr(section, name)
         if value is not None:
             kwargs[name] = Path(value) if name == "calib" else value
+    if section.method is not None:  # as `fp4kit quantize --method`: an MXFP4 source re-quantized, not cast
+        kwargs["cast_mxfp4"] = False
     return report_dict(quantize_checkpoint(ctx.outputs[SOURCE], dst, QuantizeOptions(**kwargs), ctx.progress))
 
 

@@ -20,7 +20,7 @@ from fp4kit.formats.base import Dialect
 from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
 from fp4kit.io.streaming import BackgroundWriter, prefetched
 from fp4kit.native import nvfp4_cpu
-from fp4kit.nvfp4 import NonFiniteError, NVFP4Tensor, quantize_group, quantize_stacked
+from fp4kit.nvfp4 import Mxfp4Weight, NonFiniteError, NVFP4Tensor, cast_mxfp4_group, quantize_group, quantize_stacked
 from fp4kit.progress import start_phase
 from fp4kit.progress import warn as warn_progress
 from fp4kit.quantize import distributed
@@ -36,6 +36,8 @@ METHODS = ("rtn", "mse", "gptq")
 INPUT_SCALE_SOURCES = ("auto", "source", "quantized")
 FORMATS = DIALECT_NAMES
 QUEUE_DEPTH = 3
+# beside an output cast from an MXFP4 source: how many NVFP4 16-blocks hold the source's values exactly
+MXFP4_CAST_NAME = "fp4kit_mxfp4_cast.json"
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
 # (the host holds only the prefetched groups); on the CPU one group at a time keeps memory at one group
 STACK_BYTES = {"cpu": 0, "cuda": 1 << 26}
@@ -70,6 +72,9 @@ class QuantizeOptions:
     gptq_min_tokens: int = 32
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
     input_scales_from: str = "auto"  # quantized, but source for ModelOpt output (see input_scale_source)
+    # MXFP4 source groups under rtn: cast to NVFP4 without rounding (fp4kit.nvfp4.cast_mxfp4_group); False: RTN from
+    # their exact values (the CLI's explicit --method rtn)
+    cast_mxfp4: bool = True
 
 
 @dataclass
@@ -88,6 +93,8 @@ class QuantizeReport:
     format: str = DEFAULT_DIALECT
     calibration: dict = field(default_factory=dict)  # data, samples, seq_len, tokens used; empty: none
     warnings: list[str] = field(default_factory=list)  # what the options asked for and did not get, and why
+    # MXFP4 source: NVFP4 16-blocks cast exactly and re-quantized (outside the range of the group's global scale)
+    mxfp4_cast: dict[str, int] = field(default_factory=dict)
 
 
 def describe(report: QuantizeReport | dict) -> str:
@@ -137,15 +144,21 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--device {options.device}: no CUDA device is available")
 
 
-def _read_job(reader: CheckpointReader, job: QuantGroup | str, device: str = "cpu", fp8_codes: bool = False) -> object:
+def _read_job(reader: CheckpointReader, job: QuantGroup | str, device: str = "cpu", fp8_codes: bool = False,
+              mxfp4_codes: bool = False) -> object:
     # a quantized source's stored bytes are dequantized on the GPU when quantizing there
-    return read_job(reader, job, device if device.startswith("cuda") else None, fp8_codes)
+    return read_job(reader, job, device if device.startswith("cuda") else None, fp8_codes, mxfp4_codes)
 
 
 def _quantizes_fp8_codes(options: QuantizeOptions) -> bool:
     """Whether FP8-block weights reach quantize_tensors as their stored codes: the C loop's RTN encode on the CPU
     reads them directly (the same bytes as from their fp32 values, a quarter of the memory traffic)."""
     return options.method == "rtn" and options.native_cpu and torch.device(options.device).type == "cpu"
+
+
+def _casts_mxfp4(options: QuantizeOptions) -> bool:
+    """Whether MXFP4 groups reach quantize_tensors as their stored bytes, to be cast (RTN's place, data-free)."""
+    return options.cast_mxfp4 and options.method == "rtn"
 
 
 _job_bytes = job_bytes
@@ -225,9 +238,22 @@ def encode_group(
 
 
 def quantize_tensors(
-    group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions, input_divs: dict[str, torch.Tensor]
+    group: QuantGroup, weights: list[torch.Tensor], options: QuantizeOptions, input_divs: dict[str, torch.Tensor],
+    cast_counts: dict[str, int] | None = None,
 ) -> dict:
+    """``cast_counts``: where an MXFP4 group (its weights fp4kit.nvfp4.Mxfp4Weight) adds its exact and re-quantized
+    16-blocks."""
     device = torch.device(options.device)
+    if weights and all(isinstance(w, Mxfp4Weight) for w in weights):
+        try:
+            cast = cast_mxfp4_group(weights)  # type: ignore[arg-type]
+        except NonFiniteError:
+            raise Fp4kitError(f"{group.members[0].linear.source.quantized.encoding.scale}: an E8M0 exponent 255 "  # type: ignore[union-attr]
+                              "(NaN) in a weight to be quantized") from None
+        if cast_counts is not None:
+            cast_counts["exact"] = cast_counts.get("exact", 0) + cast.exact_blocks
+            cast_counts["requantized"] = cast_counts.get("requantized", 0) + cast.requantized_blocks
+        return encode_group(group, cast.tensors, options, input_divs)
     try:
         on_device = [w if isinstance(w, nvfp4_cpu.Fp8BlockWeight) else w.to(device, non_blocking=True)
                      for w in weights]
@@ -254,11 +280,12 @@ class GroupBatcher:
         self.options, self.input_divs, self.emit, self.max_bytes = options, input_divs, emit, max_bytes
         self.device = torch.device(options.device)
         self.pending: dict[tuple, tuple[list[QuantGroup], list[torch.Tensor]]] = {}
+        self.cast_counts: dict[str, int] = {}  # MXFP4 groups cast: their 16-blocks, exact and re-quantized
 
     def add(self, group: QuantGroup, weights: list[torch.Tensor]) -> None:
         if (not self.max_bytes or len({w.shape[-1] for w in weights}) != 1
-                or _fused_output(group, self.options) is not None):
-            self.emit(quantize_tensors(group, weights, self.options, self.input_divs))
+                or _fused_output(group, self.options) is not None or isinstance(weights[0], Mxfp4Weight)):
+            self.emit(quantize_tensors(group, weights, self.options, self.input_divs, self.cast_counts))
             return
         signature = (tuple(w.shape for w in weights), weights[0].dtype)
         groups, rows = self.pending.setdefault(signature, ([], []))
@@ -442,8 +469,10 @@ def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
 
 
 def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, options: QuantizeOptions,
-                      routing_counts: dict[int, list[int]], calibration: dict) -> None:
-    """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics."""
+                      routing_counts: dict[int, list[int]], calibration: dict,
+                      cast_counts: dict[str, int] | None = None) -> None:
+    """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics, the MXFP4 cast's
+    block counts."""
     fmt = _format_module(options)
     for name, document in fmt.side_configs(options.scheme, plan.ignored_modules).items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
@@ -451,6 +480,11 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     copy_side_files(src, work)
     if routing_counts:
         write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts, calibration)
+    if cast_counts:
+        document = {"source": plan.source.name if plan.source else None, "block": 16,
+                    "exact_blocks": cast_counts.get("exact", 0),
+                    "requantized_blocks": cast_counts.get("requantized", 0)}
+        (work / MXFP4_CAST_NAME).write_text(json.dumps(document, indent=2) + "\n")
 
 
 def quantize_checkpoint(
@@ -520,7 +554,8 @@ def _quantize_checkpoint(
             else:
                 progress = start_phase(progress, "quantizing", share_bytes, main=True)
             streamed = [] if calibrated else prefetched(
-                jobs, lambda job: _read_job(reader, job, options.device, _quantizes_fp8_codes(options)), QUEUE_DEPTH)
+                jobs, lambda job: _read_job(reader, job, options.device, _quantizes_fp8_codes(options),
+                                            _casts_mxfp4(options)), QUEUE_DEPTH)
             for job, data in streamed:
                 if isinstance(job, QuantGroup):
                     batcher.add(job, data)  # type: ignore[arg-type]
@@ -536,7 +571,7 @@ def _quantize_checkpoint(
         writer.finish()
         ranks.sync()  # every rank's tensors are in place
         if ranks.main:
-            _write_side_files(work, src, config, plan, options, routing_counts, calibration)
+            _write_side_files(work, src, config, plan, options, routing_counts, calibration, batcher.cast_counts)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),
@@ -552,5 +587,6 @@ def _quantize_checkpoint(
         format=options.format,
         calibration=calibration,
         warnings=warnings,
+        mxfp4_cast=dict(batcher.cast_counts),
     )
 

@@ -11,9 +11,17 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
-from fp4kit.io.sources import QuantizedLinear, SourceFormat, dequantize, detect_source, model_dtype, stored_fp8_block
+from fp4kit.io.sources import (
+    Mxfp4,
+    QuantizedLinear,
+    SourceFormat,
+    dequantize,
+    model_dtype,
+    read_source,
+    stored_fp8_block,
+)
 from fp4kit.native.nvfp4_cpu import Fp8BlockWeight
-from fp4kit.nvfp4 import BLOCK
+from fp4kit.nvfp4 import BLOCK, Mxfp4Weight
 
 
 def _compile(patterns: list[str], what: str) -> list[re.Pattern[str]]:
@@ -133,6 +141,8 @@ def build_plan(
     for name in reader.names():
         if name in consumed:
             continue
+        if name in source.dropped:
+            continue
         if name in consumed_by_source:  # a quantized Linear left unquantized: its weight, dequantized
             linear = next(q for q in source.linears.values() if name in q.tensors)
             if name == linear.tensor:
@@ -150,7 +160,7 @@ def source_view(reader: CheckpointReader, config: dict,
                 dequant_dtype: str = "fp32") -> tuple[SourceFormat, dict[str, tuple[int, ...]]]:
     """How SRC stores its Linears, and its tensors' shapes as the model sees them: a quantized Linear's tensors
     stand in as ``<module>.weight`` [N, K]."""
-    source = detect_source(config, {n: (i.dtype, i.shape) for n, i in reader.tensors.items()}, dequant_dtype)
+    source = read_source(reader, config, dequant_dtype)
     consumed = source.consumed()
     shapes = {name: info.shape for name, info in reader.tensors.items() if name not in consumed}
     shapes.update({f"{m}.weight": (q.out_features, q.in_features) for m, q in source.linears.items()})
@@ -217,10 +227,12 @@ def planned_passthrough(reader: CheckpointReader, name: str) -> PlannedTensor:
 
 
 def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.device | str | None = None,
-             fp8_codes: bool = False) -> object:
+             fp8_codes: bool = False, mxfp4_codes: bool = False) -> object:
     """A job's data: a group's weights (``read_group_weights``, quantized sources dequantized on ``device``) or a
     passthrough tensor as the output holds it."""
     if isinstance(job, QuantGroup):
+        if mxfp4_codes and mxfp4_group(job):
+            return [stored_mxfp4(reader, c.linear.source.quantized) for c in job.members]  # type: ignore[arg-type]
         return read_group_weights(reader, job, device, fp8_codes)
     if isinstance(job, DequantizedWeight):
         return dequantize(reader, job.linear, torch.float32).to(job.dtype)
@@ -241,6 +253,19 @@ def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
     if isinstance(job, DequantizedWeight):
         return sum(reader.info(t).nbytes for t in job.linear.tensors)
     return reader.info(job).nbytes
+
+
+def mxfp4_group(group: QuantGroup) -> bool:
+    """Whether every member of the group is stored MXFP4 (the group can be cast to NVFP4 without rounding)."""
+    return all(c.linear.source.quantized is not None and isinstance(c.linear.source.quantized.encoding, Mxfp4)
+               for c in group.members)
+
+
+def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weight:
+    """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
+    enc = linear.encoding
+    assert isinstance(enc, Mxfp4)
+    return Mxfp4Weight(reader.read(enc.weight), reader.read(enc.scale))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,

@@ -98,7 +98,19 @@ def inspect_path(path: str | Path, backends: list[str] | None = None, ep: int | 
         elif kind == "ep-rank":
             _ep_rank(report, path)
     _routing(report, path)
+    _mxfp4_cast(report, path)
     return report
+
+
+def _mxfp4_cast(report: InspectReport, path: Path) -> None:
+    """What `fp4kit quantize` recorded of casting an MXFP4 source: its blocks kept exact and re-quantized."""
+    from fp4kit.quantize.checkpoint import MXFP4_CAST_NAME
+
+    if not (path / MXFP4_CAST_NAME).is_file():
+        return
+    document = _read_json(path / MXFP4_CAST_NAME, "MXFP4 cast counts")
+    report.notes.append(f"cast from an MXFP4 source: {document.get('exact_blocks')} NVFP4 blocks hold its values "
+                        f"exactly, {document.get('requantized_blocks')} re-quantized ({MXFP4_CAST_NAME})")
 
 
 def _source(path: Path) -> InspectReport:
