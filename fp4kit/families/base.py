@@ -60,6 +60,9 @@ class Family:
     modelopt_fused_experts: bool = False
     # decoder layers on disk past num_hidden_layers (GLM's MTP layers)
     extra_layers: Callable[[dict], int] = field(default=lambda tc: 0)
+    # name prefix of an MTP block stored outside the decoder layers (the Qwen hybrids' `mtp.`), which the family's
+    # transformers class does not load
+    mtp_prefix: str | None = None
     # The family's HF checkpoints store routed experts fused and K-major: `experts.gate_up_proj` [E, H, 2I] (gate in
     # the first I columns) and `experts.down_proj` [E, I, H]; the others store one module per expert.
     hf_fused_experts: bool = False
