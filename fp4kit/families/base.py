@@ -73,6 +73,14 @@ class Family:
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
 
+    def layer_index(self, name: str, text_config: dict) -> int | None:
+        """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after
+        them, num_hidden_layers + N, as vLLM's drafters number them (qwen3_next_mtp.py: mtp_start_layer_idx)."""
+        if self.mtp_prefix is not None and name.startswith(self.mtp_prefix):
+            layer = layer_of(name[len(self.mtp_prefix):])
+            return None if layer is None else int(text_config["num_hidden_layers"]) + layer
+        return layer_of(name)
+
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]
 
