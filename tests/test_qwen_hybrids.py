@@ -148,3 +148,38 @@ def test_fp4kit_eval_runs_on_the_w4a4_checkpoint(monkeypatch, capsys, tiny, tmp_
     result = json.loads(capsys.readouterr().out)
     assert result["scheme"] == "nvfp4" and len(result["layers"]) == 2
     assert 0 < result["kl"] < 0.5 and 0 < result["top1"] <= 1
+
+
+@pytest.mark.parametrize(("family", "dialect", "method"), [("qwen3_next", "compressed-tensors", "rtn"),
+                                                           ("qwen3_5_moe", "modelopt", "gptq")])
+def test_mtp_quantize_quantizes_the_mtp_experts_alone_and_verifies(tiny, tmp_path, family, dialect, method) -> None:
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
+
+    src, out = tiny(family), tmp_path / "out"
+    quantize_checkpoint(src, out, QuantizeOptions(format=dialect, method=method, mtp="quantize", samples=4,
+                                                  seq_len=16, batch_size=2))
+    quantized = _quantized_modules(out)
+    mtp = {m for m in quantized if m.startswith("mtp.")}
+    assert mtp == {f"mtp.layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj",
+                                                                                      "down_proj")}
+    source, dst = CheckpointReader(src), CheckpointReader(out)
+    for name in source.names():
+        if name.startswith("mtp.") and name.rsplit(".", 1)[0] not in mtp:
+            assert torch.equal(source.read(name).view(torch.uint8), dst.read(name).view(torch.uint8)), name
+    assert inspect_checkpoint(out, engine="vllm").problems == []
+    shard_checkpoint(out, tmp_path / "ep2", ShardOptions(ep=2))
+    report = verify_checkpoint(out, VerifyOptions(source=src, tokens=[1, 6], backend="reference",
+                                                  ep_shards=tmp_path / "ep2"))
+    assert report.passed, [(r.layer, r.check, r.target, r.error) for r in report.results if r.failed]
+    # the MTP layer is numbered after the decoder layers, as vLLM's drafter numbers it
+    assert {(2, "source-expert"), (2, "routing"), (2, "ep-sum")} <= {(r.layer, r.check) for r in report.results}
+
+
+def test_mtp_quantize_refuses_w4a4_and_families_without_an_mtp_block(tiny, tmp_path) -> None:
+    from fp4kit.errors import Fp4kitError
+
+    with pytest.raises(Fp4kitError, match="no calibration forward reaches the MTP block"):
+        quantize_checkpoint(tiny("qwen3_next"), tmp_path / "a", QuantizeOptions(scheme="nvfp4", mtp="quantize"))
+    with pytest.raises(Fp4kitError, match="glm4_moe has no MTP block outside its decoder layers"):
+        quantize_checkpoint(tiny("glm4_moe"), tmp_path / "b", QuantizeOptions(mtp="quantize"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

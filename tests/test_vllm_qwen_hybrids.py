@@ -64,13 +64,14 @@ NOT_LINEAR = ("norm", "embed_tokens", "conv1d", "pos_embed", "patch_embed")  # A
 def checkpoints(tiny, tmp_path_factory):
     built = {}
 
-    def get(family: str, dialect: str, scheme: str):
-        if (family, dialect, scheme) not in built:
-            out = tmp_path_factory.mktemp(f"vllm-{family}-{dialect}-{scheme}") / "out"
+    def get(family: str, dialect: str, scheme: str, mtp: str = "keep"):
+        key = (family, dialect, scheme, mtp)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"vllm-{family}-{dialect}-{scheme}-{mtp}") / "out"
             quantize_checkpoint(tiny(family), out, QuantizeOptions(scheme=scheme, format=dialect, samples=4,
-                                                                   seq_len=16, batch_size=2))
-            built[family, dialect, scheme] = out
-        return built[family, dialect, scheme]
+                                                                   seq_len=16, batch_size=2, mtp=mtp))
+            built[key] = out
+        return built[key]
 
     return get
 
@@ -138,17 +139,21 @@ def _experts_excluded(quant_config, prefix: str) -> bool:
     return quant_config.is_layer_excluded(prefix)
 
 
-@pytest.mark.parametrize("family", list(MODELS))
-@pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
-@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
-def test_vllm_loads_every_tensor_into_the_parameters_it_creates(monkeypatch, checkpoints, family, dialect,
-                                                                 scheme) -> None:
+CASES = [(family, dialect, scheme, "keep") for family in MODELS for dialect in ("compressed-tensors", "modelopt")
+         for scheme in ("nvfp4a16", "nvfp4")] + [(family, dialect, "nvfp4a16", "quantize") for family in
+                                                 ("qwen3_next", "qwen3_5_moe") for dialect in ("compressed-tensors",
+                                                                                                "modelopt")]
+
+
+@pytest.mark.parametrize(("family", "dialect", "scheme", "mtp"), CASES)
+def test_vllm_loads_every_tensor_into_the_parameters_it_creates(monkeypatch, checkpoints, family, dialect, scheme,
+                                                                 mtp) -> None:
     stub = lambda **kwargs: SimpleNamespace(input_quant_key=lambda: None)  # noqa: E731
     monkeypatch.setattr(ct_linear, "init_nvfp4_linear_kernel", stub)
     monkeypatch.setattr(modelopt, "init_nvfp4_linear_kernel", stub)
     monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)
     monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)
-    root = checkpoints(family, dialect, scheme)
+    root = checkpoints(family, dialect, scheme, mtp)
     tensors = load_file(root / "model.safetensors")
     model_class, steps, predictor = MODELS[family]
     quant_config = _quant_config(root, dialect, model_class)
@@ -198,8 +203,8 @@ def test_vllm_loads_every_tensor_into_the_parameters_it_creates(monkeypatch, che
                              scheme == "nvfp4")
     assert len(experts) == text["num_hidden_layers"] + 1
     for module, held in experts.items():
-        mtp = module.startswith("mtp.")
-        assert _experts_excluded(quant_config, module) == mtp, module
+        kept = module.startswith("mtp.") and mtp == "keep"
+        assert _experts_excluded(quant_config, module) == kept, module
         filled = set()
         for name in held:
             hits = [(p, w, e, s) for p, w, e, s in mapping if w in name]
@@ -207,5 +212,5 @@ def test_vllm_loads_every_tensor_into_the_parameters_it_creates(monkeypatch, che
             param, weight_name, expert, shard = hits[0]
             filled.add((name.replace(weight_name, param).removeprefix("experts.routed_experts."), expert, shard))
         leaves = {leaf for leaf, _, _ in filled}
-        assert leaves == ({"w13_weight", "w2_weight"} if mtp else routed), (module, sorted(leaves))
+        assert leaves == ({"w13_weight", "w2_weight"} if kept else routed), (module, sorted(leaves))
         assert len(filled) == sum(text["num_experts"] * (1 if leaf.startswith("w2_") else 2) for leaf in leaves)

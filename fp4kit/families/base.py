@@ -81,8 +81,17 @@ class Family:
             return None if layer is None else int(text_config["num_hidden_layers"]) + layer
         return layer_of(name)
 
-    def default_ignore(self, config: dict) -> list[str]:
-        return [*COMMON_IGNORE, *self.ignore(config)]
+    def default_ignore(self, config: dict, mtp: str = "keep") -> list[str]:
+        """COMMON_IGNORE, the family's ignores and, for an MTP block outside the decoder layers, that block: whole
+        (``mtp`` "keep"), or all but its routed experts ("quantize")."""
+        kept = [*COMMON_IGNORE, *self.ignore(config)]
+        if self.mtp_prefix is not None:
+            block = "^" + re.escape(self.mtp_prefix)
+            kept.append(block if mtp == "keep" else block + r"(?!layers\.\d+\.mlp\.experts\.\d+\.)")
+        elif mtp != "keep":
+            raise Fp4kitError(f"--mtp {mtp}: {self.name} has no MTP block outside its decoder layers (its MTP layers, "
+                              "if any, are `layers.N` past num_hidden_layers: choose them with --ignore)")
+        return kept
 
     def check_config(self, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
         """The text config, after checking the sizes fp4kit reads from it (positive integers) against the routed

@@ -16,13 +16,16 @@ the shared expert and the routed experts. Kept in the source precision, and why:
   `ReplicatedLinear` with `quant_config=None`).
 - `mtp.*`: published NVFP4 checkpoints store the MTP block BF16 (vLLM 0.33's qwen3_next_mtp.py forces `mtp.fc`
   unquantized under modelopt_fp4 for that reason), and the main model's loader drops `mtp.` (its
-  `hf_to_vllm_mapper` maps the prefix to None): the drafter reads it as stored.
+  `hf_to_vllm_mapper` maps the prefix to None): the drafter reads it as stored. `--mtp quantize` quantizes its
+  routed experts like a decoder layer's (the drafter builds its MoE with the checkpoint's quant config); weight-only,
+  since no calibration forward reaches the block.
 """
 
 from fp4kit.families.base import Family
 
-# what every Qwen hybrid keeps (module docstring): routers, the shared-expert gate, Gated DeltaNet, the MTP block
-HYBRID_KEPT = (r"mlp\.gate$", r"shared_expert_gate$", r"(^|\.)linear_attn\.", r"^mtp\.")
+# what every Qwen hybrid keeps (module docstring): routers, the shared-expert gate, Gated DeltaNet; the MTP block
+# (`mtp_prefix`) is kept by Family.default_ignore
+HYBRID_KEPT = (r"mlp\.gate$", r"shared_expert_gate$", r"(^|\.)linear_attn\.")
 
 
 def num_experts(tc: dict) -> int:
