@@ -183,3 +183,46 @@ def test_mtp_quantize_refuses_w4a4_and_families_without_an_mtp_block(tiny, tmp_p
     with pytest.raises(Fp4kitError, match="glm4_moe has no MTP block outside its decoder layers"):
         quantize_checkpoint(tiny("glm4_moe"), tmp_path / "b", QuantizeOptions(mtp="quantize"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# llm-compressor's ignores that are the hybrids' defaults (fp4kit.families.qwen3_next.HYBRID_KEPT, the vision tower)
+LLMC_IGNORE = ["re:.*lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*linear_attn.*", "re:.*visual.*"]
+
+
+@pytest.mark.pinned  # llm-compressor's pins (.ci/run)
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_w4a16_rtn_equals_llm_compressor_oneshot(tiny, tiny_nvfp4a16, tmp_path, family: str) -> None:
+    """llm-compressor 0.14's `oneshot` NVFP4A16 (its MoE linearization of these families' fused experts:
+    llmcompressor/modeling/moe/conversion_mappings.py) writes every tensor fp4kit writes, byte for byte, with two
+    deliberate differences: Qwen3-Next's MTP block, which it drops (transformers' class does not hold it) and fp4kit
+    keeps as stored; and the (1 + weight) RMSNorm weights, which its offset-norm calibration context
+    (llmcompressor/modeling/offset_norm.py) turns into 1 + w and back in bf16, rounding them, where fp4kit keeps
+    the source's bytes."""
+    pytest.importorskip("llmcompressor")
+    import transformers
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    model = getattr(transformers, fixture_spec(family)["model_class"]).from_pretrained(tiny(family),
+                                                                                       dtype=torch.bfloat16)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=LLMC_IGNORE))
+    model.save_pretrained(tmp_path / "llmc", save_compressed=True)
+    ours, theirs = CheckpointReader(tiny_nvfp4a16(family)), CheckpointReader(tmp_path / "llmc")
+    only_ours = set(ours.names()) - set(theirs.names())
+    assert set(theirs.names()) <= set(ours.names())
+    mtp = {n for n in ours.names() if n.startswith("mtp.")}
+    # llm-compressor drops Qwen3-Next's MTP block and copies Qwen3.5's as stored (compared below)
+    assert only_ours == (mtp if family == "qwen3_next" else set()), sorted(only_ours)[:3]
+    source = CheckpointReader(tiny(family))
+    compared = rounded = 0
+    for name in theirs.names():
+        a, b = ours.read(name), theirs.read(name)
+        if name.endswith("norm.weight") and ".linear_attn." not in name:  # the offset norms (Qwen3NextRMSNorm)
+            assert torch.equal(a.view(torch.uint8), source.read(name).view(torch.uint8)), name
+            torch.testing.assert_close((1 + b.float()).bfloat16(), (1 + a.float()).bfloat16(), rtol=0, atol=0)
+            rounded += not torch.equal(a, b)
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                          b.reshape(-1).view(torch.uint8)), name
+        compared += name.endswith(".weight_packed")
+    assert compared > 50 and rounded > 0
