@@ -226,3 +226,14 @@ def test_w4a16_rtn_equals_llm_compressor_oneshot(tiny, tiny_nvfp4a16, tmp_path, 
                                                                           b.reshape(-1).view(torch.uint8)), name
         compared += name.endswith(".weight_packed")
     assert compared > 50 and rounded > 0
+
+
+def test_a_recipe_quantizes_the_mtp_experts(tiny, tmp_path) -> None:
+    from fp4kit.pipeline import run_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny('qwen3_next')}\nfamily: qwen3_next\nquantize:\n  scheme: nvfp4a16\n"
+                      "  mtp: quantize\nshard:\n  ep: 2\nverify:\n  backend: reference\n  tokens: [4]\n")
+    summary = run_recipe(recipe, [], tmp_path / "work")
+    assert summary.passed
+    assert "mtp.layers.0.mlp.experts.5.up_proj" in _quantized_modules(tmp_path / "work" / "quantize")
