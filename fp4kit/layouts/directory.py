@@ -101,7 +101,9 @@ class LayoutReport:
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
     grouped = group_experts(((module.name, module) for module in ckpt.modules), ckpt.grammar)
-    layers = [_moe_layer(experts, found) for experts, found in grouped.items()]
+    family, text_config = ckpt.family, ckpt.family.text_config(ckpt.config) if ckpt.family else {}
+    layers = [_moe_layer(experts, found, family.layer_index(experts + ".", text_config) if family else
+                         layer_of(experts + ".")) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
         if seen.setdefault(layer.layer, layer.experts) != layer.experts:
@@ -116,8 +118,7 @@ def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     return sorted(layers, key=lambda lay: lay.layer)
 
 
-def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]]) -> MoELayer:
-    layer = layer_of(experts + ".")
+def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], layer: int | None) -> MoELayer:
     if layer is None:
         raise Fp4kitError(f"{experts}: routed experts outside a `layers.N` module")
     if sorted(found) != list(range(len(found))):
