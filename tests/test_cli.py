@@ -6,6 +6,7 @@ PYTHONPATH set to this checkout, so they run this checkout's code through the re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from _signals import ignored_in_parent, reaching_children
 
 from fp4kit import cli
 from fp4kit.errors import Fp4kitError
@@ -110,11 +112,14 @@ def test_stdout_closed_early_is_not_problems_found() -> None:
     assert [(p.wait(timeout=120), p.communicate()[1]) for p in started] == [(cli.EXIT_BROKEN_PIPE, "")] * 2
 
 
-def test_sigint_prints_one_line_and_exits_130(tmp_path) -> None:
-    """A real SIGINT while `fp4kit run` waits on its recipe (a FIFO nobody writes): one line, exit 130."""
+@pytest.mark.parametrize("parent", ["default", "ignores SIGINT"])
+def test_sigint_prints_one_line_and_exits_130(tmp_path, parent) -> None:
+    """A real SIGINT while `fp4kit run` waits on its recipe (a FIFO nobody writes): one line, exit 130. Also when
+    the suite itself runs with SIGINT ignored (started in the background), which the child would inherit."""
     fifo = tmp_path / "recipe.yaml"
     os.mkfifo(fifo)
-    process = launch("script", ["run", str(fifo)])
+    with ignored_in_parent(signal.SIGINT) if parent != "default" else contextlib.nullcontext(), reaching_children():
+        process = launch("script", ["run", str(fifo)])
     writer = None
     try:
         deadline = time.monotonic() + 120

@@ -123,6 +123,8 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--input-scales-from quantized: {_format_module(options).title} output records its exact "
                           "input scales before the weights are written, and that pass finds them only as it goes; "
                           "use source")
+    if options.batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
     if options.gptq_scales not in ("mse", "rtn"):
