@@ -24,7 +24,7 @@ import pkgutil
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Annotated
 
 import typer
@@ -62,10 +62,18 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def handle_sigterm() -> None:
-    """Turn SIGTERM into ``Terminated`` unless the parent made this process ignore it."""
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """For the block, SIGTERM raises ``Terminated``, unless the parent made this process ignore it."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def version() -> str:
@@ -225,9 +233,9 @@ def run(args: Sequence[str]) -> int:
 
 
 def main() -> None:
-    handle_sigterm()
-    _register_commands()
-    code = run(sys.argv[1:])
+    with sigterm_unwinds():
+        _register_commands()
+        code = run(sys.argv[1:])
     if code == EXIT_TERMINATED and _under_torchrun():  # end by the signal itself, as torchrun expects its ranks to
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

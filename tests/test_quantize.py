@@ -130,6 +130,40 @@ def test_side_files_and_sharding(tiny, tmp_path):
     assert len(reread.names()) == len(index["weight_map"])
 
 
+# what a Hub model repository holds besides its weights: the files engines and the Hub use, and a model author's
+# own files that are not the model's (the trained reference model's directory holds the last three)
+MODEL_FILES = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
+               "tiktoken.model": "x", "chat_template.jinja": "{{ messages }}",
+               "additional_chat_templates/tool_use.jinja": "{{ tools }}", "preprocessor_config.json": "{}",
+               "configuration_moe.py": "# remote code", "modeling_moe.py": "# remote code", "LICENSE": "terms",
+               "USE_POLICY.md": "policy"}
+NOT_THE_MODELS = {"calib.jsonl": "{}", "eval.jsonl": "{}", "TRAINING.json": "{}", "notes/run.log": "x",
+                  "figure.png": "x", "original/params.json": "{}", ".gitattributes": "x"}
+
+
+def test_outputs_copy_the_model_files_of_src_and_nothing_else(tmp_path, capsys):
+    """quantize, layout and shard (every EP rank) carry SRC's tokenizer, templates, processor config, remote code
+    and licence, not the data, logs and notes beside them."""
+    from fp4kit import cli
+    from fp4kit.testing.fixtures import build_fixture
+
+    marlin_sizes = {"hidden_size": 128, "moe_intermediate_size": 64}  # H % 128, I % 64
+    src = build_fixture("qwen3_moe", tmp_path / "src", overrides=marlin_sizes)
+    for rel, text in {**MODEL_FILES, **NOT_THE_MODELS}.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    cli._register_commands()
+    assert cli.run(["quantize", str(src), str(tmp_path / "q"), "-q"]) == 0
+    assert cli.run(["layout", str(tmp_path / "q"), str(tmp_path / "l"), "--backend", "marlin", "-q"]) == 0
+    assert cli.run(["shard", str(tmp_path / "q"), str(tmp_path / "s"), "--ep", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+    for out in [tmp_path / "q", tmp_path / "l", tmp_path / "s" / "rank-00000", tmp_path / "s" / "rank-00001"]:
+        files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+        assert {rel: (out / rel).read_text() for rel in MODEL_FILES} == MODEL_FILES, out
+        assert not files & set(NOT_THE_MODELS) and "generation_config.json" in files, (out, sorted(files))
+        assert not any(rel.startswith(("notes", "original")) for rel in files), sorted(files)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
 def test_stacked_quantization_writes_the_same_bytes(family, tiny, tiny_nvfp4a16, tmp_path, monkeypatch):
     """The GPU path stacks consecutive same-shape groups into one quantize call; forced on the CPU it must write
