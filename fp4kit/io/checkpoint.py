@@ -324,9 +324,9 @@ class ShardWriter:
 SKIP_FILES = {INDEX_NAME, "config.json", "hf_quant_config.json"}
 
 
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy SRC's side files (``fp4kit.io.shard_io.SIDE_FILES``: tokenizer, templates, processors, remote code, model
-    card, licence) but the files fp4kit rewrites (``SKIP_FILES``)."""
+def copy_side_files(src: Path, dst: Path, skip: Iterable[str] = ()) -> list[str]:
+    """Copy SRC's side files (``fp4kit.io.shard_io.SIDE_FILES``: tokenizer, templates, processors, remote code,
+    licence) but the files fp4kit rewrites (``SKIP_FILES``) and those in ``skip``."""
     from fp4kit.io.shard_io import copy_side_files as copy_named
 
-    return copy_named(src, dst, skip=SKIP_FILES)
+    return copy_named(src, dst, skip=SKIP_FILES | set(skip))

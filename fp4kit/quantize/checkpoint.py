@@ -70,6 +70,7 @@ class QuantizeOptions:
     gptq_min_tokens: int = 32
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
     input_scales_from: str = "auto"  # quantized, but source for ModelOpt output (see input_scale_source)
+    command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
 @dataclass
@@ -443,8 +444,11 @@ def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
 
 
 def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, options: QuantizeOptions,
-                      routing_counts: dict[int, list[int]], calibration: dict) -> None:
-    """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics."""
+                      routing_counts: dict[int, list[int]], calibration: dict, token_ids: torch.Tensor | None) -> None:
+    """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics, the provenance record
+    and the model card."""
+    from fp4kit.quantize.provenance import calibration_record, write_provenance
+
     fmt = _format_module(options)
     for name, document in fmt.side_configs(options.scheme, plan.ignored_modules).items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
@@ -452,6 +456,8 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     copy_side_files(src, work)
     if routing_counts:
         write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts, calibration)
+    write_provenance(work, src, plan, options, calibration_record(calibration, options.calib, token_ids),
+                     options.command)
 
 
 def quantize_checkpoint(
@@ -537,7 +543,7 @@ def _quantize_checkpoint(
         writer.finish()
         ranks.sync()  # every rank's tensors are in place
         if ranks.main:
-            _write_side_files(work, src, config, plan, options, routing_counts, calibration)
+            _write_side_files(work, src, config, plan, options, routing_counts, calibration, token_ids)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),
