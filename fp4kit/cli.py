@@ -45,8 +45,10 @@ MAX_LINE = 1000  # an error line longer than this is cut: a message carrying a h
 INTERRUPTED = "interrupted: no partial output was left behind"
 TERMINATED = "terminated: no partial output was left behind"
 
-# no_args_is_help would print the whole help before the error: `fp4kit` alone is a usage error of one line
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+# no_args_is_help would print the whole help before the error: `fp4kit` alone is a usage error of one line.
+# rich_markup_mode None: click's plain help, which prints help texts as written (rich markup would eat
+# `'fp4kit[plot]'`), wraps at the terminal without cutting option names, and shows no <bool> metavars
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Turn BF16 MoE checkpoints into NVFP4 checkpoints that serving engines load and run.",
                   epilog="Exit codes: 0 done, 1 checks found problems, 2 failed (one 'error:' line), 130 interrupted, "
                          "143 terminated.")

@@ -244,3 +244,27 @@ def test_help_lists_choices(capsys, monkeypatch) -> None:
     assert cli.run(["quantize", "--help"]) == 0
     text = capsys.readouterr().out
     assert "nvfp4a16|nvfp4" in text and "shared|per-expert" in text and "--no-no-" not in text
+
+
+def normalized(text: str) -> str:
+    """Words with the help's line wrapping undone (a line may also break after a hyphen)."""
+    return re.sub(r"-\s+", "-", re.sub(r"\s+", " ", text))
+
+
+@pytest.mark.parametrize("name", sorted(commands()))
+def test_help_at_80_columns_shows_every_text_whole(name, capsys, monkeypatch) -> None:
+    """At 80 columns: no line wider, every option name unbroken, every help text as written (brackets included:
+    `pip install 'fp4kit[plot]'` is not markup), no `<bool>` metavar or "Choose from" list."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.run([name, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "<bool>" not in text and "Choose from" not in text and "…" not in text
+    words = set(re.findall(r"--?[\w-]+", text))
+    for param in commands()[name].params:
+        for opt in (*param.opts, *param.secondary_opts) if param.param_type_name == "option" else ():
+            assert opt in words, f"fp4kit {name}: {opt} not shown whole"
+        if param.help:
+            assert normalized(param.help) in normalized(text), f"fp4kit {name} {param.name}: {param.help!r}"
+    if name == "verify":
+        assert "pip install 'fp4kit[plot]'" in text
