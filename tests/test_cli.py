@@ -268,3 +268,21 @@ def test_help_at_80_columns_shows_every_text_whole(name, capsys, monkeypatch) ->
             assert normalized(param.help) in normalized(text), f"fp4kit {name} {param.name}: {param.help!r}"
     if name == "verify":
         assert "pip install 'fp4kit[plot]'" in text
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "recipes").glob("*.yaml"))]
+
+
+def test_docs_name_only_commands_that_exist() -> None:
+    """Every `fp4kit WORD` the docs and recipe headers show, and every command the exit-code lists name, is a
+    command (an `fp4kit audit` the docs listed never existed: the audit is `inspect --source`)."""
+    names = set(commands())
+    for path in DOCS:
+        text = path.read_text()
+        code = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL))
+        shown = {*re.findall(r"`fp4kit ([a-z][\w-]*)", text), *re.findall(r"^fp4kit ([a-z][\w-]*)", code, re.MULTILINE),
+                 *re.findall(r"^#\s+fp4kit ([a-z][\w-]*)", text, re.MULTILINE) * (path.suffix == ".yaml")}
+        assert shown <= names, (path.name, sorted(shown - names))
+        for listed in re.findall(r'"the checks found problems" \(([^)]*)\)', text.replace("\n", " ")):
+            words = {w for w in re.findall(r"`([^`]+)`", listed) if not w.startswith("-")}
+            assert words <= names, (path.name, sorted(words - names))
