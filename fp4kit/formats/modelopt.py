@@ -296,6 +296,7 @@ class ModelOpt(Dialect):
     config_files = (HF_QUANT_CONFIG,)
     fused_experts = True
     records_exact_input_scales = True
+    serve_quantization = "modelopt_fp4"
 
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
         if files.get(HF_QUANT_CONFIG):

@@ -26,11 +26,7 @@ SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16"
                  "activations)"}
 # options that change where and how fast the work runs, not the bytes
 NOT_RECORDED = ("device", "native_cpu", "overwrite", "command")
-SERVE = {  # docs/serving.md
-    "compressed-tensors": ["vllm serve {dst}", "python -m sglang.launch_server --model-path {dst}"],
-    "modelopt": ["vllm serve {dst} --quantization modelopt_fp4",
-                 "python -m sglang.launch_server --model-path {dst} --quantization modelopt_fp4"],
-}
+SERVE = ["vllm serve DST", "python -m sglang.launch_server --model-path DST"]  # docs/serving.md
 
 
 def base_model(src: Path, config: dict) -> str:
@@ -96,6 +92,13 @@ def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, c
     }
 
 
+def serving_lines(dialect: str) -> list[str]:
+    from fp4kit.registry import dialect as registered_dialect
+
+    flag = registered_dialect(dialect).serve_quantization
+    return [f"{line} --quantization {flag}" if flag else line for line in SERVE]
+
+
 def model_card(record: dict, plan: ModelPlan) -> str:
     """The card's text; like the record, it does not depend on DST's name (the same input, the same bytes)."""
     scheme, dialect, method = record["scheme"], record["dialect"], record["method"]
@@ -119,7 +122,7 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines += ["```bash", record["command"], "```", ""]
     lines += [f"Every option and the calibration data's hashes: `{PROVENANCE_NAME}`.", "", "## Serving", "",
               "DST is this directory, or its Hub id once uploaded.", "",
-              "```bash", *[line.format(dst="DST") for line in SERVE.get(dialect, [])], "```", ""]
+              "```bash", *serving_lines(dialect), "```", ""]
     return "\n".join(lines)
 
 
