@@ -5,7 +5,9 @@ Exit codes, for every command:
   1    the checks ran and found problems (inspect, verify, run's verify step)
   2    failed: bad input (Fp4kitError), a usage error, an OS error (disk full, permission denied, read-only DST, ...)
        or an internal error; one line ``error: <file, tensor or command>: <what>`` on stderr per problem
-  130  interrupted (Ctrl-C)
+  130  interrupted (Ctrl-C, SIGINT)
+  143  terminated (SIGTERM: `kill`, a job scheduler's time limit, a container stopping), as a shell reports a
+       process that SIGTERM ended; like Ctrl-C, the run's partial output is removed and one line says so
   141  stdout was closed early (`fp4kit inspect X | head -1`), as a shell reports a process ended by SIGPIPE
 An internal error (a bug: any other exception) is a failure like the others, so a pipeline that tells 1 from 2 never
 reads a crash as "problems found"; its traceback goes to a file that the one line names.
@@ -20,8 +22,9 @@ import importlib
 import os
 import pkgutil
 import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Annotated
 
 import typer
@@ -36,14 +39,43 @@ except ImportError:  # older typer: click itself
 PROG = "fp4kit"
 EXIT_FAILED = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM
 EXIT_BROKEN_PIPE = 128 + 13  # as a shell reports a writer that SIGPIPE ended
 MAX_LINE = 1000  # an error line longer than this is cut: a message carrying a huge value stays readable
 INTERRUPTED = "interrupted: no partial output was left behind"
+TERMINATED = "terminated: no partial output was left behind"
 
-# no_args_is_help would print the whole help before the error: `fp4kit` alone is a usage error of one line
-app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
+# no_args_is_help would print the whole help before the error: `fp4kit` alone is a usage error of one line.
+# rich_markup_mode None: click's plain help, which prints help texts as written (rich markup would eat
+# `'fp4kit[plot]'`), wraps at the terminal without cutting option names, and shows no <bool> metavars
+app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Turn BF16 MoE checkpoints into NVFP4 checkpoints that serving engines load and run.",
-                  epilog="Exit codes: 0 done, 1 checks found problems, 2 failed (one 'error:' line), 130 interrupted.")
+                  epilog="Exit codes: 0 done, 1 checks found problems, 2 failed (one 'error:' line), 130 interrupted, "
+                         "143 terminated.")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: it unwinds as Ctrl-C does (every output's work directory is removed, and
+    torchrun's ranks do not wait for one another), then the run exits 143."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends the process at once
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """For the block, SIGTERM raises ``Terminated``, unless the parent made this process ignore it."""
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def version() -> str:
@@ -83,6 +115,10 @@ def _register_commands() -> None:
 
 # commands that split their work across torchrun's ranks; any other would run whole on every rank, into one DST
 DISTRIBUTED_COMMANDS = ("quantize", "run")
+
+
+def _under_torchrun() -> bool:
+    return os.environ.get("WORLD_SIZE", "1") != "1"
 
 
 def _check_ranks() -> None:
@@ -174,6 +210,10 @@ def run(args: Sequence[str]) -> int:
         if isinstance(exc.__context__, BrokenPipeError):  # rich exits 1 when its stdout's reader went away
             return EXIT_BROKEN_PIPE
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except Terminated:
+        if not _under_torchrun():  # torchrun ends the other ranks when one fails: its report says so
+            typer.echo(TERMINATED, err=True)
+        return EXIT_TERMINATED
     except (KeyboardInterrupt, typer.Abort):
         typer.echo(INTERRUPTED, err=True)
         return EXIT_INTERRUPTED
@@ -195,7 +235,11 @@ def run(args: Sequence[str]) -> int:
 
 
 def main() -> None:
-    _register_commands()
-    code = run(sys.argv[1:])
+    with sigterm_unwinds():
+        _register_commands()
+        code = run(sys.argv[1:])
+    if code == EXIT_TERMINATED and _under_torchrun():  # end by the signal itself, as torchrun expects its ranks to
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
     if code:
         sys.exit(code)

@@ -137,3 +137,53 @@ def test_overwrite_replaces_and_interrupted_run_leaves_nothing(src, tmp_path, mo
     monkeypatch.setattr(q, "encode_group", real)
     q.quantize_checkpoint(src, dst, q.QuantizeOptions(overwrite=True))
     assert not (dst / "old.txt").exists() and (dst / "model.safetensors").exists()
+
+
+NON_POSITIVE = {  # command line (SRC, an NVFP4 CKPT, DST filled in) -> the one line
+    "quantize --batch-size 0": (["quantize", "{src}", "{dst}", "--scheme", "nvfp4", "--batch-size", "0"],
+                                "--batch-size must be at least 1, got 0"),
+    "quantize gptq --batch-size -1": (["quantize", "{src}", "{dst}", "--method", "gptq", "--batch-size", "-1"],
+                                      "--batch-size must be at least 1, got -1"),
+    "quantize --samples 0": (["quantize", "{src}", "{dst}", "--scheme", "nvfp4", "--samples", "0"],
+                             "--samples and --seq-len must be at least 1"),
+    "quantize --seq-len 0": (["quantize", "{src}", "{dst}", "--scheme", "nvfp4", "--seq-len", "0"],
+                             "--samples and --seq-len must be at least 1"),
+    "quantize --gptq-damp -1": (["quantize", "{src}", "{dst}", "--method", "gptq", "--gptq-damp", "-1"],
+                                "--gptq-damp must be positive"),
+    "quantize --gptq-min-tokens 0": (["quantize", "{src}", "{dst}", "--method", "gptq", "--gptq-min-tokens", "0"],
+                                     "--gptq-min-tokens must be at least 1"),
+    "quantize --max-shard-size 0": (["quantize", "{src}", "{dst}", "--max-shard-size", "0"], "cannot read size '0'"),
+    "eval --batch-size 0": (["eval", "{src}", "{ckpt}", "--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    "eval --seq-len 1": (["eval", "{src}", "{ckpt}", "--seq-len", "1"], "--seq-len must be at least 2, got 1"),
+    "eval --samples 0": (["eval", "{src}", "{ckpt}", "--samples", "0"], "--samples and --seq-len must be at least 1"),
+    "shard --ep 0": (["shard", "{ckpt}", "{dst}", "--ep", "0"], "--ep 0: the expert-parallel size must be at least 1"),
+    "inspect --ep 0": (["inspect", "{ckpt}", "--ep", "0"], "--ep 0: must be at least 1"),
+    "verify --tokens 0": (["verify", "{ckpt}", "--tokens", "0", "-q"], "--tokens must be positive token counts"),
+}
+
+
+@pytest.mark.parametrize("case", NON_POSITIVE)
+def test_non_positive_sizes_are_one_line_errors(case, src, tiny_nvfp4a16, tmp_path, capsys):
+    """A zero or negative count or size is a usage mistake: its one line, exit 2, no output (not an internal error
+    with a traceback file)."""
+    from fp4kit import cli
+
+    argv, line = NON_POSITIVE[case]
+    dst = tmp_path / "out"
+    fields = {"src": src, "ckpt": tiny_nvfp4a16("qwen3_moe"), "dst": dst}
+    cli._register_commands()
+    code = cli.run([arg.format(**fields) for arg in argv])
+    err = capsys.readouterr().err
+    lines = [text for text in err.splitlines() if text.strip() and not PHASE_LINE.fullmatch(text)]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and line in lines[0], err
+    assert "internal error" not in err
+    assert_no_output(dst)
+
+
+def test_eval_text_not_found_is_named_as_eval_text(src, tiny_nvfp4a16, tmp_path, capsys):
+    from fp4kit import cli
+
+    cli._register_commands()
+    missing = tmp_path / "missing.jsonl"
+    assert cli.run(["eval", str(src), str(tiny_nvfp4a16("qwen3_moe")), "--text", str(missing), "-q"]) == 2
+    assert capsys.readouterr().err == f"error: {missing}: eval text file not found\n"

@@ -6,6 +6,7 @@ PYTHONPATH set to this checkout, so they run this checkout's code through the re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from _signals import ignored_in_parent, reaching_children
 
 from fp4kit import cli
 from fp4kit.errors import Fp4kitError
@@ -110,11 +112,14 @@ def test_stdout_closed_early_is_not_problems_found() -> None:
     assert [(p.wait(timeout=120), p.communicate()[1]) for p in started] == [(cli.EXIT_BROKEN_PIPE, "")] * 2
 
 
-def test_sigint_prints_one_line_and_exits_130(tmp_path) -> None:
-    """A real SIGINT while `fp4kit run` waits on its recipe (a FIFO nobody writes): one line, exit 130."""
+@pytest.mark.parametrize("parent", ["default", "ignores SIGINT"])
+def test_sigint_prints_one_line_and_exits_130(tmp_path, parent) -> None:
+    """A real SIGINT while `fp4kit run` waits on its recipe (a FIFO nobody writes): one line, exit 130. Also when
+    the suite itself runs with SIGINT ignored (started in the background), which the child would inherit."""
     fifo = tmp_path / "recipe.yaml"
     os.mkfifo(fifo)
-    process = launch("script", ["run", str(fifo)])
+    with ignored_in_parent(signal.SIGINT) if parent != "default" else contextlib.nullcontext(), reaching_children():
+        process = launch("script", ["run", str(fifo)])
     writer = None
     try:
         deadline = time.monotonic() + 120
@@ -239,3 +244,45 @@ def test_help_lists_choices(capsys, monkeypatch) -> None:
     assert cli.run(["quantize", "--help"]) == 0
     text = capsys.readouterr().out
     assert "nvfp4a16|nvfp4" in text and "shared|per-expert" in text and "--no-no-" not in text
+
+
+def normalized(text: str) -> str:
+    """Words with the help's line wrapping undone (a line may also break after a hyphen)."""
+    return re.sub(r"-\s+", "-", re.sub(r"\s+", " ", text))
+
+
+@pytest.mark.parametrize("name", sorted(commands()))
+def test_help_at_80_columns_shows_every_text_whole(name, capsys, monkeypatch) -> None:
+    """At 80 columns: no line wider, every option name unbroken, every help text as written (brackets included:
+    `pip install 'fp4kit[plot]'` is not markup), no `<bool>` metavar or "Choose from" list."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.run([name, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "<bool>" not in text and "Choose from" not in text and "…" not in text
+    words = set(re.findall(r"--?[\w-]+", text))
+    for param in commands()[name].params:
+        for opt in (*param.opts, *param.secondary_opts) if param.param_type_name == "option" else ():
+            assert opt in words, f"fp4kit {name}: {opt} not shown whole"
+        if param.help:
+            assert normalized(param.help) in normalized(text), f"fp4kit {name} {param.name}: {param.help!r}"
+    if name == "verify":
+        assert "pip install 'fp4kit[plot]'" in text
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "recipes").glob("*.yaml"))]
+
+
+def test_docs_name_only_commands_that_exist() -> None:
+    """Every `fp4kit WORD` the docs and recipe headers show, and every command the exit-code lists name, is a
+    command (an `fp4kit audit` the docs listed never existed: the audit is `inspect --source`)."""
+    names = set(commands())
+    for path in DOCS:
+        text = path.read_text()
+        code = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL))
+        shown = {*re.findall(r"`fp4kit ([a-z][\w-]*)", text), *re.findall(r"^fp4kit ([a-z][\w-]*)", code, re.MULTILINE),
+                 *re.findall(r"^#\s+fp4kit ([a-z][\w-]*)", text, re.MULTILINE) * (path.suffix == ".yaml")}
+        assert shown <= names, (path.name, sorted(shown - names))
+        for listed in re.findall(r'"the checks found problems" \(([^)]*)\)', text.replace("\n", " ")):
+            words = {w for w in re.findall(r"`([^`]+)`", listed) if not w.startswith("-")}
+            assert words <= names, (path.name, sorted(words - names))

@@ -110,7 +110,9 @@ def test_torchrun_output_is_byte_identical_to_one_process(tiny, tmp_path) -> Non
     left = [(tmp_path / f"threads-after-leaving-rank{r}.txt").read_text() for r in range(2)]
     assert not any("gloo" in threads for threads in left), left  # calibration loaded transformers
 
-    single = quantize_checkpoint(src, tmp_path / "one" / "weight-only", QuantizeOptions(max_shard_bytes=100_000))
+    command = "fp4kit quantize SRC DST --max-shard-size 100KB -q"  # as the output records the command line
+    single = quantize_checkpoint(src, tmp_path / "one" / "weight-only",
+                                 QuantizeOptions(max_shard_bytes=100_000, command=command))
     assert len(single.output_files) > 1
     assert files(tmp_path / "ranks" / "weight-only") == files(tmp_path / "one" / "weight-only")
     run_recipe(recipe, [], tmp_path / "one" / "run")

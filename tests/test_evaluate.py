@@ -224,7 +224,7 @@ def test_bad_input(monkeypatch, capsys, tiny, quantized, tmp_path):
     text.write_text("{not json\n")
     _bad(monkeypatch, capsys, src, ckpt, "--text", text, needle="broken.jsonl")
     _bad(monkeypatch, capsys, src, ckpt, "--dtype", "float8", needle="--dtype")
-    _bad(monkeypatch, capsys, src, ckpt, "--seq-len", 1, needle="seq_len")
+    _bad(monkeypatch, capsys, src, ckpt, "--seq-len", 1, needle="--seq-len must be at least 2")
 
 
 def _added_peak_bytes(work) -> int:

@@ -1,9 +1,11 @@
 """Two runs into one DST, as real processes: the second is refused at once while the first finishes byte-identical to
-a solo run; a killed run's lock dies with it and its work directory goes with the next run (fp4kit.io.output)."""
+a solo run; a killed run's lock dies with it and its work directory goes with the next run; a terminated run
+(SIGTERM) removes its own, says so in one line and exits 143 (fp4kit.io.output, fp4kit.cli)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from _signals import reaching_children
 
+from fp4kit.cli import EXIT_TERMINATED, TERMINATED
 from fp4kit.errors import Fp4kitError
 from fp4kit.io.output import atomic_directory, exclusive, leftovers, lock_path, partial_prefix
 
@@ -81,6 +85,35 @@ def test_a_killed_run_leaves_no_lock_and_the_rerun_cleans_up(solo, tmp_path):
     assert rerun.returncode == 0, err
     assert digest(dst) == expected
     assert not leftovers(dst)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_sigterm_during_calibration_cleans_up_and_says_so(tiny, tmp_path, method):
+    """SIGTERM once the calibration pass has started (rtn W4A4: the source model's pass; gptq: the layer-by-layer
+    pass that quantizes as it goes): the work directory and the lock go, one line says so, exit 143."""
+    dst = tmp_path / "out"
+    samples = []
+    if method == "rtn":  # the packaged set's pass is over in a moment: token ids for a pass of seconds
+        calib = tmp_path / "calib.jsonl"
+        calib.write_text("".join(json.dumps({"input_ids": [(7 * i + s) % 256 for i in range(256)]}) + "\n"
+                                 for s in range(512)))
+        samples = ["--calib", str(calib), "--samples", "512", "--seq-len", "256"]
+    src = tiny("qwen3_moe")
+    with reaching_children():
+        process = subprocess.Popen([sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst), "--scheme", "nvfp4",
+                                    "--method", method, *samples], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    phase = {"rtn": "quantize: calibrating (", "gptq": "quantize: quantizing layer by layer (gptq)"}[method]
+    try:
+        line = process.stderr.readline()  # in a log, each phase starts with a line of its own
+        assert line.startswith(phase), line + process.stderr.read()
+        assert any(p.name.startswith(partial_prefix(dst)) for p in leftovers(dst))
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert (process.returncode, out, err) == (EXIT_TERMINATED, "", TERMINATED + "\n")
+    assert not dst.exists() and not leftovers(dst)
 
 
 def test_exclusive_in_one_process(tmp_path):

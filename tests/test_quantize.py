@@ -130,6 +130,40 @@ def test_side_files_and_sharding(tiny, tmp_path):
     assert len(reread.names()) == len(index["weight_map"])
 
 
+# what a Hub model repository holds besides its weights: the files engines and the Hub use, and a model author's
+# own files that are not the model's (the trained reference model's directory holds the last three)
+MODEL_FILES = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "special_tokens_map.json": "{}",
+               "tiktoken.model": "x", "chat_template.jinja": "{{ messages }}",
+               "additional_chat_templates/tool_use.jinja": "{{ tools }}", "preprocessor_config.json": "{}",
+               "configuration_moe.py": "# remote code", "modeling_moe.py": "# remote code", "LICENSE": "terms",
+               "USE_POLICY.md": "policy"}
+NOT_THE_MODELS = {"calib.jsonl": "{}", "eval.jsonl": "{}", "TRAINING.json": "{}", "notes/run.log": "x",
+                  "figure.png": "x", "original/params.json": "{}", ".gitattributes": "x"}
+
+
+def test_outputs_copy_the_model_files_of_src_and_nothing_else(tmp_path, capsys):
+    """quantize, layout and shard (every EP rank) carry SRC's tokenizer, templates, processor config, remote code
+    and licence, not the data, logs and notes beside them."""
+    from fp4kit import cli
+    from fp4kit.testing.fixtures import build_fixture
+
+    marlin_sizes = {"hidden_size": 128, "moe_intermediate_size": 64}  # H % 128, I % 64
+    src = build_fixture("qwen3_moe", tmp_path / "src", overrides=marlin_sizes)
+    for rel, text in {**MODEL_FILES, **NOT_THE_MODELS}.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    cli._register_commands()
+    assert cli.run(["quantize", str(src), str(tmp_path / "q"), "-q"]) == 0
+    assert cli.run(["layout", str(tmp_path / "q"), str(tmp_path / "l"), "--backend", "marlin", "-q"]) == 0
+    assert cli.run(["shard", str(tmp_path / "q"), str(tmp_path / "s"), "--ep", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+    for out in [tmp_path / "q", tmp_path / "l", tmp_path / "s" / "rank-00000", tmp_path / "s" / "rank-00001"]:
+        files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+        assert {rel: (out / rel).read_text() for rel in MODEL_FILES} == MODEL_FILES, out
+        assert not files & set(NOT_THE_MODELS) and "generation_config.json" in files, (out, sorted(files))
+        assert not any(rel.startswith(("notes", "original")) for rel in files), sorted(files)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "llama4"])
 def test_stacked_quantization_writes_the_same_bytes(family, tiny, tiny_nvfp4a16, tmp_path, monkeypatch):
     """The GPU path stacks consecutive same-shape groups into one quantize call; forced on the CPU it must write
@@ -153,3 +187,65 @@ def test_stacked_quantization_writes_the_same_bytes(family, tiny, tiny_nvfp4a16,
     assert files == sorted(p.name for p in out.iterdir())
     for name in files:
         assert (reference / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_the_output_records_how_it_was_made(tiny, tmp_path, capsys, monkeypatch):
+    """fp4kit_provenance.json and the model card, read back: version, scheme, method, the calibration file's hash
+    and the windows used, the command; the card's front matter (base_model from config.json's _name_or_path) and
+    its module groups; convert leaves the record out (another dialect), modelopt's files name fp4kit as producer."""
+    import hashlib
+    import shutil
+
+    import yaml
+
+    from fp4kit import __version__, cli
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny("qwen3_moe"), src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "_name_or_path": "acme/Tiny-MoE"}))
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text("".join(json.dumps({"input_ids": [(3 * i + s) % 256 for i in range(64)]}) + "\n"
+                             for s in range(6)))
+    dst = tmp_path / "Tiny-MoE-NVFP4"
+    argv = ["quantize", str(src), str(dst), "--scheme", "nvfp4", "--format", "modelopt", "--calib", str(calib),
+            "--samples", "4", "--seq-len", "64", "--method", "mse", "-q"]
+    cli._register_commands()
+    monkeypatch.setattr("sys.argv", ["fp4kit", *argv])  # the command line, as the console script sees it
+    assert cli.run(argv) == 0, capsys.readouterr().err
+
+    record = json.loads((dst / "fp4kit_provenance.json").read_text())
+    assert record["producer"] == {"name": "fp4kit", "version": __version__}
+    assert (record["base_model"], record["scheme"], record["dialect"], record["method"]) == (
+        "acme/Tiny-MoE", "nvfp4", "modelopt", "mse")
+    assert record["calibration"] == {
+        "data": str(calib), "samples": 4, "seq_len": 64, "tokens": 256,
+        "file_sha256": hashlib.sha256(calib.read_bytes()).hexdigest(),
+        "token_ids_sha256": record["calibration"]["token_ids_sha256"]}
+    assert record["options"]["samples"] == 4 and "device" not in record["options"]
+    assert record["command"] == " ".join(["fp4kit", "quantize", "SRC", "DST", *argv[3:]])
+
+    card = (dst / "README.md").read_text()
+    front, body = card.removeprefix("---\n").split("\n---\n", 1)
+    meta = yaml.safe_load(front)
+    assert meta["base_model"] == "acme/Tiny-MoE" and {"fp4kit", "nvfp4", "modelopt"} <= set(meta["tags"])
+    assert "| `model.layers.*.mlp.experts.*.gate_proj` | 16 | NVFP4 |" in body
+    assert "| `lm_head` | 1 | kept (source precision) |" in body
+    assert "| method | `mse` |" in body and f"4 samples x 64 tokens = 256 tokens of `{calib}`" in body
+    assert record["command"] in body and "vllm serve DST --quantization modelopt_fp4" in body
+    for name in ("hf_quant_config.json", "config.json"):
+        document = json.loads((dst / name).read_text())
+        producer = document["producer"] if name != "config.json" else document["quantization_config"]["producer"]
+        assert producer["name"] == "fp4kit"
+
+    assert cli.run(["convert", str(dst), str(tmp_path / "ct"), "--to", "compressed-tensors", "-q"]) == 0
+    assert not (tmp_path / "ct" / "fp4kit_provenance.json").exists()
+
+
+def test_base_model_of_a_hub_cache_snapshot(tmp_path):
+    from fp4kit.quantize.provenance import base_model
+
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-30B-A3B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    assert base_model(snapshot, {"_name_or_path": "/data/ckpt"}) == "Qwen/Qwen3-30B-A3B"
+    assert base_model(tmp_path, {"_name_or_path": "/data/ckpt"}) == tmp_path.name

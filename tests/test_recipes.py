@@ -4,6 +4,7 @@ names the key and where it was set, exit 2."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -55,6 +56,26 @@ def test_recipe_is_valid_and_documented(path):
     assert loaded.recipe.steps(), path
     header = path.read_text().splitlines()
     assert header[0].startswith("# ") and sum(line.startswith("#") for line in header) >= 5, "comment header"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_header_commands_parse_and_load(path):
+    """Each `--set ...` a recipe's header suggests is what `fp4kit run RECIPE --set ...` accepts, and the recipe
+    loads with it."""
+    import shlex
+
+    import typer
+
+    from fp4kit import cli
+
+    header = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    quoted = re.findall(r"`([^`]*)`", header.replace("\n# ", " "))
+    fragments = [f for f in quoted if f.startswith("--set") and "<" not in f]  # <placeholder>: a description
+    cli._register_commands()
+    run = typer.main.get_command(cli.app).commands["run"]
+    for fragment in fragments:
+        with run.make_context("run", [str(path), *shlex.split(fragment)]) as ctx:
+            load_recipe(path, ctx.params["set_"])
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
@@ -218,3 +239,17 @@ def test_set_values_are_yaml_and_steps_toggle(tmp_path):
     assert recipe.shard and recipe.shard.ep == 4
     assert recipe.verify and recipe.verify.tokens == [2, 8]
     assert recipe.name == "r"
+
+
+def test_pipelines_doc_lists_every_recipe_family_and_quantize_key():
+    """docs/pipelines.md: a row per recipe, every family the `family` key takes, every key of the quantize step."""
+    from fp4kit.families import FAMILIES
+    from fp4kit.pipeline.recipe import QuantizeStep
+
+    text = (Path(__file__).parents[1] / "docs" / "pipelines.md").read_text()
+    assert {p.name for p in RECIPES} <= set(re.findall(r"^\| `([\w.-]+\.yaml)` \|", text, re.MULTILINE))
+    family_row = next(line for line in text.splitlines() if line.startswith("| `family` |"))
+    names = FAMILIES if isinstance(FAMILIES, dict) else [f.name for f in FAMILIES]
+    assert all(f"`{name}`" in family_row for name in names), family_row
+    quantize = text[text.index("- `quantize` — "):text.index("- `repair` — ")]
+    assert all(f"`{key}`" in quantize for key in QuantizeStep.model_fields), quantize

@@ -166,8 +166,10 @@ def _spellings() -> set[str]:
 def test_nothing_spells_a_registered_name_elsewhere() -> None:
     from fp4kit.formats.detect import config_files
     from fp4kit.io.checkpoint import SKIP_FILES
+    from fp4kit.io.shard_io import is_side_file
 
     assert set(config_files()) <= SKIP_FILES
+    assert all(is_side_file(Path(name)) for name in config_files())  # layout and shard copy them
     words = _spellings()
     owners = {module.removeprefix("fp4kit.").replace(".", "/") + ".py"
               for module in (*registry.DIALECTS.values(), *registry.BACKENDS.values())}

@@ -13,6 +13,7 @@ with a recording weight loader, and run vLLM's own load_weights methods.
 from __future__ import annotations
 
 import json
+import types
 from types import SimpleNamespace
 
 import pytest
@@ -189,6 +190,14 @@ def test_vllm_parses_the_modelopt_configs(modelopt, family, scheme) -> None:
     config_json = json.loads((root / "config.json").read_text())["quantization_config"]
     # config.json's quantization_config picks the method (vLLM's config resolution calls this override)
     assert modelopt_config.ModelOptNvFp4Config.override_quantization_method(config_json, None) == "modelopt_fp4"
+    # the producer is fp4kit, not ModelOpt: vLLM's config resolution keeps config.json's quant_method (it reads
+    # producer.name only from an hf_quant_config.json that stands without one)
+    assert hf_quant["producer"]["name"] == config_json["producer"]["name"] == "fp4kit"
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
+
+    normalized = ModelArchConfigConvertorBase._normalize_quantization_config(
+        None, types.SimpleNamespace(quantization_config=dict(config_json)))  # type: ignore[arg-type]
+    assert normalized["quant_method"] == "modelopt"
     for source in (hf_quant, config_json):
         parsed = modelopt_config.ModelOptNvFp4Config.from_config(source)
         assert parsed.get_name() == "modelopt_fp4" and parsed.quant_method == algo

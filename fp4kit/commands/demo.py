@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import typer
 
@@ -11,7 +11,8 @@ Family = Literal["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4",
 
 
 def demo(
-    family: Annotated[Family, typer.Option(help="the model family of the demo model")] = "qwen3_moe",
+    family: Annotated[Family, typer.Option(
+        metavar="FAMILY", help=f"the model family of the demo model: {', '.join(get_args(Family))}")] = "qwen3_moe",
     keep: Annotated[Path | None, typer.Option(
         "--keep", "--workdir", help="keep the model, every step's output and the summary in this directory "
                                    "(default: a temporary directory, removed at the end)")] = None,

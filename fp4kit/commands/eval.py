@@ -32,17 +32,23 @@ def eval_command(
     decoder layer at a time (W4A4 checkpoints with their activations quantized as the kernels do)."""
     import torch
 
+    from fp4kit.errors import Fp4kitError
     from fp4kit.families import detect
     from fp4kit.io.checkpoint import read_config
     from fp4kit.progress import Reporter
     from fp4kit.quantize.calib_data import load_calibration
     from fp4kit.tools.evaluate import evaluate
 
+    if batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
+    if seq_len < 2:  # next-token statistics need a token after the first
+        raise Fp4kitError(f"--seq-len must be at least 2, got {seq_len}")
     config = read_config(src)
     text_config = detect(config).text_config(config)
     vocab_size = int(text_config.get("vocab_size") or config["vocab_size"])
     with Reporter("eval", quiet) as reporter:
-        token_ids = load_calibration(text, src, vocab_size, samples, seq_len, reporter.warn, default_samples=48)
+        token_ids = load_calibration(text, src, vocab_size, samples, seq_len, reporter.warn, default_samples=48,
+                                     purpose="eval text")
         batches = -(-token_ids.shape[0] // batch_size)
         reporter.phase("evaluating", None, "batches", f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, "
                        f"{batches} batches through each decoder layer of both models")

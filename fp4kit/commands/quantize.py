@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -87,7 +89,7 @@ def quantize(
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
         method=method or "rtn", cast_mxfp4=method is None, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens,
-        gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp,
+        gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp, command=command_line(src, dst),
     )
     # warnings even with -q (they say what an option did not do), on rank 0 only
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",
@@ -107,6 +109,13 @@ def quantize(
             f"{report.passthrough_tensors} tensors kept, {human_bytes(report.input_bytes)} -> "
             f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
         )
+
+
+def command_line(src: Path, dst: Path) -> str:
+    """This run's command line as the output records it, SRC and DST as those words: the record says what SRC was
+    (its base model), and the same command into any DST writes the same bytes."""
+    words = {src: "SRC", dst: "DST"}
+    return shlex.join(["fp4kit", *(words.get(Path(arg), arg) for arg in sys.argv[1:])])
 
 
 def register(app: typer.Typer) -> None:

@@ -104,6 +104,9 @@ class Dialect:
     # quantize records calibrated input divisors that this dialect's fp32 form cannot give back exactly
     # (fp4kit.formats.detect.EXACT_SCALES_KEY), so converting its output restores what quantizing writes
     records_exact_input_scales: bool = False
+    # the `--quantization` value the serving docs pass to vLLM and SGLang for this dialect (docs/serving.md); None:
+    # none passed (the engines read the method from config.json)
+    serve_quantization: str | None = None
 
     # --- reading ---
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:

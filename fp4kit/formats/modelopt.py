@@ -28,6 +28,7 @@ import re
 
 import torch
 
+from fp4kit import __version__
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.grammar import DEFAULT as FUSED_GRAMMAR
 from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_modules
@@ -39,7 +40,10 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 
 QUANT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4"}
 SCHEMES = {algo: scheme for scheme, algo in QUANT_ALGOS.items()}
-PRODUCER = {"name": "modelopt", "version": "0.47.0"}  # the export this layout was checked against
+# who wrote the file: fp4kit, not ModelOpt. vLLM reads `producer.name` only from an hf_quant_config.json that
+# config.json has no quantization_config beside (its ModelOpt 0.29 fallback); fp4kit writes both, and vLLM takes
+# config.json's, whose quant_method says modelopt (tests/test_vllm_loaders.py loads it)
+PRODUCER = {"name": "fp4kit", "version": __version__}
 DIVISOR_SEARCH_ULPS = 4
 SCALAR = ()  # ModelOpt stores per-tensor scales as 0-d tensors
 
@@ -296,6 +300,7 @@ class ModelOpt(Dialect):
     config_files = (HF_QUANT_CONFIG,)
     fused_experts = True
     records_exact_input_scales = True
+    serve_quantization = "modelopt_fp4"
 
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
         if files.get(HF_QUANT_CONFIG):

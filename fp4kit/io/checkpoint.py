@@ -17,7 +17,6 @@ import json
 import math
 import mmap
 import os
-import shutil
 import struct
 import threading
 from collections.abc import Iterable
@@ -325,17 +324,9 @@ class ShardWriter:
 SKIP_FILES = {INDEX_NAME, "config.json", "hf_quant_config.json"}
 
 
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy everything that is not a weight file or a file fp4kit rewrites (tokenizer, templates, processors)."""
-    copied = []
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if path.is_dir() or rel.parts[0].startswith(".") or path.name in SKIP_FILES:
-            continue
-        if path.name.endswith(WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
-            continue
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, target)
-        copied.append(str(rel))
-    return copied
+def copy_side_files(src: Path, dst: Path, skip: Iterable[str] = ()) -> list[str]:
+    """Copy SRC's side files (``fp4kit.io.shard_io.SIDE_FILES``: tokenizer, templates, processors, remote code,
+    licence) but the files fp4kit rewrites (``SKIP_FILES``) and those in ``skip``."""
+    from fp4kit.io.shard_io import copy_side_files as copy_named
+
+    return copy_named(src, dst, skip=SKIP_FILES | set(skip))

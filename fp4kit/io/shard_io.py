@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Collection
 from pathlib import Path
 
 from fp4kit.errors import Fp4kitError
@@ -73,18 +74,41 @@ class ShardLayout:
         return {name: file for name, (file, _) in self.slots.items()}
 
 
+# The files of a model directory besides its weights and index that engines and the Hugging Face Hub use, as
+# published model repositories hold them: configs (`*_config.json`: generation, tokenizer, processors, a dialect's
+# own beside config.json), tokenizers (sentencepiece, BPE, tiktoken), chat templates,
+# processors of multimodal models, remote code (`*.py`: its config names it, engines run it only when trusted),
+# licence terms (a redistributed model keeps them) and fp4kit's own records. Anything else in SRC
+# (training logs, calibration or evaluation data, notebooks, images) is not the model's and is not copied.
+SIDE_FILES = (
+    "config.json", "*_config.json",
+    "tokenizer.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt",
+    "merges.txt", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken", "tiktoken.model",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja",
+    "*.py",
+    "LICENSE", "LICENSE.*", "LICENSE-*", "NOTICE", "NOTICE.*", "USE_POLICY.md",
+    "fp4kit_*.json",
+)
+
+
+def is_side_file(rel: Path) -> bool:
+    """Whether ``rel`` (a path relative to a model directory) is one of ``SIDE_FILES``."""
+    return any(rel.match(pattern) and len(rel.parts) == len(Path(pattern).parts) for pattern in SIDE_FILES)
+
+
+def side_files(src: Path, skip: Collection[str] = ()) -> list[Path]:
+    """SRC's side files (``SIDE_FILES``) but those named in ``skip``, as paths relative to SRC, sorted."""
+    found = [path.relative_to(src) for path in src.rglob("*") if path.is_file()]  # a Hub cache's links count
+    return sorted(rel for rel in found if is_side_file(rel) and str(rel) not in skip)
+
+
 def copy_side_files(src: Path, dst: Path, skip: set[str]) -> list[str]:
-    """config.json, hf_quant_config.json and everything else that is not a weight file, an index or named in
-    ``skip`` (tokenizer, templates, processors), byte for byte; returns their paths relative to ``dst``."""
+    """config.json, hf_quant_config.json and the other side files of SRC (``SIDE_FILES``) but those named in
+    ``skip``, byte for byte; returns their paths relative to ``dst``."""
     copied = []
-    for path in sorted(src.rglob("*")):
-        rel = path.relative_to(src)
-        if path.is_dir() or rel.parts[0].startswith(".") or str(rel) in skip:
-            continue
-        if path.name == INDEX_NAME or path.name.endswith(WEIGHT_SUFFIXES) or path.name.endswith(".index.json"):
-            continue
+    for rel in side_files(src, skip):
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, dst / rel)
+        shutil.copy2(src / rel, dst / rel)
         copied.append(str(rel))
     return copied
 

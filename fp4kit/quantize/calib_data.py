@@ -33,8 +33,10 @@ Document = tuple[str, "str | list[int]"]
 
 
 def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int | None, seq_len: int,
-                     warn: Callable[[str], None] | None = None, default_samples: int = 256) -> torch.Tensor:
-    """int64 [S, seq_len] token ids, S = min(samples, whole windows available); errors raise Fp4kitError.
+                     warn: Callable[[str], None] | None = None, default_samples: int = 256,
+                     purpose: str = "calibration") -> torch.Tensor:
+    """int64 [S, seq_len] token ids, S = min(samples, whole windows available); errors raise Fp4kitError, naming
+    the file as a ``purpose`` file ("calibration"; "eval text" for `fp4kit eval --text`).
     ``samples`` None (not asked for): ``default_samples``. ``warn(text)`` hears when fewer than the samples are
     available, and how many are used, except when the packaged set (``path`` None) holds fewer than the default: it is
     a small offline set by design, and the count used is reported anyway."""
@@ -48,10 +50,10 @@ def load_calibration(path: Path | None, src: Path, vocab_size: int, samples: int
         label = f"the default calibration set ({DEFAULT_SET})"
     else:
         path = Path(path)
-        documents = list(_documents(path))  # the whole file is checked before any tokenizing
+        documents = list(_documents(path, purpose))  # the whole file is checked before any tokenizing
         label = str(path)
     if not documents:
-        raise Fp4kitError(f"{label}: no calibration samples (the file is empty)")
+        raise Fp4kitError(f"{label}: no {purpose} samples (the file is empty)")
     for origin, content in documents:
         if not isinstance(content, str):
             _check_vocab(origin, content, vocab_size)
@@ -82,16 +84,16 @@ def _check_vocab(origin: str, ids: list[int], vocab_size: int) -> None:
         raise Fp4kitError(f"{origin}: token id {bad} is outside the model's vocabulary (vocab_size {vocab_size})")
 
 
-def _documents(path: Path) -> Iterator[Document]:
+def _documents(path: Path, purpose: str) -> Iterator[Document]:
     if not path.exists():
-        raise Fp4kitError(f"{path}: calibration file not found")
+        raise Fp4kitError(f"{path}: {purpose} file not found")
     if not path.is_file():
-        raise Fp4kitError(f"{path}: calibration file is not a regular file")
+        raise Fp4kitError(f"{path}: {purpose} file is not a regular file")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _parquet_documents(path)
     if suffix not in FORMATS:
-        raise Fp4kitError(f"{path}: unknown calibration file type {suffix or '(none)'}; use {', '.join(FORMATS)}")
+        raise Fp4kitError(f"{path}: unknown {purpose} file type {suffix or '(none)'}; use {', '.join(FORMATS)}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

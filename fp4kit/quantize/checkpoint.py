@@ -77,6 +77,7 @@ class QuantizeOptions:
     cast_mxfp4: bool = True
     # an MTP block outside the decoder layers (Qwen hybrids): keep (as published) or quantize its routed experts
     mtp: str = "keep"
+    command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
 @dataclass
@@ -137,6 +138,8 @@ def _validate(options: QuantizeOptions) -> None:
     if options.mtp == "quantize" and options.scheme == "nvfp4":
         raise Fp4kitError("--mtp quantize: no calibration forward reaches the MTP block, so its experts get no "
                           "activation scales; quantize them weight-only (--scheme nvfp4a16)")
+    if options.batch_size < 1:
+        raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
     if options.gptq_scales not in ("mse", "rtn"):
@@ -476,10 +479,12 @@ def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
 
 
 def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, options: QuantizeOptions,
-                      routing_counts: dict[int, list[int]], calibration: dict,
+                      routing_counts: dict[int, list[int]], calibration: dict, token_ids: torch.Tensor | None,
                       cast_counts: dict[str, int] | None = None) -> None:
     """Everything but the weights: configs, SRC's tokenizer and the like, routing statistics, the MXFP4 cast's
-    block counts."""
+    block counts, the provenance record and the model card."""
+    from fp4kit.quantize.provenance import calibration_record, write_provenance
+
     fmt = _format_module(options)
     for name, document in fmt.side_configs(options.scheme, plan.ignored_modules).items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
@@ -492,6 +497,8 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
                     "exact_blocks": cast_counts.get("exact", 0),
                     "requantized_blocks": cast_counts.get("requantized", 0)}
         (work / MXFP4_CAST_NAME).write_text(json.dumps(document, indent=2) + "\n")
+    write_provenance(work, src, plan, options, calibration_record(calibration, options.calib, token_ids),
+                     options.command)
 
 
 def quantize_checkpoint(
@@ -579,7 +586,8 @@ def _quantize_checkpoint(
         writer.finish()
         ranks.sync()  # every rank's tensors are in place
         if ranks.main:
-            _write_side_files(work, src, config, plan, options, routing_counts, calibration, batcher.cast_counts)
+            _write_side_files(work, src, config, plan, options, routing_counts, calibration, token_ids,
+                              batcher.cast_counts)
     return QuantizeReport(
         family=plan.family.name,
         quantized_linears=sum(len(g.members) for g in plan.groups),

@@ -37,6 +37,7 @@ from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.io.output import atomic_directory
 from fp4kit.io.streaming import prefetched
 from fp4kit.nvfp4 import NVFP4Tensor
+from fp4kit.quantize.provenance import PROVENANCE_NAME
 from fp4kit.registry import DIALECT_NAMES, dialect
 from fp4kit.tools import dense
 from fp4kit.tools.convert_report import ConvertReport
@@ -231,7 +232,7 @@ def convert_checkpoint(
             for name, document in target.side_configs(ckpt.scheme, ignore).items():
                 (work / name).write_text(json.dumps(document, indent=4) + "\n")
             (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            copy_side_files(src, work)
+            copy_side_files(src, work, skip={PROVENANCE_NAME})  # it describes SRC's dialect
     return ConvertReport(
         source_dialect=ckpt.dialect, target_dialect=to, scheme=ckpt.scheme,
         family=ckpt.family.name if ckpt.family else "unknown", quantized_modules=len(ckpt.modules),

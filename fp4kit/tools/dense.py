@@ -26,6 +26,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpo
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, TensorInfo, copy_side_files
 from fp4kit.io.output import atomic_directory, check_destination
 from fp4kit.layouts.directory import MoELayer, find_moe_layers
+from fp4kit.quantize.provenance import PROVENANCE_NAME
 from fp4kit.tools.convert_report import ConvertReport
 
 TARGET = "bf16"
@@ -123,7 +124,7 @@ def dequantize_checkpoint(
             config = dict(ckpt.config)
             config.pop("quantization_config", None)
             (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            copy_side_files(src, work)
+            copy_side_files(src, work, skip={PROVENANCE_NAME})  # it describes SRC's dialect
     return ConvertReport(
         source_dialect=ckpt.dialect, target_dialect=TARGET, scheme=ckpt.scheme,
         family=ckpt.family.name if ckpt.family else "unknown", quantized_modules=len(ckpt.modules),

@@ -1,0 +1,133 @@
+"""How a checkpoint was made, in the checkpoint: ``fp4kit_provenance.json`` (fp4kit's version, the options, the
+calibration data and its hashes, the command) and a model card ``README.md`` (Hugging Face front matter with
+``base_model``, the precision of each module group, the method and data, the command, how to serve it).
+
+Both are written by `fp4kit quantize`; layout and shard carry the record along (same weights), convert leaves it
+out (another dialect: the record would no longer describe the directory). No timestamps or host names: the same
+command on the same input writes the same bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from fp4kit.quantize.plan import ModelPlan
+
+PROVENANCE_NAME = "fp4kit_provenance.json"
+CARD_NAME = "README.md"
+FORMAT = "fp4kit.provenance/1"
+SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16": "NVFP4A16 (FP4 weights, BF16 "
+                 "activations)"}
+# options that change where and how fast the work runs, not the bytes
+NOT_RECORDED = ("device", "native_cpu", "overwrite", "command")
+SERVE = ["vllm serve DST", "python -m sglang.launch_server --model-path DST"]  # docs/serving.md
+
+
+def base_model(src: Path, config: dict) -> str:
+    """The Hub id SRC came from: a Hugging Face cache path (``models--org--name/snapshots/<rev>``), config.json's
+    ``_name_or_path`` when it is an id (``org/name``), else SRC's directory name."""
+    for part in Path(src).resolve().parts:
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    name = str(config.get("_name_or_path") or "")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", name):
+        return name
+    return Path(src).resolve().name
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def calibration_record(calibration: dict, calib: Path | None, token_ids: torch.Tensor | None) -> dict:
+    """The calibration record of the report, with the hashes that pin it: the file's bytes and the token ids used."""
+    if not calibration:
+        return {}
+    record = dict(calibration)
+    if calib is not None:
+        record["file_sha256"] = sha256_file(Path(calib))
+    if token_ids is not None:
+        ids = token_ids.to(torch.int64).contiguous().numpy().tobytes()
+        record["token_ids_sha256"] = hashlib.sha256(ids).hexdigest()
+    return record
+
+
+def module_groups(plan: ModelPlan) -> list[tuple[str, int, str]]:
+    """(module name pattern with layer and expert numbers as ``*``, count, precision), quantized groups first."""
+    def pattern(module: str) -> str:
+        return re.sub(r"\.\d+(?=\.|$)", ".*", module)
+
+    quantized = Counter(pattern(m.linear.module) for group in plan.groups for m in group.members)
+    kept = Counter(pattern(module) for module in plan.ignored_modules)
+    return ([(p, n, "NVFP4") for p, n in sorted(quantized.items())]
+            + [(p, n, "kept (source precision)") for p, n in sorted(kept.items())])
+
+
+def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, command: str | None) -> dict:
+    from fp4kit import __version__
+
+    settings = {key: (str(value) if isinstance(value, Path) else value)
+                for key, value in dataclasses.asdict(options).items() if key not in NOT_RECORDED}
+    return {
+        "format": FORMAT,
+        "producer": {"name": "fp4kit", "version": __version__},
+        "base_model": base_model(src, plan.config),
+        "family": plan.family.name,
+        "scheme": settings["scheme"],
+        "dialect": settings["format"],
+        "method": settings["method"],
+        "calibration": calibration or None,
+        "options": settings,
+        "command": command,
+    }
+
+
+def serving_lines(dialect: str) -> list[str]:
+    from fp4kit.registry import dialect as registered_dialect
+
+    flag = registered_dialect(dialect).serve_quantization
+    return [f"{line} --quantization {flag}" if flag else line for line in SERVE]
+
+
+def model_card(record: dict, plan: ModelPlan) -> str:
+    """The card's text; like the record, it does not depend on DST's name (the same input, the same bytes)."""
+    scheme, dialect, method = record["scheme"], record["dialect"], record["method"]
+    calibration = record["calibration"]
+    tags = ["fp4kit", "nvfp4", dialect, "moe", "quantized", "fp4"]
+    lines = ["---", f"base_model: {record['base_model']}", "tags:", *[f"- {tag}" for tag in tags], "---", "",
+             f"# {record['base_model']}, {scheme} ({dialect})", "",
+             f"{record['base_model']} ({record['family']}) quantized to {SCHEME_TITLES.get(scheme, scheme)} by "
+             f"fp4kit {record['producer']['version']}, in the {dialect} format.", "",
+             "| | |", "|---|---|", f"| scheme | `{scheme}` |", f"| format | {dialect} |", f"| method | `{method}` |"]
+    if calibration:
+        data = (f"{calibration['samples']} samples x {calibration['seq_len']} tokens = {calibration['tokens']} tokens "
+                f"of `{calibration['data']}`")
+        lines.append(f"| calibration | {data} |")
+    else:
+        lines.append("| calibration | none (the weights alone) |")
+    lines += ["", "## Precision by module group", "", "| modules | count | precision |", "|---|---|---|"]
+    lines += [f"| `{pattern}` | {count} | {precision} |" for pattern, count, precision in module_groups(plan)]
+    lines += ["", "## How it was made", ""]
+    if record["command"]:
+        lines += ["```bash", record["command"], "```", ""]
+    lines += [f"Every option and the calibration data's hashes: `{PROVENANCE_NAME}`.", "", "## Serving", "",
+              "DST is this directory, or its Hub id once uploaded.", "",
+              "```bash", *serving_lines(dialect), "```", ""]
+    return "\n".join(lines)
+
+
+def write_provenance(work: Path, src: Path, plan: ModelPlan, options: object, calibration: dict,
+                     command: str | None) -> None:
+    record = provenance(src, plan, options, calibration, command)
+    (work / PROVENANCE_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    (work / CARD_NAME).write_text(model_card(record, plan))
