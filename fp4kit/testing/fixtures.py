@@ -96,7 +96,23 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
         if name in ("glm4_moe", "deepseek_v3") or name in MLA_FIXTURES:
             tensors.update(_glm_mtp_layer(tensors, model.config, seed))
         save_file(tensors, single, metadata={"format": "pt"})
+    if name == "minimax_m2":
+        _minimax_correction_bias(path / "model.safetensors", seed)
     return path
+
+
+def _minimax_correction_bias(single: Path, seed: int) -> None:
+    """MiniMax-M2's `block_sparse_moe.e_score_correction_bias` is a buffer (zeros in a fresh model) that selects
+    experts: give it seeded values so that routing depends on it, in fp32 as transformers holds it and vLLM's
+    MiniMaxM2MoE loads it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(single)
+    generator = torch.Generator().manual_seed(seed + 2)
+    for tname, t in tensors.items():
+        if tname.endswith("e_score_correction_bias"):
+            tensors[tname] = 0.05 * torch.randn(t.shape, generator=generator)
+    save_file(tensors, single, metadata={"format": "pt"})
 
 
 def _linear_modules(tensors: dict[str, torch.Tensor]):
