@@ -9,6 +9,7 @@ from fp4kit.families import (
     glm4v_moe,
     glm_moe_dsa,
     llama4,
+    minimax_m2,
     qwen3_moe,
     qwen3_vl_moe,
 )
@@ -19,6 +20,7 @@ FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, gl
                                  glm4_moe_lite.FAMILY,
                                  deepseek_v32.FAMILY,
                                  glm_moe_dsa.FAMILY,
+                                 minimax_m2.FAMILY,
                                  )
 
 

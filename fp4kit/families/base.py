@@ -266,15 +266,21 @@ def shared_expert_modules(experts: str, grammar: ExpertGrammar = DEFAULT) -> lis
     return grammar.shared_expert_modules(experts)
 
 
-def _sibling_set(leaf: str) -> int | None:
-    return next((i for i, members in enumerate(FUSED_SIBLINGS) if leaf in members), None)
+def _siblings(grammar: ExpertGrammar) -> tuple[tuple[str, ...], ...]:
+    """FUSED_SIBLINGS, plus the grammar's expert gate/up where they are not gate_proj / up_proj (MiniMax's w1 / w3;
+    its dense MLPs, if it had any, would still be gate_proj / up_proj)."""
+    return FUSED_SIBLINGS if grammar.w13 == DEFAULT.w13 else (*FUSED_SIBLINGS, grammar.w13)
 
 
-def weight_scale_group(module: str) -> str:
+def _sibling_set(leaf: str, grammar: ExpertGrammar = DEFAULT) -> int | None:
+    return next((i for i, members in enumerate(_siblings(grammar)) if leaf in members), None)
+
+
+def weight_scale_group(module: str, grammar: ExpertGrammar = DEFAULT) -> str:
     """Modules whose weights a kernel fuses share this key, and must share one weight global scale: q/k/v of one
     attention, gate/up of one MLP or expert; any other module is a group of its own."""
     parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
-    sibling = _sibling_set(leaf)
+    sibling = _sibling_set(leaf, grammar)
     return module if sibling is None else f"{parent}#{sibling}"
 
 
@@ -283,7 +289,7 @@ def input_scale_group(module: str, grammar: ExpertGrammar = DEFAULT) -> str:
     or w2: the kernels quantize the hidden states once for every expert, and EP then needs no all-reduce), and the
     fused groups of ``weight_scale_group``."""
     expert = expert_module(module, grammar)
-    return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module)
+    return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module, grammar)
 
 
 def layer_of(name: str) -> int | None:
@@ -344,13 +350,13 @@ def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int,
     return found
 
 
-def fused_groups(selected: list[Candidate]) -> list[list[Candidate]]:
+def fused_groups(selected: list[Candidate], grammar: ExpertGrammar = DEFAULT) -> list[list[Candidate]]:
     """Group q/k/v and gate/up siblings (those selected, by ``weight_scale_group``) so they share a global scale,
     each group in its sibling order; others stand alone."""
     by_group: dict[str, list[Candidate]] = {}
     groups: list[list[Candidate]] = []
     for cand in selected:
-        key = weight_scale_group(cand.linear.module)
+        key = weight_scale_group(cand.linear.module, grammar)
         if key == cand.linear.module:
             groups.append([cand])
             continue
@@ -358,7 +364,7 @@ def fused_groups(selected: list[Candidate]) -> list[list[Candidate]]:
             by_group[key] = []
             groups.append(by_group[key])
         by_group[key].append(cand)
-    order = {name: i for names in FUSED_SIBLINGS for i, name in enumerate(names)}
+    order = {name: i for names in _siblings(grammar) for i, name in enumerate(names)}
     for group in groups:
         group.sort(key=lambda c: order.get(c.linear.module.rsplit(".", 1)[-1], 0))
     return groups

@@ -31,6 +31,20 @@ class MoEModules:
     experts_attribute = "experts"  # the experts module under the MoE block
     bmm = False  # experts held [E, K, N] (x @ W) rather than [E, N, K]
 
+    def __init__(self, renames: tuple[tuple[str, str], ...] = ()) -> None:
+        # (transformers' module name, the checkpoint's) under a decoder layer where the two differ: transformers'
+        # conversion mapping renames them on load (MiniMax-M2's block_sparse_moe is its mlp)
+        self.renames = renames
+
+    def checkpoint_name(self, key: str) -> str:
+        """The checkpoint's name (relative to the decoder layer) of a module or state-dict key of transformers'
+        decoder layer."""
+        return _rename(key, self.renames)
+
+    def module_name(self, name: str) -> str:
+        """transformers' name of a checkpoint module or tensor name relative to the decoder layer."""
+        return _rename(name, tuple((disk, module) for module, disk in self.renames))
+
     def experts(self, block: nn.Module) -> nn.Module | None:
         """The routed experts module of a MoE block, None for any other module."""
         experts = getattr(block, self.experts_attribute, None)
@@ -127,6 +141,13 @@ class BmmExperts(MoEModules):
             return torch.stack(outs).view(-1, hidden_states.shape[-1])
 
         return forward
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if name == old or name.startswith(f"{old}."):
+            return new + name[len(old):]
+    return name
 
 
 FUSED_EXPERTS = MoEModules()

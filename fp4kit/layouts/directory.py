@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import EXPERT_PROJS, group_experts, layer_of
+from fp4kit.families.base import group_experts, layer_of
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files, open_checkpoint
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.io.output import atomic_directory
@@ -100,8 +100,9 @@ class LayoutReport:
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
-    grouped = group_experts(((module.name, module) for module in ckpt.modules), ckpt.grammar)
-    layers = [_moe_layer(experts, found) for experts, found in grouped.items()]
+    grammar = ckpt.grammar
+    grouped = group_experts(((module.name, module) for module in ckpt.modules), grammar)
+    layers = [_moe_layer(experts, found, grammar.projections) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
         if seen.setdefault(layer.layer, layer.experts) != layer.experts:
@@ -116,7 +117,7 @@ def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     return sorted(layers, key=lambda lay: lay.layer)
 
 
-def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]]) -> MoELayer:
+def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], projections: tuple[str, str, str]) -> MoELayer:
     layer = layer_of(experts + ".")
     if layer is None:
         raise Fp4kitError(f"{experts}: routed experts outside a `layers.N` module")
@@ -125,11 +126,11 @@ def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]]) -> MoELay
         raise Fp4kitError(f"{experts}: expert {missing[0]} is not an NVFP4 module (experts must be 0..E-1)")
     members = []
     for e in sorted(found):
-        lacking = [p for p in EXPERT_PROJS if p not in found[e]]
+        lacking = [p for p in projections if p not in found[e]]
         if lacking:
             raise Fp4kitError(f"{experts}.{e}: {lacking[0]} is not NVFP4-quantized; every expert needs gate, up "
                               f"and down in NVFP4")
-        members.append(tuple(found[e][p] for p in EXPERT_PROJS))
+        members.append(tuple(found[e][p] for p in projections))
     gate = members[0][0]
     hidden, intermediate = gate.in_features, gate.out_features
     expected = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))

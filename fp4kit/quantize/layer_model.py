@@ -135,7 +135,7 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str, d
     stacked on ``device``, the rest where the reader puts them)."""
     state: dict[str, torch.Tensor] = {}
     for key, expected in layer.state_dict().items():
-        name = prefix + key
+        name = prefix + text.moe.checkpoint_name(key)
         parts = text.moe.stacked_parts(key, text.grammar)
         if name in reader:
             tensor = reader.read(name)

@@ -129,7 +129,7 @@ def build_plan(
         dtype = reader.info(c.linear.source.tensor).dtype
         if not dtype.is_floating_point or dtype.itemsize == 1:
             raise Fp4kitError(f"{c.linear.source.tensor}: dtype {dtype} cannot be quantized (already quantized?)")
-    grouped = fused_groups(chosen)
+    grouped = fused_groups(chosen, family.grammar)
     if modelopt_layout and family.modelopt_fused_experts:
         grouped = _merge_fused_experts(grouped)
     groups = [QuantGroup(g) for g in grouped]

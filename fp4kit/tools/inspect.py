@@ -29,6 +29,7 @@ import numpy
 import torch
 
 from fp4kit.families.base import ROUTER_RE, expert_module, layer_of, weight_scale_group
+from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layouts import marlin
 from fp4kit.registry import BACKEND_NAMES, backends
@@ -147,10 +148,11 @@ def _marlin_zeroed(histograms: dict[str, numpy.ndarray]) -> dict[str, int]:
     return zeroed
 
 
-def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding]) -> None:
+def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding],
+                  grammar: ExpertGrammar) -> None:
     groups: dict[str, list[str]] = {}
     for name in scales:
-        if (group := weight_scale_group(name)) != name:  # q/k/v or gate/up siblings
+        if (group := weight_scale_group(name, grammar)) != name:  # q/k/v or gate/up siblings
             groups.setdefault(group, []).append(name)
     for group, members in groups.items():
         if len(members) < 2:
@@ -167,7 +169,7 @@ def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[
 
     spread: dict[tuple[str, str], list[float]] = {}
     for name, (_, input_div) in scales.items():
-        expert = expert_module(name)
+        expert = expert_module(name, grammar)
         if expert and input_div is not None:
             spread.setdefault((expert.experts, expert.proj), []).append(input_div)
     for (experts, proj), values in spread.items():
@@ -276,7 +278,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                 histograms[key] = histograms[key] + counts if key in histograms else counts
         if progress:
             progress(len(ckpt.modules), len(ckpt.modules))
-        _group_checks(scales, problems)
+        _group_checks(scales, problems, ckpt.grammar)
         if engine == "vllm":
             vllm_checks(ckpt, scales, lambda check, module, detail: problems.append(
                 Finding(check, module, detail, source=SOURCES[check])))
