@@ -21,6 +21,7 @@ FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "lla
             "glm4_moe_lite",
             "deepseek_v32",
             "glm_moe_dsa",
+            "minimax_m2",
             )
 # MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32:
 # the GLM router as GLM-4.5's files (not checked against GLM-4.7-Flash's or GLM-5's), DeepSeek-V3.2's indexer k_norm
@@ -46,6 +47,7 @@ RECIPE_STAND_INS = {
     "glm4_moe_lite": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "deepseek_v32": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "glm_moe_dsa": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
+    "minimax_m2": {"intermediate_size": 64, "num_local_experts": 8},
 }
 
 
