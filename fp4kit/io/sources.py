@@ -682,9 +682,10 @@ def model_dtype(config: dict) -> torch.dtype:
 # --- writing sources (fixtures, benchmarks) -------------------------------------------------------------------
 
 FP8_MAX = 448.0
-# Linears the published FP8 sources keep in bf16: lm_head and the routers (DeepSeek-V3's files, Qwen3's), and
-# DeepSeek-V3.2's indexer head weights (its files store indexer.weights_proj bf16 beside FP8 wq_b and wk)
-KEPT_BY_FP8_SOURCES = re.compile(r"(^|\.)lm_head$|mlp\.gate$|shared_expert_gate$|(embed|norm)[^.]*$"
+# Linears the published FP8 sources keep in bf16: lm_head and the routers (DeepSeek-V3's files, Qwen3's; MiniMax-M2's
+# `block_sparse_moe.gate`, its config's modules_to_not_convert "gate"), and DeepSeek-V3.2's indexer head weights (its
+# files store indexer.weights_proj bf16 beside FP8 wq_b and wk)
+KEPT_BY_FP8_SOURCES = re.compile(r"(^|\.)lm_head$|(mlp|block_sparse_moe)\.gate$|shared_expert_gate$|(embed|norm)[^.]*$"
                                  r"|indexer\.weights_proj$")
 
 
