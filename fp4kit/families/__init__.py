@@ -8,6 +8,7 @@ from fp4kit.families import (
     glm4_moe_lite,
     glm4v_moe,
     glm_moe_dsa,
+    gpt_oss,
     llama4,
     minimax_m2,
     qwen3_moe,
@@ -21,6 +22,7 @@ FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, gl
                                  deepseek_v32.FAMILY,
                                  glm_moe_dsa.FAMILY,
                                  minimax_m2.FAMILY,
+                                 gpt_oss.FAMILY,
                                  )
 
 

@@ -11,13 +11,12 @@ first, then up rows: the order fp4kit stores w13 in, whatever the family's check
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING, Literal
 
 from fp4kit.errors import Fp4kitError
+
+if TYPE_CHECKING:  # torch-free to import: families are read by torch-free commands
+    from torch import Tensor
 
 ActivationKind = Literal["silu", "swiglu_oai"]
 _KINDS = ("silu", "swiglu_oai")
@@ -37,6 +36,9 @@ class ExpertActivation:
 
     def __call__(self, gate: Tensor, up: Tensor) -> Tensor:
         """fp32 intermediate from fp32 gate and up halves."""
+        import torch
+        import torch.nn.functional as F
+
         if self.kind == "silu":
             return F.silu(gate) * up
         gate = gate.clamp(max=self.limit)

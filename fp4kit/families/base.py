@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.activation import SILU, ExpertActivation
 from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 
 if TYPE_CHECKING:
@@ -65,10 +66,24 @@ class Family:
     hf_fused_experts: bool = False
     # the names of the family's MoE block on disk (experts, projections, fused tensors, router, shared expert)
     grammar: ExpertGrammar = DEFAULT
+    # the routed experts' activation between their GEMMs (SwiGLU but for gpt-oss) and whether they carry biases
+    activation: Callable[[dict], ExpertActivation] = field(default=lambda tc: SILU)
+    expert_biases: bool = False
     # how transformers' classes of the family hold and run its MoE block (fp4kit.families.moe_modules, torch)
     moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """The experts are w2 · (silu(w1 x) * (w3 x)) with no biases: what calibration and verify compute today."""
+        return not self.expert_biases and self.activation({}).kind == "silu"
+
+    def require_plain_swiglu(self, what: str) -> None:
+        if not self.plain_swiglu:
+            raise Fp4kitError(f"{what} is not implemented for {self.name}'s experts (biases and "
+                              f"{self.activation({}).kind}); quantize data-free (--scheme nvfp4a16, --method rtn or "
+                              f"mse) and check with fp4kit inspect")
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]
@@ -161,6 +176,7 @@ class SourceRef:
     span: tuple[int, int] | None = None  # range of output features (gate or up) inside the fused matrix
     transposed: bool = False  # the expert's matrix is stored [K, N] rather than [N, K]
     quantized: QuantizedLinear | None = None  # the source stores it quantized (FP8 block, packed INT): dequantize
+    step: int = 1  # every step-th feature of the span (gpt-oss interleaves gate and up)
 
 
 @dataclass(frozen=True)
@@ -327,7 +343,7 @@ def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int,
     gate_up = leaf == grammar.fused_gate_up
     if gate_up:
         out_features, in_features = inter, hidden
-        parts = [(grammar.gate, (0, inter)), (grammar.up, (inter, 2 * inter))]
+        parts = [(p, grammar.gate_up_rows(p, inter)) for p in grammar.w13]
     else:
         out_features, in_features = hidden, inter
         parts = [(grammar.down, None)]
@@ -344,8 +360,10 @@ def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int,
     found = []
     for e in range(shape[0]):
         parent = f"{experts_path}.{e}"
-        for proj, span in parts:
-            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, span, transposed), out_features, in_features)
+        for proj, rows in parts:
+            span, step = (None, 1) if rows is None else (rows[:2], rows[2])
+            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, span, transposed, step=step), out_features,
+                            in_features)
             found.append(Candidate(linear, layer_of(name), e, parent))
     return found
 

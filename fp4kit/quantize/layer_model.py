@@ -108,6 +108,7 @@ def text_model(reader: CheckpointReader, config: dict, family: Family, dtype: to
     but its embeddings (from ``reader``, in ``dtype``) and rotary embedding; ``root`` names it in messages."""
     import transformers
 
+    family.require_plain_swiglu("running its decoder layers through transformers (calibration, eval)")
     text_config = hf_config(config).get_text_config()
     embed_names = [n for n in reader.names() if n.endswith("embed_tokens.weight") and "layers." not in n]
     if len(embed_names) != 1:

@@ -291,6 +291,6 @@ def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torc
             rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1, check_finite=False)[0]
         matrix = rows[key].t() if src.transposed else rows[key]  # [N_total, K]
         if src.span is not None:
-            matrix = matrix[src.span[0] : src.span[1]]
+            matrix = matrix[src.span[0] : src.span[1] : src.step]
         weights.append(matrix.contiguous())
     return weights

@@ -95,6 +95,7 @@ class SourceMoe:
 
 def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
     family = detect(config)
+    family.require_plain_swiglu("fp4kit verify")
     return family, family.routing(family.text_config(config))
 
 
