@@ -1,17 +1,25 @@
 """gpt-oss from BF16 on its tiny fixture (transformers' GptOssForCausalLM saved as is: fused, K-major, interleaved
 gate/up experts with biases): data-free quantization in both dialects with rtn and mse, inspect clean, every other
 source tensor kept byte for byte, gate and up de-interleaved (the dense conversion loads back into transformers with
-the source's layout), and one-line refusals where fp4kit does not compute gpt-oss's experts yet."""
+the source's layout), verify with gpt-oss's activation and biases (reference, Triton under the interpreter, EP
+shards, NaN router rows), and one-line refusals where fp4kit does not compute gpt-oss's experts yet (the
+layer-streaming model: calibration, eval; W4A4 verify)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from _verify_sources import run_cli
-from safetensors.torch import load_file
 
-from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
-from fp4kit.tools.inspect import inspect_checkpoint
+if not torch.cuda.is_available():  # before anything imports fp4kit's Triton kernels
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from _verify_sources import run_cli  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from fp4kit.quantize import QuantizeOptions, quantize_checkpoint  # noqa: E402
+from fp4kit.tools.inspect import inspect_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -69,17 +77,51 @@ def test_gate_and_up_are_de_interleaved(tiny, tmp_path, monkeypatch, capsys) -> 
         assert float((got - expected).norm() / expected.norm()) < 0.15  # one NVFP4 rounding of random weights
 
 
+def test_verify_computes_gpt_oss_experts(tiny, tmp_path, monkeypatch, capsys) -> None:
+    src, out = tiny("gpt_oss"), tmp_path / "out"
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4a16"))
+    code, _, err = run_cli(monkeypatch, capsys, "shard", out, tmp_path / "ep", "--ep", "2")
+    assert code == 0, err
+    code, stdout, err = run_cli(monkeypatch, capsys, "verify", out, "--source", src, "--ep-shards", tmp_path / "ep",
+                                "--tokens", "1,16", "--backend", "triton", "--device", "cpu")
+    assert code == 0, stdout + err
+    for check in ("kernel", "source-expert", "routing", "ep-sum"):
+        assert check in stdout
+
+
+def test_verify_sees_a_wrong_gate_up_order(tiny, tmp_path, monkeypatch, capsys) -> None:
+    """The negative control: the source with gate and up read contiguously (not interleaved) fails verify."""
+    from safetensors.torch import save_file
+
+    src, out, wrong = tiny("gpt_oss"), tmp_path / "out", tmp_path / "wrong"
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4a16"))
+    wrong.mkdir()
+    for side in src.iterdir():
+        if side.suffix != ".safetensors":
+            (wrong / side.name).write_bytes(side.read_bytes())
+    tensors = _tensors(src)
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+        t = tensors[name]
+        tensors[name] = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1).contiguous()  # interleaving undone
+    save_file(tensors, wrong / "model.safetensors", metadata={"format": "pt"})
+    code, stdout, _ = run_cli(monkeypatch, capsys, "verify", out, "--source", wrong, "--tokens", "16",
+                              "--backend", "reference", "--device", "cpu")
+    assert code == 1 and "FAIL" in stdout
+
+
 @pytest.mark.parametrize("args", [("quantize", "--scheme", "nvfp4"), ("quantize", "--method", "gptq"),
-                                  ("verify",)])
+                                  ("eval",), ("verify", "--mode", "w4a4")])
 def test_what_is_not_computed_yet_is_refused_in_one_line(tiny, tmp_path, monkeypatch, capsys, args) -> None:
     src = tiny("gpt_oss")
-    if args[0] == "verify":
+    if args[0] in ("verify", "eval"):
         quantize_checkpoint(src, tmp_path / "q", QuantizeOptions(scheme="nvfp4a16"))
-        argv = ["verify", tmp_path / "q", "--source", src]
+        argv = ["verify", tmp_path / "q", "--source", src, *args[1:]] if args[0] == "verify" else [
+            "eval", tmp_path / "q", src, "--samples", "2"]
     else:
         argv = [args[0], src, tmp_path / "out", *args[1:]]
     code, _, err = run_cli(monkeypatch, capsys, *argv)
-    assert code == 2
+    assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "gpt_oss" in lines[0] and "Traceback" not in err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "gpt_oss" in lines[0] or "w4a4" in lines[0], lines
     assert not (tmp_path / "out").exists()

@@ -76,14 +76,15 @@ class Family:
 
     @property
     def plain_swiglu(self) -> bool:
-        """The experts are w2 · (silu(w1 x) * (w3 x)) with no biases: what calibration and verify compute today."""
+        """The experts are w2 · (silu(w1 x) * (w3 x)) with no biases: what fp4kit's layer-streaming model (calibration,
+        eval) computes today."""
         return not self.expert_biases and self.activation({}).kind == "silu"
 
     def require_plain_swiglu(self, what: str) -> None:
         if not self.plain_swiglu:
-            raise Fp4kitError(f"{what} is not implemented for {self.name}'s experts (biases and "
+            raise Fp4kitError(f"{self.name}: {what} is not implemented for its experts (biases and "
                               f"{self.activation({}).kind}); quantize data-free (--scheme nvfp4a16, --method rtn or "
-                              f"mse) and check with fp4kit inspect")
+                              f"mse) and check with fp4kit verify")
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]

@@ -150,6 +150,10 @@ class LayerVerifier:
         self.model, self.moe, self.options, self.mode = model, moe, options, mode
         self.runners, self.device, self.spec = runners, device, model.spec
         self.tick = tick  # one progress step: after each token count and the per-expert source check
+        if mode == "w4a4" and (moe.biases is not None or moe.activation.kind != "silu"):
+            # the ambiguity bound of W4A4 flips (fp4kit.verify.ambiguity) is SwiGLU's
+            raise Fp4kitError(f"{moe.experts_module}: --mode w4a4 is not implemented for experts with biases or "
+                              f"{moe.activation.kind}; verify this checkpoint with --mode w4a16")
         self.act = activation_divisors(moe, mode)
         self.results: list[CheckResult] = []
         self._dense: tuple[Tensor, Tensor] | None = None
@@ -207,7 +211,8 @@ class LayerVerifier:
                 quantized = expected + shared_output(self.moe.shared, hidden)
                 _, src_weights, src_ids = route_batch(source, hidden, self.spec)
                 reference = moe_reference(
-                    hidden, src_weights, src_ids, source.w13.to(self.device), source.w2.to(self.device), self.spec
+                    hidden, src_weights, src_ids, source.w13.to(self.device), source.w2.to(self.device), self.spec,
+                    activation=source.activation, biases=source.biases,
                 )
                 reference += shared_output(source.shared, hidden)
                 error = relative_error(quantized, reference)
@@ -221,10 +226,15 @@ class LayerVerifier:
     def _expert_errors(self, source: SourceMoe, tolerance: float) -> None:
         hidden = self.hidden_states(EXPERT_SAMPLE_TOKENS, salt=1)
         w13, w2 = dequantized(self.moe, self.device)
+
+        def biases(moe: QuantizedMoe | SourceMoe, e: int) -> tuple[Tensor | None, Tensor | None]:
+            return (None, None) if moe.biases is None else (moe.biases[0][e], moe.biases[1][e])
+
         errors = [
             relative_error(
-                swiglu_mlp(hidden, w13[e], w2[e]),
-                swiglu_mlp(hidden, source.w13[e].to(self.device), source.w2[e].to(self.device)),
+                swiglu_mlp(hidden, w13[e], w2[e], self.moe.activation, *biases(self.moe, e)),
+                swiglu_mlp(hidden, source.w13[e].to(self.device), source.w2[e].to(self.device), source.activation,
+                           *biases(source, e)),
             )
             for e in range(self.moe.num_experts)
         ]

@@ -24,6 +24,7 @@ from fp4kit.ep.shard import EXPERT_MAP
 from fp4kit.ep.shard import MANIFEST as SHARD_MANIFEST
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
+from fp4kit.families.activation import SILU, ExpertActivation
 from fp4kit.families.base import EXPERT_PROJS, Family, group_experts
 from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.families.routing import RoutingSpec
@@ -44,9 +45,11 @@ PROJS = EXPERT_PROJS
 class Router:
     weight: Tensor  # fp32 [E, H]
     correction_bias: Tensor | None  # fp32 [E] (GLM)
+    bias: Tensor | None = None  # fp32 [E]: the router Linear's own bias, part of the logits (gpt-oss)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return hidden.float() @ self.weight.to(hidden.device).T
+        logits = hidden.float() @ self.weight.to(hidden.device).T
+        return logits if self.bias is None else logits + self.bias.to(hidden.device)
 
 
 @dataclass
@@ -59,6 +62,9 @@ class QuantizedMoe:
     experts: StackedExperts
     router: Router
     shared: tuple[Tensor, Tensor] | None  # dense fp32 shared expert (w13 [2Is, H], w2 [H, Is])
+    # gpt-oss: the experts' output biases (b13 [E, 2I] as [gate; up], b2 [E, H]) and activation
+    biases: tuple[Tensor, Tensor] | None = None
+    activation: ExpertActivation = SILU
 
     @property
     def w13(self) -> NVFP4Tensor:
@@ -91,12 +97,33 @@ class SourceMoe:
     router: Router
     shared: tuple[Tensor, Tensor] | None
     precision: str = "bf16"
+    biases: tuple[Tensor, Tensor] | None = None
+    activation: ExpertActivation = SILU
 
 
 def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
     family = detect(config)
-    family.require_plain_swiglu("fp4kit verify")
     return family, family.routing(family.text_config(config))
+
+
+def expert_activation(config: dict) -> ExpertActivation:
+    family = detect(config)
+    return family.activation(family.text_config(config))
+
+
+def _expert_biases(reader: CheckpointReader, experts_module: str, grammar: ExpertGrammar,
+                   num_experts: int) -> tuple[Tensor, Tensor] | None:
+    """gpt-oss's stored expert biases, b13 in the canonical [gate; up] order (de-interleaved), b2; None elsewhere."""
+    names = [grammar.fused_tensor(experts_module, f"{leaf}_bias") for leaf in grammar.fused_tensors]
+    if not all(n in reader for n in names):
+        return None
+    b13, b2 = (reader.read(n).float() for n in names)
+    if b13.dim() != 2 or b13.shape[0] != num_experts or b2.dim() != 2 or b2.shape[0] != num_experts:
+        raise Fp4kitError(f"{names[0]}, {names[1]}: shapes {list(b13.shape)}, {list(b2.shape)}, expected "
+                          f"[{num_experts}, 2I] and [{num_experts}, H]")
+    if grammar.interleaved:
+        b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
+    return b13, b2
 
 
 def _router(reader: CheckpointReader, experts_module: str, grammar: ExpertGrammar) -> Router:
@@ -104,7 +131,9 @@ def _router(reader: CheckpointReader, experts_module: str, grammar: ExpertGramma
     for weight in candidates:
         if weight in reader:
             bias = grammar.router_bias_name(experts_module)
-            return Router(reader.read(weight).float(), reader.read(bias).float() if bias in reader else None)
+            linear_bias = weight.removesuffix(".weight") + ".bias"
+            return Router(reader.read(weight).float(), reader.read(bias).float() if bias in reader else None,
+                          reader.read(linear_bias).float() if linear_bias in reader else None)
     raise Fp4kitError(f"{experts_module}: no router weight ({' or '.join(candidates)})")
 
 
@@ -183,6 +212,7 @@ class QuantizedModel:
         return QuantizedMoe(
             index, module, experts, _router(reader, module, grammar),
             _shared_expert(reader, module, self.ckpt, grammar),
+            _expert_biases(reader, module, grammar, experts.num_experts), expert_activation(self.config),
         )
 
     def close(self) -> None:
@@ -237,7 +267,8 @@ def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -
         w2 = torch.stack([weights[3 * e + 2] for e in range(num_experts)])
         source = source_view(reader, config)[0]
         return SourceMoe(w13, w2, _router(reader, experts_module, grammar),
-                         _shared_expert(reader, experts_module, None, grammar, source), source.name)
+                         _shared_expert(reader, experts_module, None, grammar, source), source.name,
+                         _expert_biases(reader, experts_module, grammar, num_experts), expert_activation(config))
 
 
 @dataclass
@@ -301,4 +332,5 @@ def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModul
     router = _router(ckpt.reader, full.experts_module, grammar)
     if not has_input:
         div13 = div2 = None
-    return QuantizedMoe(full.layer, full.experts_module, StackedExperts(w13, w2, div13, div2), router, None)
+    return QuantizedMoe(full.layer, full.experts_module, StackedExperts(w13, w2, div13, div2), router, None,
+                        full.biases, full.activation)
