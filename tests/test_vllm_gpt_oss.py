@@ -5,11 +5,12 @@ through ``GptOssModel._load_weights_other`` after ``GptOssForCausalLM.hf_to_vllm
 routed experts only in two forms: layer tensors whose names contain ``.w13_weight`` / ``.w2_weight`` (every one
 narrowed as ``weight[:, :, ...]`` and permuted as an unquantized [E, K, N] tensor), or per-expert
 ``experts.{e}.<param>`` with ``<param>`` one of ``_GPT_OSS_STREAMED_EXPERT_SUFFIX_TO_SHARD`` (weights, packed
-weights, block scales, biases: no global or input scale). Run here, on a stand-in holding the parameters vLLM's own
-NVFP4 MoE ``create_weights`` makes (tests/test_vllm_loaders.py): fp4kit's per-expert gate and up tensors and every global scale are
-skipped without a word (down's block scales load, through the mapper's entries for quark), and the streamed form, the only one it routes per expert, has no name for the global
-scales, which then hit the unquantized-tensor branch and fail. When a vLLM release loads them, these tests fail and
-the gpt-oss section of docs/serving.md is to be rewritten.
+weights, block scales, biases: no global or input scale). Run here, on a stand-in
+holding the parameters vLLM's own NVFP4 MoE ``create_weights`` makes (tests/test_vllm_loaders.py): fp4kit's
+per-expert gate and up tensors and every global scale are skipped without a word (down's block scales load, through
+the mapper's entries for quark), and the streamed form, the only one it routes per expert, has no name for the
+global scales, which then hit the unquantized-tensor branch and fail. When a vLLM release loads them, these tests
+fail and the gpt-oss section of docs/serving.md is to be rewritten.
 """
 
 from __future__ import annotations
