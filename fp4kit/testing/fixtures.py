@@ -48,6 +48,7 @@ RECIPE_STAND_INS = {
     "deepseek_v32": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "glm_moe_dsa": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "minimax_m2": {"intermediate_size": 64, "num_local_experts": 8},
+    "gpt_oss": {"intermediate_size": 64, "num_local_experts": 8},  # down_proj [E, 64, 64] square, as the 120b's
 }
 
 
