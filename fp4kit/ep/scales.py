@@ -17,8 +17,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import fused_projection
-from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 from fp4kit.io.shard_io import SourceTensor, read_bytes
 
 if TYPE_CHECKING:
@@ -48,14 +46,14 @@ def encode_floats(dtype: str, values: list[float]) -> bytes:
 
 
 def unify_input_scales(
-    tensors: dict[str, SourceTensor], inventory: ExpertInventory, grammar: ExpertGrammar = DEFAULT
+    tensors: dict[str, SourceTensor], inventory: ExpertInventory
 ) -> tuple[dict[str, bytes], dict[str, dict[str, dict[str, float]]], int]:
     """(new bytes of every expert activation-scale tensor, {"<layer>": {"w13"|"w2": {leaf: value}}}, how many
     tensors changed value)."""
     groups: dict[tuple[int, str, str], list[str]] = {}
     for name, t in inventory.experts.items():
         if t.leaf in INPUT_SCALE_LEAVES:
-            groups.setdefault((t.layer, fused_projection(t.proj, grammar), t.leaf), []).append(name)
+            groups.setdefault((t.layer, t.kernel, t.leaf), []).append(name)
     replacements: dict[str, bytes] = {}
     record: dict[str, dict[str, dict[str, float]]] = {}
     changed = 0

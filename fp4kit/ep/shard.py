@@ -167,7 +167,7 @@ def shard_checkpoint(
         raise Fp4kitError(f"{src}: no routed expert tensors (`{family.grammar.hint}.*`) found")
     stats = routing_stats(src, options)
     placements = _placements(options, stats, config, num_experts, inventory.layers)
-    scales, scale_record, changed = unify_input_scales(tensors, inventory, family.grammar)
+    scales, scale_record, changed = unify_input_scales(tensors, inventory)
     by_owner: dict[int | None, list[SourceTensor]] = {rank: [] for rank in [None, *range(options.ep)]}
     for t in sorted(tensors.values(), key=lambda t: (str(t.file), t.begin)):  # source order: sequential reads
         expert = inventory.experts.get(t.name)
