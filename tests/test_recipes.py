@@ -18,6 +18,7 @@ RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4.5-air", "glm-4.5v", "llama-4-scout",
                 "llama-4-maverick", "demo", "deepseek-v3", "kimi-k2"}
 SEED_RECIPES |= {"glm-4.7-flash", "glm-5.1", "deepseek-v3.2"}
+SEED_RECIPES |= {"minimax-m2.5", "gpt-oss-120b"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
