@@ -1,9 +1,9 @@
 """gpt-oss from BF16 on its tiny fixture (transformers' GptOssForCausalLM saved as is: fused, K-major, interleaved
-gate/up experts with biases): data-free quantization in both dialects with rtn and mse, inspect clean, every other
-source tensor kept byte for byte, gate and up de-interleaved (the dense conversion loads back into transformers with
-the source's layout), verify with gpt-oss's activation and biases (reference, Triton under the interpreter, EP
-shards, NaN router rows), and one-line refusals where fp4kit does not compute gpt-oss's experts yet (the
-layer-streaming model: calibration, eval; W4A4 verify)."""
+gate/up experts with biases): rtn / mse / gptq in both dialects and both schemes, inspect clean, every other source
+tensor kept byte for byte, gate and up de-interleaved (the dense conversion loads back into transformers with the
+source's layout), calibration through transformers' own decoder layer and `_apply_gate`, verify with gpt-oss's
+activation and biases (reference, Triton under the interpreter, EP shards, NaN router rows), eval, and the one
+thing refused in one line (verify's W4A4 mode, whose flip bound is SwiGLU's)."""
 
 from __future__ import annotations
 
@@ -31,11 +31,13 @@ def _tensors(root) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("method", ["rtn", "mse"])
+@pytest.mark.parametrize("method", ["rtn", "mse", "gptq"])
 @pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
-def test_data_free_quantization_in_both_dialects(tiny, tmp_path, dialect, method) -> None:
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
+def test_every_method_dialect_and_scheme(tiny, tmp_path, dialect, method, scheme) -> None:
     src, out = tiny("gpt_oss"), tmp_path / "out"
-    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4a16", format=dialect, method=method))
+    quantize_checkpoint(src, out, QuantizeOptions(scheme=scheme, format=dialect, method=method, samples=4, seq_len=16,
+                                                  batch_size=4))
     report = inspect_checkpoint(out)
     assert report.clean, report.problems
     source, written = _tensors(src), _tensors(out)
@@ -77,6 +79,14 @@ def test_gate_and_up_are_de_interleaved(tiny, tmp_path, monkeypatch, capsys) -> 
         assert float((got - expected).norm() / expected.norm()) < 0.15  # one NVFP4 rounding of random weights
 
 
+def test_eval_runs(tiny, tmp_path, monkeypatch, capsys) -> None:
+    src, out = tiny("gpt_oss"), tmp_path / "out"
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4", samples=4, seq_len=16, batch_size=4))
+    code, stdout, err = run_cli(monkeypatch, capsys, "eval", out, src, "--samples", "2", "--seq-len", "32")
+    assert code == 0, err
+    assert "top-1 agreement" in stdout
+
+
 def test_verify_computes_gpt_oss_experts(tiny, tmp_path, monkeypatch, capsys) -> None:
     src, out = tiny("gpt_oss"), tmp_path / "out"
     quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4a16"))
@@ -109,19 +119,51 @@ def test_verify_sees_a_wrong_gate_up_order(tiny, tmp_path, monkeypatch, capsys) 
     assert code == 1 and "FAIL" in stdout
 
 
-@pytest.mark.parametrize("args", [("quantize", "--scheme", "nvfp4"), ("quantize", "--method", "gptq"),
-                                  ("eval",), ("verify", "--mode", "w4a4")])
+@pytest.mark.parametrize("args", [("verify", "--mode", "w4a4")])
 def test_what_is_not_computed_yet_is_refused_in_one_line(tiny, tmp_path, monkeypatch, capsys, args) -> None:
     src = tiny("gpt_oss")
-    if args[0] in ("verify", "eval"):
-        quantize_checkpoint(src, tmp_path / "q", QuantizeOptions(scheme="nvfp4a16"))
-        argv = ["verify", tmp_path / "q", "--source", src, *args[1:]] if args[0] == "verify" else [
-            "eval", tmp_path / "q", src, "--samples", "2"]
-    else:
-        argv = [args[0], src, tmp_path / "out", *args[1:]]
+    quantize_checkpoint(src, tmp_path / "q", QuantizeOptions(scheme="nvfp4", samples=4, seq_len=16, batch_size=4))
+    argv = ["verify", tmp_path / "q", "--source", src, *args[1:]]
     code, _, err = run_cli(monkeypatch, capsys, *argv)
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert "gpt_oss" in lines[0] or "w4a4" in lines[0], lines
-    assert not (tmp_path / "out").exists()
+    assert "w4a4" in lines[0], lines
+
+
+def test_calibration_streams_transformers_layers_and_measures_the_clamped_intermediate(tiny) -> None:
+    """calibrate() on gpt-oss, one decoder layer at a time: each layer's output equals the whole transformers
+    model's, and each expert's down-projection input amax is what transformers' own `_apply_gate` gives on the
+    biased gate/up product (every token through every expert, as fp4kit measures experts)."""
+    import transformers
+
+    from fp4kit.quantize.calibrate import calibrate
+
+    src = tiny("gpt_oss")
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
+    transformers.utils.logging.set_verbosity_error()
+    model = transformers.GptOssForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    outputs, block_inputs = [], {}
+    handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+               for layer in model.model.layers]
+    for i, layer in enumerate(model.model.layers):
+        handles.append(layer.mlp.register_forward_pre_hook(
+            lambda m, args, i=i: block_inputs.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]))))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    streamed: dict[int, torch.Tensor] = {}
+    result = calibrate(src, ids, batch_size=4, dtype=torch.float32,
+                       on_layer=lambda i, batches: streamed.__setitem__(i, torch.cat(batches)))
+    for i, reference in enumerate(outputs):
+        assert (streamed[i] - reference).abs().max().item() <= 1e-5, i
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            hidden, experts = torch.cat(block_inputs[i]), layer.mlp.experts
+            for e in range(8):
+                inter = experts._apply_gate(hidden @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e])
+                ours = result.input_amax[f"model.layers.{i}.mlp.experts.{e}.down_proj"]
+                assert abs(ours - inter.abs().amax().item()) <= 1e-5 * inter.abs().amax().item(), (i, e)
+                assert result.input_amax[f"model.layers.{i}.mlp.experts.{e}.gate_proj"] == pytest.approx(
+                    hidden.abs().amax().item(), rel=1e-6)

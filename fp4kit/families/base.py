@@ -66,25 +66,12 @@ class Family:
     hf_fused_experts: bool = False
     # the names of the family's MoE block on disk (experts, projections, fused tensors, router, shared expert)
     grammar: ExpertGrammar = DEFAULT
-    # the routed experts' activation between their GEMMs (SwiGLU but for gpt-oss) and whether they carry biases
+    # the routed experts' activation between their GEMMs (SwiGLU but for gpt-oss)
     activation: Callable[[dict], ExpertActivation] = field(default=lambda tc: SILU)
-    expert_biases: bool = False
     # how transformers' classes of the family hold and run its MoE block (fp4kit.families.moe_modules, torch)
     moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
-
-    @property
-    def plain_swiglu(self) -> bool:
-        """The experts are w2 · (silu(w1 x) * (w3 x)) with no biases: what fp4kit's layer-streaming model (calibration,
-        eval) computes today."""
-        return not self.expert_biases and self.activation({}).kind == "silu"
-
-    def require_plain_swiglu(self, what: str) -> None:
-        if not self.plain_swiglu:
-            raise Fp4kitError(f"{self.name}: {what} is not implemented for its experts (biases and "
-                              f"{self.activation({}).kind}); quantize data-free (--scheme nvfp4a16, --method rtn or "
-                              f"mse) and check with fp4kit verify")
 
     def default_ignore(self, config: dict) -> list[str]:
         return [*COMMON_IGNORE, *self.ignore(config)]

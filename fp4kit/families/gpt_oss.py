@@ -17,6 +17,8 @@ Quantized by default: the routed experts (split per expert, de-interleaved into 
 projections, whose Linears vLLM 0.33 builds with the quant config (``OAIAttention``: ``QKVParallelLinear``,
 ``RowParallelLinear``). Kept: lm_head, the router (vLLM's ``GateLinear`` takes no quant config), and as stored the
 expert biases, the attention biases and sinks. vLLM 0.33 cannot load the result: docs/serving.md says why.
+Calibration runs transformers' GptOssDecoderLayer (fp4kit.families.moe_modules.GptOssExperts: the interleaved rows,
+the biases, ``_apply_gate``); verify computes the experts with their biases and activation (W4A16 mode).
 """
 
 from fp4kit.errors import Fp4kitError
@@ -40,6 +42,12 @@ def activation(tc: dict):
     return swiglu_oai(limit=limit)
 
 
+def moe_modules():
+    from fp4kit.families.moe_modules import GPT_OSS_EXPERTS
+
+    return GPT_OSS_EXPERTS
+
+
 FAMILY = Family(
     name="gpt_oss",
     model_types=("gpt_oss",),
@@ -50,6 +58,6 @@ FAMILY = Family(
     moe_intermediate=lambda tc: int(tc["intermediate_size"]),
     grammar=GRAMMAR,
     activation=activation,
-    expert_biases=True,
     hf_fused_experts=True,
+    moe_modules=moe_modules,
 )

@@ -140,7 +140,7 @@ class _AmaxRecorder(_LayerHooks):
             gate, up = product(x, weight).chunk(2, dim=-1)
             self._update(gate_name, x_amax)
             self._update(up_name, x_amax)
-            self._update(down_name, (experts.act_fn(gate) * up).abs().amax())
+            self._update(down_name, self.moe.gated(experts, e, gate, up).abs().amax())
 
     def flush(self, result: CalibrationResult, index: int) -> None:
         self.close()
@@ -359,7 +359,7 @@ class _SecondMomentRecorder(_LayerHooks):
                 x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
             self._add(names[:2], x)
             gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
-            self._add(names[2:], experts.act_fn(gate) * up)
+            self._add(names[2:], self.moe.gated(experts, e, gate, up))
 
     def close(self) -> LayerStatistics:  # type: ignore[override]
         super().close()
