@@ -150,10 +150,6 @@ class LayerVerifier:
         self.model, self.moe, self.options, self.mode = model, moe, options, mode
         self.runners, self.device, self.spec = runners, device, model.spec
         self.tick = tick  # one progress step: after each token count and the per-expert source check
-        if mode == "w4a4" and (moe.biases is not None or moe.activation.kind != "silu"):
-            # the ambiguity bound of W4A4 flips (fp4kit.verify.ambiguity) is SwiGLU's
-            raise Fp4kitError(f"{moe.experts_module}: --mode w4a4 is not implemented for experts with biases or "
-                              f"{moe.activation.kind}; verify this checkpoint with --mode w4a16")
         self.act = activation_divisors(moe, mode)
         self.results: list[CheckResult] = []
         self._dense: tuple[Tensor, Tensor] | None = None
@@ -163,7 +159,8 @@ class LayerVerifier:
         assert self.act is not None
         if self._dense is None:
             self._dense = dequantized(self.moe, self.device)
-        return w4a4_flip_bound(hidden, weights, ids, *self._dense, self.spec, self.act, input_eps=input_eps)
+        return w4a4_flip_bound(hidden, weights, ids, *self._dense, self.spec, self.act, input_eps=input_eps,
+                               activation=self.moe.activation, biases=self.moe.biases)
 
     def add(self, check: str, target: str, passed: bool, **fields: object) -> None:
         status = PASSED if passed else FAILED
