@@ -22,6 +22,7 @@ FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "lla
             "deepseek_v32",
             "glm_moe_dsa",
             "minimax_m2",
+            "gpt_oss",
             )
 # MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32:
 # the GLM router as GLM-4.5's files (not checked against GLM-4.7-Flash's or GLM-5's), DeepSeek-V3.2's indexer k_norm
