@@ -97,3 +97,17 @@ def test_routing_uses_the_correction_bias_on_disk(tiny) -> None:
     _, biased = route(logits, spec, tensors["model.layers.0.block_sparse_moe.e_score_correction_bias"])
     _, plain = route(logits, spec)
     assert not torch.equal(biased.sort(dim=-1).values, plain.sort(dim=-1).values)
+
+
+def test_layout_of_an_experts_only_checkpoint_inspects_and_verifies(tiny, tmp_path, monkeypatch, capsys) -> None:
+    """MiniMax's default quantizes only the routed experts, so its layout directory holds no NVFP4 module outside
+    the laid-out MoE layers: inspect still reads it (and verify undoes it bit for bit)."""
+    src, out, lay = tiny("minimax_m2"), tmp_path / "out", tmp_path / "lay"
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4", samples=16, seq_len=128, batch_size=8))
+    code, _, err = run_cli(monkeypatch, capsys, "layout", out, lay, "--backend", "trtllm")
+    assert code == 0, err
+    code, stdout, err = run_cli(monkeypatch, capsys, "inspect", lay)
+    assert code == 0 and "no problems found" in stdout, stdout + err
+    code, stdout, err = run_cli(monkeypatch, capsys, "verify", out, "--source", src, "--layout", lay, "--tokens",
+                                "1,16", "--device", "cpu")
+    assert code == 0, stdout + err

@@ -244,7 +244,8 @@ def unquantized_modules(ckpt: QuantizedCheckpoint) -> list[str]:
 
 
 def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
-                       engine: str | None = None, progress: Callable[[int, int], None] | None = None) -> InspectReport:
+                       engine: str | None = None, progress: Callable[[int, int], None] | None = None,
+                       layout: bool = False) -> InspectReport:
     """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems, ``engine`` adds that
     engine's load-contract checks (fp4kit.tools.engine_checks); ``progress(done, total)`` counts quantized modules."""
     from fp4kit.errors import Fp4kitError
@@ -259,7 +260,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     if ep is not None and ep < 1:
         raise Fp4kitError(f"--ep {ep}: must be at least 1")
     problems: list[Finding] = []
-    with open_checkpoint(path, strict=False) as ckpt:
+    with open_checkpoint(path, strict=False, modules_required=not layout) as ckpt:
         # Every per-tensor scale first (tiny reads, cached as small tensors): created one per module between the
         # block-scale buffers below, they left that heap unreusable and inspect grew ~15 MB per 350 MB layer.
         for m in ckpt.modules:
