@@ -31,6 +31,7 @@ DEMO_MODELS: dict[str, dict] = {
     "deepseek_v32": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
     "glm_moe_dsa": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
     "minimax_m2": {"intermediate_size": DEMO_INTERMEDIATE, "num_local_experts": DEMO_EXPERTS},
+    "gpt_oss": {"intermediate_size": DEMO_INTERMEDIATE, "num_local_experts": DEMO_EXPERTS},
 }
 DEMO_FAMILIES = tuple(DEMO_MODELS)
 
