@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-Family = Literal["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4"]
+Family = Literal["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "qwen3_next", "qwen3_5_moe"]
 
 
 def demo(

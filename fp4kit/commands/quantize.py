@@ -68,6 +68,9 @@ def quantize(
     ] = True,
     dequant_dtype: Annotated[Literal["fp32", "bf16"], typer.Option(
         help="FP8 / INT4 / MXFP4 sources: dequantize to fp32 (one rounding) or bf16 (the peers' two)")] = "fp32",
+    mtp: Annotated[Literal["keep", "quantize"], typer.Option(
+        help="an MTP block outside the decoder layers (Qwen3-Next, Qwen3.5/3.6-MoE `mtp.*`): keep it as stored (as "
+             "published NVFP4 checkpoints do) or quantize its routed experts (weight-only)")] = "keep",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -84,7 +87,7 @@ def quantize(
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
         method=method or "rtn", cast_mxfp4=method is None, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens,
-        gptq_scales=gptq_scales, input_scales_from=input_scales_from,
+        gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp,
     )
     # warnings even with -q (they say what an option did not do), on rank 0 only
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",

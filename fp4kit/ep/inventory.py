@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fp4kit.errors import Fp4kitError
@@ -28,8 +29,10 @@ class ExpertInventory:
         return sorted(self.modules)
 
 
-def scan_experts(names: list[str], num_experts: int, grammar: ExpertGrammar = DEFAULT) -> ExpertInventory:
-    """Find the routed experts by their per-expert names and check every MoE layer has E complete experts."""
+def scan_experts(names: list[str], num_experts: int, grammar: ExpertGrammar = DEFAULT,
+                 layer_index: Callable[[str], int | None] = layer_of) -> ExpertInventory:
+    """Find the routed experts by their per-expert names and check every MoE layer has E complete experts;
+    ``layer_index`` numbers the layers (the family's, for an MTP block outside the decoder layers)."""
     experts: dict[str, ExpertTensor] = {}
     modules: dict[int, str] = {}
     for name in names:
@@ -40,7 +43,7 @@ def scan_experts(names: list[str], num_experts: int, grammar: ExpertGrammar = DE
                                   f"(`{grammar.hint}.*`), as `fp4kit quantize` writes them")
             continue
         expert, leaf = found
-        layer = layer_of(name)
+        layer = layer_index(name)
         if expert.proj not in grammar.projections or not leaf or layer is None:
             raise Fp4kitError(f"{name}: unrecognised expert tensor (expected layers.L{grammar.hint}.*)")
         module = expert.experts

@@ -162,7 +162,9 @@ def shard_checkpoint(
     if (src / LAYOUT_MANIFEST).exists():
         _refuse_layout(src, num_experts, options.ep)
     tensors = read_tensors(src)
-    inventory = scan_experts(list(tensors), num_experts, family.grammar)
+    text_config = family.text_config(config)
+    inventory = scan_experts(list(tensors), num_experts, family.grammar,
+                             lambda name: family.layer_index(name, text_config))
     if not inventory.modules:
         raise Fp4kitError(f"{src}: no routed expert tensors (`{family.grammar.hint}.*`) found")
     stats = routing_stats(src, options)

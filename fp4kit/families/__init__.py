@@ -11,7 +11,9 @@ from fp4kit.families import (
     gpt_oss,
     llama4,
     minimax_m2,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
     qwen3_vl_moe,
 )
 from fp4kit.families.base import Family
@@ -21,6 +23,8 @@ FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, gl
                                  glm4_moe_lite.FAMILY,
                                  deepseek_v32.FAMILY,
                                  glm_moe_dsa.FAMILY,
+                                 qwen3_next.FAMILY,
+                                 qwen3_5_moe.FAMILY,
                                  minimax_m2.FAMILY,
                                  gpt_oss.FAMILY,
                                  )

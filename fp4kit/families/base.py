@@ -61,6 +61,9 @@ class Family:
     modelopt_fused_experts: bool = False
     # decoder layers on disk past num_hidden_layers (GLM's MTP layers)
     extra_layers: Callable[[dict], int] = field(default=lambda tc: 0)
+    # name prefix of an MTP block stored outside the decoder layers (the Qwen hybrids' `mtp.`), which the family's
+    # transformers class does not load
+    mtp_prefix: str | None = None
     # The family's HF checkpoints store routed experts fused and K-major: `experts.gate_up_proj` [E, H, 2I] (gate in
     # the first I columns) and `experts.down_proj` [E, I, H]; the others store one module per expert.
     hf_fused_experts: bool = False
@@ -73,8 +76,25 @@ class Family:
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
 
-    def default_ignore(self, config: dict) -> list[str]:
-        return [*COMMON_IGNORE, *self.ignore(config)]
+    def layer_index(self, name: str, text_config: dict) -> int | None:
+        """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after
+        them, num_hidden_layers + N, as vLLM's drafters number them (qwen3_next_mtp.py: mtp_start_layer_idx)."""
+        if self.mtp_prefix is not None and name.startswith(self.mtp_prefix):
+            layer = layer_of(name[len(self.mtp_prefix):])
+            return None if layer is None else int(text_config["num_hidden_layers"]) + layer
+        return layer_of(name)
+
+    def default_ignore(self, config: dict, mtp: str = "keep") -> list[str]:
+        """COMMON_IGNORE, the family's ignores and, for an MTP block outside the decoder layers, that block: whole
+        (``mtp`` "keep"), or all but its routed experts ("quantize")."""
+        kept = [*COMMON_IGNORE, *self.ignore(config)]
+        if self.mtp_prefix is not None:
+            block = "^" + re.escape(self.mtp_prefix)
+            kept.append(block if mtp == "keep" else block + r"(?!layers\.\d+\.mlp\.experts\.\d+\.)")
+        elif mtp != "keep":
+            raise Fp4kitError(f"--mtp {mtp}: {self.name} has no MTP block outside its decoder layers (its MTP layers, "
+                              "if any, are `layers.N` past num_hidden_layers: choose them with --ignore)")
+        return kept
 
     def check_config(self, config: dict, shapes: dict[str, tuple[int, ...]]) -> dict:
         """The text config, after checking the sizes fp4kit reads from it (positive integers) against the routed

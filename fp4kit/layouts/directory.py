@@ -102,7 +102,9 @@ def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
     grammar = ckpt.grammar
     grouped = group_experts(((module.name, module) for module in ckpt.modules), grammar)
-    layers = [_moe_layer(experts, found, grammar.projections) for experts, found in grouped.items()]
+    family, text_config = ckpt.family, ckpt.family.text_config(ckpt.config) if ckpt.family else {}
+    layers = [_moe_layer(experts, found, family.layer_index(experts + ".", text_config) if family else
+                         layer_of(experts + "."), grammar.projections) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
         if seen.setdefault(layer.layer, layer.experts) != layer.experts:
@@ -117,8 +119,8 @@ def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     return sorted(layers, key=lambda lay: lay.layer)
 
 
-def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], projections: tuple[str, str, str]) -> MoELayer:
-    layer = layer_of(experts + ".")
+def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], layer: int | None,
+               projections: tuple[str, str, str]) -> MoELayer:
     if layer is None:
         raise Fp4kitError(f"{experts}: routed experts outside a `layers.N` module")
     if sorted(found) != list(range(len(found))):

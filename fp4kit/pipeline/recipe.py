@@ -70,6 +70,7 @@ class QuantizeStep(_Options):
     gptq_min_tokens: int | None = Field(default=None, ge=1)
     gptq_scales: Literal["mse", "rtn"] | None = None
     input_scales_from: Literal["auto", "source", "quantized"] | None = None
+    mtp: Literal["keep", "quantize"] = "keep"  # fp4kit quantize --mtp
 
 
 class RepairStep(_Options):

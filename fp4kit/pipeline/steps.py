@@ -68,7 +68,7 @@ def run_quantize(ctx: StepContext, dst: Path) -> dict:
         "scheme": section.scheme, "format": section.format, "device": section.device, "ignore": section.ignore,
         "targets": section.targets, "default_ignore": section.default_ignore,
         "exact_fp32_global_scale": section.exact_fp32_global_scale, "native_cpu": section.native,
-        "max_shard_bytes": parse_size(section.max_shard_size), "overwrite": True,
+        "max_shard_bytes": parse_size(section.max_shard_size), "overwrite": True, "mtp": section.mtp,
     }
     # Calibration options (W4A4): passed only when set, so QuantizeOptions' own defaults apply otherwise.
     for name in CALIBRATION_OPTIONS:

@@ -75,6 +75,8 @@ class QuantizeOptions:
     # MXFP4 source groups under rtn: cast to NVFP4 without rounding (fp4kit.nvfp4.cast_mxfp4_group); False: RTN from
     # their exact values (the CLI's explicit --method rtn)
     cast_mxfp4: bool = True
+    # an MTP block outside the decoder layers (Qwen hybrids): keep (as published) or quantize its routed experts
+    mtp: str = "keep"
 
 
 @dataclass
@@ -130,6 +132,11 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--input-scales-from quantized: {_format_module(options).title} output records its exact "
                           "input scales before the weights are written, and that pass finds them only as it goes; "
                           "use source")
+    if options.mtp not in ("keep", "quantize"):
+        raise Fp4kitError(f"unknown --mtp {options.mtp!r}; choose keep or quantize")
+    if options.mtp == "quantize" and options.scheme == "nvfp4":
+        raise Fp4kitError("--mtp quantize: no calibration forward reaches the MTP block, so its experts get no "
+                          "activation scales; quantize them weight-only (--scheme nvfp4a16)")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
     if options.gptq_scales not in ("mse", "rtn"):
@@ -513,7 +520,8 @@ def _quantize_checkpoint(
     with (ranks.output_directory(dst, src, options.overwrite) as work,
           CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
         plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
-                          modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype)
+                          modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype,
+                          mtp=options.mtp)
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
             _fused_output(g, options) for g in plan.groups
         ):

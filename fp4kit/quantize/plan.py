@@ -93,6 +93,7 @@ def build_plan(
     default_ignore: bool = True,
     modelopt_layout: bool = False,
     dequant_dtype: str = "fp32",
+    mtp: str = "keep",
 ) -> ModelPlan:
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
     on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down).
@@ -106,7 +107,7 @@ def build_plan(
     text_config = family.check_config(config, shapes)
     candidates = [_with_source(c, source) for c in
                   linear_candidates(shapes, text_config, family.moe_intermediate(text_config), family.grammar)]
-    ignore_res = _compile((family.default_ignore(config) if default_ignore else []) + (ignore or []), "--ignore")
+    ignore_res = _compile((family.default_ignore(config, mtp) if default_ignore else []) + (ignore or []), "--ignore")
     target_res = _compile(targets or [], "--targets")
 
     def selected(c: Candidate) -> bool:

@@ -21,6 +21,9 @@ FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "lla
             "glm4_moe_lite",
             "deepseek_v32",
             "glm_moe_dsa",
+            "qwen3_next",
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
             "minimax_m2",
             "gpt_oss",
             )
@@ -32,6 +35,8 @@ MLA_FIXTURES = {
     "deepseek_v32": ("e_score_correction_bias", "indexer.k_norm.weight", "indexer.k_norm.bias"),
     "glm_moe_dsa": ("e_score_correction_bias", "mlp.gate.weight"),
 }
+# the Qwen hybrids, whose checkpoints carry an `mtp.*` block that transformers' classes do not hold
+QWEN_MTP_FIXTURES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 # Tiny stand-ins that meet the seed recipes' backend rules: I % 64 (CUTLASS gated GEMM, Marlin), 8 experts so that
 # EP 8 divides them (TRT-LLM-gen, CUTLASS), and for Llama-4 (Scout) and DeepSeek (Marlin) H % 128. The fixtures' H
@@ -48,6 +53,9 @@ RECIPE_STAND_INS = {
     "glm4_moe_lite": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "deepseek_v32": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
     "glm_moe_dsa": {"hidden_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 8},
+    "qwen3_next": {"moe_intermediate_size": 64, "num_experts": 8},
+    "qwen3_5_moe": {"moe_intermediate_size": 64, "num_experts": 8},
+    "qwen3_5_moe_text": {"moe_intermediate_size": 64, "num_experts": 8},
     "minimax_m2": {"intermediate_size": 64, "num_local_experts": 8},
     "gpt_oss": {"intermediate_size": 64, "num_local_experts": 8},  # down_proj [E, 64, 64] square, as the 120b's
 }
@@ -83,7 +91,7 @@ def build_model(name: str, seed: int = 0, overrides: dict | None = None) -> torc
 
 
 def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | None = None) -> Path:
-    """Save a tiny ``name`` checkpoint (see FIXTURES) to ``path`` and return it."""
+    """Save a tiny ``name`` checkpoint (see FIXTURES) to ``path`` and return it (a single model.safetensors)."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
@@ -99,6 +107,11 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
                 tensors[tname] = tensors[tname].float()
         if name in ("glm4_moe", "deepseek_v3") or name in MLA_FIXTURES:
             tensors.update(_glm_mtp_layer(tensors, model.config, seed))
+        save_file(tensors, single, metadata={"format": "pt"})
+    if name in QWEN_MTP_FIXTURES:
+        single = path / "model.safetensors"
+        tensors = load_file(single)
+        tensors.update(_qwen_mtp_block(tensors, model.config.get_text_config(), seed))
         save_file(tensors, single, metadata={"format": "pt"})
     if name == "minimax_m2":
         _minimax_correction_bias(path / "model.safetensors", seed)
@@ -193,4 +206,24 @@ def _glm_mtp_layer(tensors: dict[str, torch.Tensor], config, seed: int) -> dict[
     out[f"model.layers.{mtp}.enorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     out[f"model.layers.{mtp}.hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     out[f"model.layers.{mtp}.shared_head.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    return out
+
+
+def _qwen_mtp_block(tensors: dict[str, torch.Tensor], text_config, seed: int) -> dict[str, torch.Tensor]:
+    """Qwen3-Next and Qwen3.5/3.6-MoE checkpoints carry their MTP block at the top level, outside the text model:
+    `mtp.fc` [H, 2H], `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.norm` and `mtp.layers.0.*`, a
+    full-attention MoE decoder layer with per-expert tensors. Built from the last full-attention layer's names."""
+    full = max(i for i, kind in enumerate(text_config.layer_types) if kind == "full_attention")
+    source = next(n for n in tensors if re.search(rf"layers\.{full}\.self_attn\.q_proj\.weight$", n))
+    prefix = source[: source.index("self_attn.")]
+    generator = torch.Generator().manual_seed(seed + 1)
+    out = {}
+    for tname, t in tensors.items():
+        if tname.startswith(prefix):
+            noise = 0.05 * torch.randn(t.shape, generator=generator)
+            out["mtp.layers.0." + tname[len(prefix):]] = noise.to(t.dtype)
+    hidden = text_config.hidden_size
+    out["mtp.fc.weight"] = (0.05 * torch.randn(hidden, 2 * hidden, generator=generator)).bfloat16()
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{norm}.weight"] = (0.1 * torch.randn(hidden, generator=generator)).bfloat16()
     return out

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy
 import torch
 
-from fp4kit.families.base import ATTENTION_QUERY_RE, group_experts, layer_of
+from fp4kit.families.base import ATTENTION_QUERY_RE, group_experts, layer_of, routed_expert
 from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.formats.modelopt import HF_QUANT_CONFIG
@@ -30,7 +30,8 @@ SOURCES = {
     "vllm_per_expert_input_scale": f"{_Q}/utils/flashinfer_fp4_moe.py (prepare_nvfp4_moe_layer_for_fi_or_cutlass: "
                                    "FlashInfer TRT-LLM / CUTLASS quantize the hidden states once, with the max)",
     "vllm_mtp_layer": "vllm/model_executor/models/glm4_moe_mtp.py (the drafter builds layers num_hidden_layers.. "
-                      "and loads them by name, unquantized as the exports ship them)",
+                      "and loads them by name, unquantized as the exports ship them); qwen3_next_mtp.py, "
+                      "qwen3_5_mtp.py (the `mtp.*` block: `mtp.fc` forced unquantized under ModelOpt)",
     "vllm_kv_cache_scale": f"{_Q}/kv_cache.py (BaseKVCacheMethod: without k_scale / v_scale the scales default to "
                            "1.0)",
     "vllm_zero_block_scale": f"{_Q}/utils/nvfp4_emulation_utils.py (dequantize: codes times block scale; a zero "
@@ -91,6 +92,9 @@ def _experts(scales: dict[str, tuple[float, float | None]], report: Report, gram
 def _mtp(ckpt: QuantizedCheckpoint, report: Report) -> None:
     if ckpt.family is None:
         return
+    if ckpt.family.mtp_prefix is not None:
+        _mtp_block(ckpt, ckpt.family.mtp_prefix, report)
+        return
     text = ckpt.family.text_config(ckpt.config)
     count = int(text.get("num_nextn_predict_layers") or 0)
     if not count:
@@ -107,6 +111,15 @@ def _mtp(ckpt: QuantizedCheckpoint, report: Report) -> None:
             if layer_of(m.name) == layer:
                 report("vllm_mtp_layer", m.name, "MTP layer module stored quantized; the drafter expects the "
                                                  "exported bf16 weights")
+
+
+def _mtp_block(ckpt: QuantizedCheckpoint, prefix: str, report: Report) -> None:
+    """An MTP block outside the decoder layers: only its routed experts may be stored quantized (`--mtp quantize`);
+    the drafter reads the rest as the exports ship them."""
+    for m in ckpt.modules:
+        if m.name.startswith(prefix) and routed_expert(m.name, ckpt.family.grammar) is None:
+            report("vllm_mtp_layer", m.name, "MTP module stored quantized; the drafter expects the exported bf16 "
+                                             "weights")
 
 
 def _kv_cache_declared(ckpt: QuantizedCheckpoint) -> str | None:
