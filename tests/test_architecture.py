@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fp4kit.families import FAMILIES
+from fp4kit.families.grammar import W2, W13
 from fp4kit.families.moe_modules import MoEModules
 
 PACKAGE = Path(__file__).resolve().parents[1] / "fp4kit"
@@ -37,6 +38,10 @@ def _grammar_patterns() -> list[re.Pattern[str]]:
         words.update([*g.projections, *g.fused_tensors, g.router_bias.rsplit(".", 1)[-1], *g.shared_experts])
         containers.add(g.experts)
         routers.update(g.routers)
+    # the fused-MoE kernels' own argument names (fp4kit's w13 / w2, families.grammar.W13 and W2; vLLM's and
+    # FlashInfer's w1 for gate/up): MiniMax's checkpoint names w1 / w2 / w3 share them, so spelling one of those
+    # outside families/ names a kernel operand, not the grammar
+    words -= {W13, W2, "w1", "w3"}
     return [re.compile(rf"(?<![A-Za-z0-9])({'|'.join(map(re.escape, sorted(words)))})"),
             re.compile(rf"(\.({'|'.join(containers)})\b|\b({'|'.join(containers)})\.)"),
             re.compile(rf"^({'|'.join(map(re.escape, sorted(routers)))})$")]

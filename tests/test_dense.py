@@ -40,24 +40,27 @@ def _decompressed(ckpt) -> dict[str, torch.Tensor]:
     return out
 
 
-def _substitute(model: torch.nn.Module, weights: dict[str, torch.Tensor], bmm_experts: bool) -> None:
+def _substitute(model: torch.nn.Module, weights: dict[str, torch.Tensor], config: dict) -> None:
     """Put each module's weight where transformers keeps it in memory: nn.Linear weights, or one expert's rows of
-    the fused [E, 2I, H] / [E, H, I] parameters (Llama-4: columns of [E, H, 2I] / [E, I, H])."""
+    the fused [E, 2I, H] / [E, H, I] parameters (Llama-4: columns of [E, H, 2I] / [E, I, H]), through the family's
+    own view of transformers' modules (names and layouts: Family.moe_modules, Family.grammar)."""
+    import re
+
+    from fp4kit.families import detect
+
+    owner = detect(config)
+    moe, grammar = owner.moe_modules(), owner.grammar
     with torch.no_grad():
         for module, weight in weights.items():
-            parent, proj = module.rsplit(".", 1)
-            experts, _, expert = parent.rpartition(".")
-            if experts.endswith(".experts") and expert.isdigit():
-                holder, e = model.get_submodule(experts), int(expert)
-                fused = holder.down_proj if proj == "down_proj" else holder.gate_up_proj
-                inter = weight.shape[0] if proj != "down_proj" else weight.shape[1]
-                rows = slice(inter, 2 * inter) if proj == "up_proj" else slice(0, weight.shape[0])
-                if bmm_experts:
-                    fused[e][:, rows] = weight.t().to(fused.dtype)
-                else:
-                    fused[e][rows] = weight.to(fused.dtype)
+            layer, rest = re.match(r"^(.*?layers\.\d+\.)?(.*)$", module).groups()
+            path = (layer or "") + moe.module_name(rest)
+            split = grammar.split_expert(path)
+            if split is not None and "." not in split[2]:
+                experts, e, proj = split
+                target = moe.weight(model.get_submodule(experts), e, proj, grammar)
             else:
-                model.get_submodule(module).weight.copy_(weight)
+                target = model.get_submodule(path).weight
+            target.copy_(weight.to(target.dtype))
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -72,7 +75,7 @@ def test_transformers_loads_the_dequantized_weights(family, monkeypatch, capsys,
     model, info = _load(dense, family)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     reference, _ = _load(tiny(family), family)
-    _substitute(reference, _decompressed(ckpt), bmm_experts=family.startswith("llama4"))
+    _substitute(reference, _decompressed(ckpt), config)
     loaded, expected = model.state_dict(), reference.state_dict()
     assert loaded.keys() == expected.keys()
     differ = [k for k in expected if not torch.equal(loaded[k], expected[k])]

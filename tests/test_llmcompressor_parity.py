@@ -109,3 +109,39 @@ def test_equal_to_llm_compressor_oneshot(family, tiny, tiny_nvfp4a16, tmp_path):
     mtp_modules = {n.removesuffix(".weight") for n in only_ours if len(ours.info(n).shape) == 2}
     assert set(our_ignore) == set(their_ignore) | mtp_modules
     assert our_q == their_q
+
+
+def test_minimax_m2_equal_to_llm_compressor_oneshot_under_its_names(tiny, tiny_nvfp4a16, tmp_path):
+    """MiniMax-M2: llm-compressor 0.14 linearizes transformers' fused experts and saves them as
+    `experts.E.gate_proj / up_proj / down_proj`; fp4kit keeps the release's `w1 / w3 / w2`, the names vLLM 0.33's
+    MiniMaxM2MoE loads (ckpt_names w1, w2, w3). Under that renaming every quantized tensor is byte-identical; attention
+    is ignored on both sides (fp4kit's default, as the published NVFP4 checkpoints). The correction bias is the
+    fp32 the source stores; `oneshot` saves the bf16 model's."""
+    pytest.importorskip("llmcompressor")
+    import transformers
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    src = tiny("minimax_m2")
+    model = transformers.MiniMaxM2ForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    oneshot(model=model, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16",
+                                                     ignore=[*LLMC_IGNORE, "re:.*self_attn.*"]))
+    model.save_pretrained(tmp_path / "llmc", save_compressed=True)
+    ours, theirs = CheckpointReader(tiny_nvfp4a16("minimax_m2")), CheckpointReader(tmp_path / "llmc")
+    renamed = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+    def their_name(name: str) -> str:
+        head, sep, tail = name.partition(".experts.")
+        if sep:
+            expert, proj, leaf = tail.split(".", 2)
+            return f"{head}{sep}{expert}.{renamed[proj]}.{leaf}"
+        return name
+
+    assert {their_name(n) for n in ours.names()} == set(theirs.names())
+    assert len([n for n in ours.names() if n.endswith(QUANTIZED_SUFFIXES)]) == 2 * 8 * 3 * 3
+    for name in ours.names():
+        kept, other = ours.read(name), theirs.read(their_name(name))
+        if name.endswith("e_score_correction_bias"):
+            assert kept.dtype == torch.float32 and torch.equal(kept.to(torch.bfloat16), other), name
+            continue
+        assert _same(kept, other), name

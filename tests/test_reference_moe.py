@@ -1,7 +1,9 @@
 """`fp4kit.verify.reference` against transformers 5.17's MoE blocks built from tiny configs with seeded weights.
 
 Oracles: Qwen3MoeSparseMoeBlock (`models/qwen3_moe/modeling_qwen3_moe.py`), Glm4MoeMoE (`models/glm4_moe/...`),
-Llama4TextMoe (`models/llama4/modeling_llama4.py`: fused gate_up_proj [E, H, 2I], router score scales the input).
+Llama4TextMoe (`models/llama4/modeling_llama4.py`: fused gate_up_proj [E, H, 2I], router score scales the input),
+MiniMaxM2SparseMoeBlock (`models/minimax_m2/...`: sigmoid router with correction bias), GptOssMLP
+(`models/gpt_oss/...`: gate_up_proj [E, H, 2I] with gate and up interleaved, biases, clamped SwiGLU with (up + 1)).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fp4kit.families.activation import swiglu_oai
 from fp4kit.families.routing import RoutingSpec, route
 from fp4kit.nvfp4 import fake_quantize_activation, quantize
 from fp4kit.verify.reference import dense_mlp, moe_reference
@@ -93,6 +96,58 @@ def test_matches_llama4_moe_block_input_scaling() -> None:
     got = moe_reference(hidden, weights, ids, w13, w2, spec)
     got = got + dense_mlp(hidden, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_matches_minimax_m2_moe_block() -> None:
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
+
+    config = MiniMaxM2Config(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    block = MiniMaxM2SparseMoeBlock(config).eval()
+    _seed_parameters(block, 4)
+    block.e_score_correction_bias.copy_(torch.randn(8) * 0.3)
+    hidden = torch.randn(1, TOKENS, HIDDEN)
+    with torch.no_grad():
+        expected = block(hidden)[0]
+    spec = RoutingSpec("sigmoid_grouped_topk", 8, 2)
+    weights, ids = route(torch.nn.functional.linear(hidden[0], block.gate.weight), spec, block.e_score_correction_bias)
+    got = moe_reference(hidden[0], weights, ids, block.experts.gate_up_proj, block.experts.down_proj, spec)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("w4a4", [False, True])
+def test_matches_gpt_oss_mlp_with_biases_and_clamped_swiglu(w4a4: bool) -> None:
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    block = GptOssMLP(config).eval()
+    _seed_parameters(block, 5)
+    hidden = 4 * torch.randn(1, TOKENS, HIDDEN)  # large enough that the clamp at 7 bites
+    experts = block.experts
+    gate_up = experts.gate_up_proj.transpose(1, 2)  # [E, 2I, H], rows gate, up, gate, up, ...
+    w13 = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)  # the canonical [gate; up] rows
+    b13 = torch.cat([experts.gate_up_proj_bias[:, 0::2], experts.gate_up_proj_bias[:, 1::2]], dim=1)
+    w2, b2 = experts.down_proj.transpose(1, 2), experts.down_proj_bias
+    with torch.no_grad():
+        expected = block(hidden)[0][0]
+        logits = torch.nn.functional.linear(hidden[0], block.router.weight, block.router.bias)
+        assert bool((hidden[0] @ gate_up[0].T).abs().max() > 7)
+    spec = RoutingSpec("topk_softmax", 8, 2)
+    weights, ids = route(logits, spec)
+    activation = swiglu_oai(limit=experts.limit, alpha=experts.alpha)
+    got = moe_reference(hidden[0], weights, ids, w13, w2, spec, activation=activation, biases=(b13, b2))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    unbiased = moe_reference(hidden[0], weights, ids, w13, w2, spec, activation=activation)
+    assert not torch.allclose(unbiased, expected, rtol=1e-3, atol=1e-3)
+    if w4a4:  # W4A4 emulation adds the biases and the activation at the same places
+        divisors = (torch.full((8,), 100 / 2688, dtype=torch.float64),) * 2  # amax 100 covers both GEMM inputs
+        emulated = moe_reference(hidden[0], weights, ids, w13, w2, spec, activation_global_div=divisors,
+                                 activation=activation, biases=(b13, b2))
+        relative = (emulated - expected).norm() / expected.norm()
+        assert 0 < relative < 0.25, relative
 
 
 @pytest.mark.parametrize("ep_size", [2, 3])

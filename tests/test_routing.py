@@ -2,7 +2,9 @@
 
 Oracles: `transformers/models/qwen3_moe/modeling_qwen3_moe.py` (Qwen3MoeTopKRouter),
 `transformers/models/glm4_moe/modeling_glm4_moe.py` (Glm4MoeTopkRouter),
-`transformers/models/llama4/modeling_llama4.py` (Llama4Router). The non-finite rule follows vLLM's
+`transformers/models/minimax_m2/modeling_minimax_m2.py` (MiniMaxM2SparseMoeBlock's gate and correction bias),
+`transformers/models/llama4/modeling_llama4.py` (Llama4Router), `transformers/models/gpt_oss/modeling_gpt_oss.py`
+(GptOssMLP's router, with its bias). The non-finite rule follows vLLM's
 `csrc/moe/topk_softmax_kernels.cu` fix (vllm-project/vllm#39391): zero non-finite scores before selection.
 """
 
@@ -73,6 +75,46 @@ def test_sigmoid_grouped_topk_matches_glm4_router(n_group: int, topk_group: int,
     torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("top_k", [1, 8])
+def test_sigmoid_grouped_topk_matches_minimax_m2_moe_block(top_k: int) -> None:
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
+
+    config = MiniMaxM2Config(hidden_size=HIDDEN, intermediate_size=16, num_local_experts=32, num_experts_per_tok=top_k)
+    block = MiniMaxM2SparseMoeBlock(config)
+    torch.manual_seed(4)
+    torch.nn.init.normal_(block.gate.weight, std=0.5)
+    block.e_score_correction_bias.copy_(torch.randn(32) * 0.3)  # wide enough to change the choice of experts
+    hidden = torch.randn(64, HIDDEN)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = block.gate(hidden, block.e_score_correction_bias)
+    weights, ids = route(logits, RoutingSpec("sigmoid_grouped_topk", 32, top_k), block.e_score_correction_bias)
+    unbiased = torch.topk(torch.sigmoid(logits), top_k, dim=-1).indices.sort(dim=-1).values
+    weights, ids = _sorted_by_id(weights, ids)
+    hf_weights, hf_ids = _sorted_by_id(hf_weights, hf_ids)
+    assert torch.equal(ids, hf_ids)
+    assert top_k == 1 or not torch.equal(ids, unbiased)  # the bias did select other experts somewhere
+    torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_topk_softmax_matches_gpt_oss_router(top_k: int) -> None:
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=16, num_local_experts=32, num_experts_per_tok=top_k)
+    mlp = GptOssMLP(config)
+    torch.manual_seed(5)
+    torch.nn.init.normal_(mlp.router.weight, std=0.5)
+    torch.nn.init.normal_(mlp.router.bias, std=0.5)
+    hidden = torch.randn(64, HIDDEN)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = mlp.router(hidden)
+    weights, ids = route(logits, RoutingSpec("topk_softmax", 32, top_k))
+    assert torch.equal(ids, hf_ids)
+    torch.testing.assert_close(weights, hf_weights, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_llama4_matches_llama4_router(top_k: int) -> None:
     from transformers.models.llama4.configuration_llama4 import Llama4TextConfig
@@ -98,6 +140,7 @@ SPECS = [
     RoutingSpec("sigmoid_grouped_topk", 32, 6, True, 4, 2, 2.5),
     RoutingSpec("sigmoid_grouped_topk", 16, 3, False, 1, 1, 1.0),
     RoutingSpec("llama4_sigmoid_top1", 16, 1),
+    RoutingSpec("topk_softmax", 16, 4),
 ]
 SPECIALS = st.sampled_from([float("nan"), float("inf"), float("-inf"), 0.0, 1e30, -1e30, 3.0])
 

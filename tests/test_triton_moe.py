@@ -454,3 +454,45 @@ def test_fused_combine_leaves_its_counters_at_zero() -> None:
         assert _relative_error(got.cpu(), expected) < 6e-3
     counters = {k[1]: v for k, v in moe_weights._cache.items() if k[0] == "counters"}
     assert sorted(counters) == ["gemm1", "gemm2"] and not any(bool(v.any()) for v in counters.values())
+
+
+GPT_OSS_CONFIGS = {
+    "two-gemms": CONFIG,
+    "sliced": KernelConfig(block_n2=64, block_k=64, slice_i=32, grouping="pair"),
+    "split-k": KernelConfig(block_m=16, block_n1=32, block_n2=64, block_k=32, num_warps=4, split_k=2),
+    "split-k-fused": KernelConfig(block_m=16, block_n1=32, block_n2=64, block_k=32, num_warps=4, split_k=2,
+                                  fused_combine=True),
+}
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize("config", list(GPT_OSS_CONFIGS))
+def test_gpt_oss_activation_and_biases_match_reference(config: str, w4a4: bool) -> None:
+    """gpt-oss's experts (clamped SwiGLU with (up + 1), w13 and w2 output biases) in every kernel path, against the
+    reference that matches transformers' GptOssMLP (tests/test_reference_moe.py); EP ranks sum to the whole."""
+    from fp4kit.families.activation import swiglu_oai
+
+    spec, hidden_size, inter_size = RoutingSpec("topk_softmax", 8, 2), 64, 32
+    w13, w2, hidden, logits = _setup(21, 5, 8, hidden_size, inter_size)
+    hidden = (hidden.float() * 12).to(torch.bfloat16)  # gate and up sums beyond the clamp at 7
+    generator = torch.Generator().manual_seed(22)
+    biases = (torch.randn(8, 2 * inter_size, generator=generator), torch.randn(8, hidden_size, generator=generator))
+    weights, ids = route(logits, spec)
+    activation = swiglu_oai()
+    divisors = (torch.full((8,), 40 / 2688, dtype=torch.float64), torch.full((8,), 400 / 2688, dtype=torch.float64))
+    divisors = divisors if w4a4 else None
+    dense13, dense2 = dequantize_experts(w13), dequantize_experts(w2)
+    assert bool((hidden.float() @ dense13[0].T).abs().max() > 7)
+    expected = moe_reference(hidden, weights, ids, dense13, dense2, spec, activation_global_div=divisors,
+                             activation=activation, biases=biases)
+    silu = moe_reference(hidden, weights, ids, dense13, dense2, spec, activation_global_div=divisors)
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE, activation=activation, biases=biases)
+    args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
+    cfg = GPT_OSS_CONFIGS[config]
+    got = fused_moe(*args, config=cfg).cpu()
+    error = _relative_error(got, expected)
+    assert error < (1e-4 if w4a4 else 6e-3), error
+    assert _relative_error(silu, expected) > 0.1  # the test would see a kernel that ignored activation or biases
+    owner = torch.arange(8, device=DEVICE) % 2
+    per_rank = [fused_moe(*args, owner == rank, cfg).cpu() for rank in range(2)]
+    torch.testing.assert_close(sum(per_rank), got, rtol=1e-5, atol=1e-4)

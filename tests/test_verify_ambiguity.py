@@ -176,3 +176,38 @@ def test_activation_block_scale_divides_exactly(device):
     expected = codes[(amaxes / unit).unsqueeze(-1).sub(codes).abs().argmin(dim=-1)] * block_scale / global_mul
     # one FP8 step moves a value by >= 1/16; the last bit of the dequantization's own division may differ by device
     torch.testing.assert_close(got[:, 3], expected, rtol=1e-6, atol=0)
+
+
+def test_gpt_oss_perturbations_within_the_accumulation_bound_always_pass():
+    """The same soundness for gpt-oss's experts: biases on both GEMMs and the clamped (up + 1) SwiGLU, with gate and
+    up sums large enough that the clamp at 7 bites."""
+    from fp4kit.families.activation import swiglu_oai
+
+    activation, flipped = swiglu_oai(), 0
+    for seed in range(4):
+        generator, spec, hidden, weights, ids, w13, w2, _ = _random_layer(seed)
+        hidden = hidden * 6
+        biases = (torch.randn(4, 64, generator=generator), torch.randn(4, 64, generator=generator))
+        divisors = (torch.full((4,), 30.0 / 2688, dtype=torch.float64),
+                    torch.full((4,), 60.0 / 2688, dtype=torch.float64))
+        expected = moe_reference(hidden, weights, ids, w13, w2, spec, activation_global_div=divisors,
+                                 activation=activation, biases=biases)
+        ambiguous, bound = w4a4_flip_bound(hidden, weights, ids, w13, w2, spec, divisors, activation=activation,
+                                           biases=biases)
+        got = torch.zeros_like(hidden)
+        for expert in torch.unique(ids).tolist():
+            token_idx, slot = torch.where(ids == expert)
+            x = fake_quantize_activation(hidden[token_idx], divisors[0][expert])
+            gate_up = F.linear(x, w13[expert], biases[0][expert])
+            spread = ACCUMULATION_EPS * F.linear(x.abs(), w13[expert].abs())
+            gate, up = (gate_up + spread * (2 * torch.rand(gate_up.shape, generator=generator) - 1)).chunk(2, dim=-1)
+            assert seed or bool((gate.abs() > 7).any())
+            inter = fake_quantize_activation(activation(gate, up), divisors[1][expert])
+            out = F.linear(inter, w2[expert], biases[1][expert])
+            got.index_add_(0, token_idx, out * weights[token_idx, slot, None])
+        differ = (got - expected).norm(dim=-1) > 1e-6 * expected.norm(dim=-1)
+        flipped += int(differ.sum())
+        assert not bool((differ & ~ambiguous).any())
+        passed, detail = ambiguous_rows_check(got, expected, ambiguous, bound, TOL)
+        assert passed, detail
+    assert flipped > 0

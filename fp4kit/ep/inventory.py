@@ -16,6 +16,7 @@ class ExpertTensor:
     expert: int
     proj: str  # the family grammar's gate, up or down
     leaf: str  # what follows the projection: weight_packed, weight_scale, input_global_scale, weight, ...
+    kernel: str  # w13 (gate, up) or w2 (down), by the family's grammar
 
 
 @dataclass
@@ -48,7 +49,7 @@ def scan_experts(names: list[str], num_experts: int, grammar: ExpertGrammar = DE
         module = expert.experts
         if modules.setdefault(layer, module) != module:
             raise Fp4kitError(f"layer {layer} has experts under two modules: {modules[layer]} and {module}")
-        experts[name] = ExpertTensor(layer, expert.expert, expert.proj, leaf)
+        experts[name] = ExpertTensor(layer, expert.expert, expert.proj, leaf, expert.fused)
     _check_complete(experts, modules, num_experts, grammar)
     return ExpertInventory(experts, modules)
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import fused_projection
 from fp4kit.io.shard_io import SourceTensor, read_bytes
 
 if TYPE_CHECKING:
@@ -54,7 +53,7 @@ def unify_input_scales(
     groups: dict[tuple[int, str, str], list[str]] = {}
     for name, t in inventory.experts.items():
         if t.leaf in INPUT_SCALE_LEAVES:
-            groups.setdefault((t.layer, fused_projection(t.proj), t.leaf), []).append(name)
+            groups.setdefault((t.layer, t.kernel, t.leaf), []).append(name)
     replacements: dict[str, bytes] = {}
     record: dict[str, dict[str, dict[str, float]]] = {}
     changed = 0

@@ -8,7 +8,9 @@ from fp4kit.families import (
     glm4_moe_lite,
     glm4v_moe,
     glm_moe_dsa,
+    gpt_oss,
     llama4,
+    minimax_m2,
     qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
@@ -23,6 +25,8 @@ FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, gl
                                  glm_moe_dsa.FAMILY,
                                  qwen3_next.FAMILY,
                                  qwen3_5_moe.FAMILY,
+                                 minimax_m2.FAMILY,
+                                 gpt_oss.FAMILY,
                                  )
 
 

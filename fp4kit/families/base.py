@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.activation import SILU, ExpertActivation
 from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class Family:
     hf_fused_experts: bool = False
     # the names of the family's MoE block on disk (experts, projections, fused tensors, router, shared expert)
     grammar: ExpertGrammar = DEFAULT
+    # the routed experts' activation between their GEMMs (SwiGLU but for gpt-oss)
+    activation: Callable[[dict], ExpertActivation] = field(default=lambda tc: SILU)
     # how transformers' classes of the family hold and run its MoE block (fp4kit.families.moe_modules, torch)
     moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
@@ -181,6 +184,7 @@ class SourceRef:
     span: tuple[int, int] | None = None  # range of output features (gate or up) inside the fused matrix
     transposed: bool = False  # the expert's matrix is stored [K, N] rather than [N, K]
     quantized: QuantizedLinear | None = None  # the source stores it quantized (FP8 block, packed INT): dequantize
+    step: int = 1  # every step-th feature of the span (gpt-oss interleaves gate and up)
 
 
 @dataclass(frozen=True)
@@ -286,15 +290,21 @@ def shared_expert_modules(experts: str, grammar: ExpertGrammar = DEFAULT) -> lis
     return grammar.shared_expert_modules(experts)
 
 
-def _sibling_set(leaf: str) -> int | None:
-    return next((i for i, members in enumerate(FUSED_SIBLINGS) if leaf in members), None)
+def _siblings(grammar: ExpertGrammar) -> tuple[tuple[str, ...], ...]:
+    """FUSED_SIBLINGS, plus the grammar's expert gate/up where they are not gate_proj / up_proj (MiniMax's w1 / w3;
+    its dense MLPs, if it had any, would still be gate_proj / up_proj)."""
+    return FUSED_SIBLINGS if grammar.w13 == DEFAULT.w13 else (*FUSED_SIBLINGS, grammar.w13)
 
 
-def weight_scale_group(module: str) -> str:
+def _sibling_set(leaf: str, grammar: ExpertGrammar = DEFAULT) -> int | None:
+    return next((i for i, members in enumerate(_siblings(grammar)) if leaf in members), None)
+
+
+def weight_scale_group(module: str, grammar: ExpertGrammar = DEFAULT) -> str:
     """Modules whose weights a kernel fuses share this key, and must share one weight global scale: q/k/v of one
     attention, gate/up of one MLP or expert; any other module is a group of its own."""
     parent, leaf = module.rsplit(".", 1) if "." in module else ("", module)
-    sibling = _sibling_set(leaf)
+    sibling = _sibling_set(leaf, grammar)
     return module if sibling is None else f"{parent}#{sibling}"
 
 
@@ -303,7 +313,7 @@ def input_scale_group(module: str, grammar: ExpertGrammar = DEFAULT) -> str:
     or w2: the kernels quantize the hidden states once for every expert, and EP then needs no all-reduce), and the
     fused groups of ``weight_scale_group``."""
     expert = expert_module(module, grammar)
-    return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module)
+    return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module, grammar)
 
 
 def layer_of(name: str) -> int | None:
@@ -341,7 +351,7 @@ def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int,
     gate_up = leaf == grammar.fused_gate_up
     if gate_up:
         out_features, in_features = inter, hidden
-        parts = [(grammar.gate, (0, inter)), (grammar.up, (inter, 2 * inter))]
+        parts = [(p, grammar.gate_up_rows(p, inter)) for p in grammar.w13]
     else:
         out_features, in_features = hidden, inter
         parts = [(grammar.down, None)]
@@ -358,19 +368,21 @@ def _split_fused(name: str, shape: tuple[int, ...], hidden: int, inter: int,
     found = []
     for e in range(shape[0]):
         parent = f"{experts_path}.{e}"
-        for proj, span in parts:
-            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, span, transposed), out_features, in_features)
+        for proj, rows in parts:
+            span, step = (None, 1) if rows is None else (rows[:2], rows[2])
+            linear = Linear(f"{parent}.{proj}", SourceRef(name, e, span, transposed, step=step), out_features,
+                            in_features)
             found.append(Candidate(linear, layer_of(name), e, parent))
     return found
 
 
-def fused_groups(selected: list[Candidate]) -> list[list[Candidate]]:
+def fused_groups(selected: list[Candidate], grammar: ExpertGrammar = DEFAULT) -> list[list[Candidate]]:
     """Group q/k/v and gate/up siblings (those selected, by ``weight_scale_group``) so they share a global scale,
     each group in its sibling order; others stand alone."""
     by_group: dict[str, list[Candidate]] = {}
     groups: list[list[Candidate]] = []
     for cand in selected:
-        key = weight_scale_group(cand.linear.module)
+        key = weight_scale_group(cand.linear.module, grammar)
         if key == cand.linear.module:
             groups.append([cand])
             continue
@@ -378,7 +390,7 @@ def fused_groups(selected: list[Candidate]) -> list[list[Candidate]]:
             by_group[key] = []
             groups.append(by_group[key])
         by_group[key].append(cand)
-    order = {name: i for names in FUSED_SIBLINGS for i, name in enumerate(names)}
+    order = {name: i for names in _siblings(grammar) for i, name in enumerate(names)}
     for group in groups:
         group.sort(key=lambda c: order.get(c.linear.module.rsplit(".", 1)[-1], 0))
     return groups

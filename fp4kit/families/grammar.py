@@ -28,6 +28,9 @@ class ExpertGrammar:
     down: str = "down_proj"
     fused_gate_up: str = "gate_up_proj"  # the fused-on-disk tensors, [E, ...] over every expert of a layer
     fused_down: str = "down_proj"
+    # the fused gate/up tensor's output features alternate gate, up, gate, ... (gpt-oss) instead of gate rows, then
+    # up rows
+    interleaved: bool = False
     # beside the experts: the router (Qwen3 / GLM / DeepSeek `gate`, Llama-4 `router`), in the order to try; GLM's
     # and DeepSeek's selection bias; the shared expert (GLM / DeepSeek `shared_experts`, Qwen3 / Llama-4
     # `shared_expert`), in the order to try
@@ -68,6 +71,11 @@ class ExpertGrammar:
     def fused_leaf(self, proj: str) -> str:
         """The fused-on-disk tensor holding an expert projection."""
         return self.fused_gate_up if proj in self.w13 else self.fused_down
+
+    def gate_up_rows(self, proj: str, inter: int) -> tuple[int, int, int]:
+        """(start, stop, step) of gate's or up's output features inside the fused gate/up tensor."""
+        first = 0 if proj == self.gate else (1 if self.interleaved else inter)
+        return (first, 2 * inter, 2) if self.interleaved else (first, first + inter, 1)
 
     def fused_parts(self, leaf: str) -> tuple[str, ...]:
         """The projections a fused tensor holds, in row order (gate rows before up rows)."""

@@ -31,6 +31,20 @@ class MoEModules:
     experts_attribute = "experts"  # the experts module under the MoE block
     bmm = False  # experts held [E, K, N] (x @ W) rather than [E, N, K]
 
+    def __init__(self, renames: tuple[tuple[str, str], ...] = ()) -> None:
+        # (transformers' module name, the checkpoint's) under a decoder layer where the two differ: transformers'
+        # conversion mapping renames them on load (MiniMax-M2's block_sparse_moe is its mlp)
+        self.renames = renames
+
+    def checkpoint_name(self, key: str) -> str:
+        """The checkpoint's name (relative to the decoder layer) of a module or state-dict key of transformers'
+        decoder layer."""
+        return _rename(key, self.renames)
+
+    def module_name(self, name: str) -> str:
+        """transformers' name of a checkpoint module or tensor name relative to the decoder layer."""
+        return _rename(name, tuple((disk, module) for module, disk in self.renames))
+
     def experts(self, block: nn.Module) -> nn.Module | None:
         """The routed experts module of a MoE block, None for any other module."""
         experts = getattr(block, self.experts_attribute, None)
@@ -83,6 +97,10 @@ class MoEModules:
         rows = fused.shape[0] // 2
         return fused[:rows] if proj == grammar.gate else fused[rows:]
 
+    def gated(self, experts: nn.Module, expert: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The input of expert ``expert``'s down projection from its gate and up products (w13 x, no bias)."""
+        return experts.act_fn(gate) * up
+
     def w4a4_forward(self, experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor],
                      fake_quantize: FakeQuantize) -> Callable:
         """The experts' forward with each expert's gate/up input and down input quantized (expert by expert, the
@@ -129,5 +147,62 @@ class BmmExperts(MoEModules):
         return forward
 
 
+class GptOssExperts(MoEModules):
+    """gpt-oss's experts (transformers' GptOssExperts): BMM layout [E, H, 2I] / [E, I, H] with gate and up interleaved
+    along 2I, biases ``gate_up_proj_bias`` [E, 2I] (same order) and ``down_proj_bias`` [E, H], the clamped SwiGLU of
+    ``_apply_gate`` with the module's ``alpha`` and ``limit``; ``forward(hidden [T, H], router_indices,
+    routing_weights)``."""
+
+    bmm = True
+
+    def w13(self, experts: nn.Module, expert: int) -> torch.Tensor:
+        """[2I, H] in fp4kit's [gate; up] order (a copy: the stored rows are interleaved)."""
+        fused = experts.gate_up_proj[expert].t()
+        return torch.cat([fused[0::2], fused[1::2]])
+
+    def weight(self, experts: nn.Module, expert: int, proj: str, grammar: ExpertGrammar) -> torch.Tensor:
+        if proj == grammar.down:
+            return self.w2(experts, expert)
+        fused = experts.gate_up_proj[expert].t()
+        return fused[0::2] if proj == grammar.gate else fused[1::2]  # views: every other row
+
+    def gated(self, experts: nn.Module, expert: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        bias = experts.gate_up_proj_bias[expert]
+        return self._apply(experts, gate + bias[0::2], up + bias[1::2])
+
+    @staticmethod
+    def _apply(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=experts.limit)
+        up = up.clamp(min=-experts.limit, max=experts.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * experts.alpha))
+
+    def w4a4_forward(self, experts: nn.Module, div13: list[torch.Tensor], div2: list[torch.Tensor],
+                     fake_quantize: FakeQuantize) -> Callable:
+        owner = weakref.ref(experts)
+
+        def forward(hidden_states: torch.Tensor, router_indices: torch.Tensor,
+                    routing_weights: torch.Tensor) -> torch.Tensor:
+            experts = owner()
+            out = torch.zeros_like(hidden_states)
+            for e in torch.unique(router_indices).tolist():
+                token_idx, slot = torch.where(router_indices == e)
+                x = fake_quantize(hidden_states[token_idx], div13[e])
+                fused = x @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+                inter = self._apply(experts, fused[..., 0::2], fused[..., 1::2])
+                y = fake_quantize(inter, div2[e]) @ experts.down_proj[e] + experts.down_proj_bias[e]
+                out.index_add_(0, token_idx, (y * routing_weights[token_idx, slot, None]).to(out.dtype))
+            return out
+
+        return forward
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    for old, new in renames:
+        if name == old or name.startswith(f"{old}."):
+            return new + name[len(old):]
+    return name
+
+
 FUSED_EXPERTS = MoEModules()
 BMM_EXPERTS = BmmExperts()
+GPT_OSS_EXPERTS = GptOssExperts()

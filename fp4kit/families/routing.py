@@ -1,6 +1,7 @@
 """MoE routing: router logits -> (weights, expert ids), one function for every supported family.
 
-Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,deepseek_v3,llama4}/modeling_*.py`):
+Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,deepseek_v3,minimax_m2,llama4,gpt_oss}/
+modeling_*.py`):
 
 - ``softmax_topk`` (Qwen3-MoE, Qwen3-VL-MoE; `Qwen3MoeTopKRouter`): softmax over all experts in fp32, top-k,
   divide by the sum of the k probabilities when ``renormalize`` (config ``norm_topk_prob``).
@@ -12,6 +13,8 @@ Semantics, as read from transformers 5.17 (`models/{qwen3_moe,glm4_moe,deepseek_
 - ``llama4_sigmoid_top1`` (Llama-4; `Llama4Router`): top-k (k = 1 in every released model) on the raw logits, weight
   = sigmoid(logit); never renormalized (``renormalize`` is ignored). The weight scales the expert *input*
   (`fp4kit.verify.reference.moe_reference` does that), not the output.
+- ``topk_softmax`` (gpt-oss; `GptOssTopKRouter`): top-k on the raw logits (the router Linear has a bias, which the
+  logits include), then softmax over the k chosen logits only; ``renormalize`` is ignored (the weights sum to 1).
 
 Robustness (as vLLM's topk_softmax fix): non-finite selection scores are replaced by 0 before selection,
 and ties are broken towards the lowest expert id, so a row of NaN/±Inf logits still yields k distinct ids in [0, E)
@@ -29,8 +32,8 @@ from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
 
-RoutingKind = Literal["softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1"]
-_KINDS = ("softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1")
+RoutingKind = Literal["softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1", "topk_softmax"]
+_KINDS = ("softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1", "topk_softmax")
 # GLM scores a group by the sum of its best two biased scores (vLLM and transformers alike).
 _GROUP_SCORE_TOP = 2
 
@@ -98,6 +101,9 @@ def route(logits: Tensor, spec: RoutingSpec, correction_bias: Tensor | None = No
             weights = _renormalize(weights)
     elif spec.kind == "sigmoid_grouped_topk":
         weights, ids = _grouped_topk(_finite_or_zero(torch.sigmoid(logits)), spec, correction_bias)
+    elif spec.kind == "topk_softmax":
+        top_logits, ids = _topk_lowest_id_on_ties(_finite_or_zero(logits), spec.top_k)
+        weights = torch.softmax(top_logits, dim=-1)
     else:
         top_logits, ids = _topk_lowest_id_on_ties(_finite_or_zero(logits), spec.top_k)
         weights = torch.sigmoid(top_logits)

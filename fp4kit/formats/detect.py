@@ -179,9 +179,11 @@ def _evidence(names: list[str]) -> dict[str, str]:
 
 
 def open_checkpoint(root: str | Path, strict: bool = True,
-                    reader: CheckpointReader | None = None) -> QuantizedCheckpoint:
+                    reader: CheckpointReader | None = None, modules_required: bool = True) -> QuantizedCheckpoint:
     """Open an NVFP4 checkpoint directory of any registered dialect (raises Fp4kitError when it is not usable).
     ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False.
+    ``modules_required`` False: a directory whose quantized modules are all elsewhere (a layout's MoE layers in
+    kernel form, when only the routed experts were quantized) opens with none.
     ``reader``: a reader of ``root`` the caller already holds open (``strict`` is then its own); the checkpoint
     closes it."""
     root = Path(root)
@@ -203,7 +205,7 @@ def open_checkpoint(root: str | Path, strict: bool = True,
         if fmt is None:
             raise Fp4kitError(f"{root}: unknown dialect: no NVFP4 quantization config and no quantized tensors")
         modules = fmt.find_modules(reader)
-        if not modules:
+        if not modules and modules_required:
             raise Fp4kitError(f"{root}: declares {fmt.name} quantization but holds no quantized tensors")
         if qconfig:
             scheme = fmt.scheme(qconfig)

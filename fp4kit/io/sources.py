@@ -142,8 +142,8 @@ def detect_source(config: dict, tensors: dict[str, tuple[torch.dtype, tuple[int,
         return _nvfp4_or_refuse(qc.get("quant_algo"), f"{where}.quant_algo", tensors)
     elif method == "mxfp4" and any(n.endswith(MXFP4_BLOCKS_SUFFIX) for n in tensors):
         raise Fp4kitError(f"{where}.quant_method: mxfp4 with *{MXFP4_BLOCKS_SUFFIX} tensors: gpt-oss's MXFP4 experts; "
-                          "fp4kit reads their values (fp4kit.io.sources.dequantize_mxfp4) but has no gpt-oss family to "
-                          "quantize them with yet")
+                          "fp4kit reads their values (fp4kit.io.sources.dequantize_mxfp4) but does not quantize from "
+                          "that release yet; start from a BF16 copy (the gpt_oss family reads it)")
     else:
         raise Fp4kitError(f"{where}.quant_method: {method!r}; fp4kit reads unquantized sources, fp8 (block-scaled) "
                           "and compressed-tensors (pack-quantized, float-quantized, mxfp4-pack-quantized)")
@@ -682,9 +682,10 @@ def model_dtype(config: dict) -> torch.dtype:
 # --- writing sources (fixtures, benchmarks) -------------------------------------------------------------------
 
 FP8_MAX = 448.0
-# Linears the published FP8 sources keep in bf16: lm_head and the routers (DeepSeek-V3's files, Qwen3's), and
-# DeepSeek-V3.2's indexer head weights (its files store indexer.weights_proj bf16 beside FP8 wq_b and wk)
-KEPT_BY_FP8_SOURCES = re.compile(r"(^|\.)lm_head$|mlp\.gate$|shared_expert_gate$|(embed|norm)[^.]*$"
+# Linears the published FP8 sources keep in bf16: lm_head and the routers (DeepSeek-V3's files, Qwen3's; MiniMax-M2's
+# `block_sparse_moe.gate`, its config's modules_to_not_convert "gate"), and DeepSeek-V3.2's indexer head weights (its
+# files store indexer.weights_proj bf16 beside FP8 wq_b and wk)
+KEPT_BY_FP8_SOURCES = re.compile(r"(^|\.)lm_head$|(mlp|block_sparse_moe)\.gate$|shared_expert_gate$|(embed|norm)[^.]*$"
                                  r"|indexer\.weights_proj$")
 
 

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import EXPERT_PROJS, group_experts, layer_of
+from fp4kit.families.base import group_experts, layer_of
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files, open_checkpoint
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.io.output import atomic_directory
@@ -100,10 +100,11 @@ class LayoutReport:
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
-    grouped = group_experts(((module.name, module) for module in ckpt.modules), ckpt.grammar)
+    grammar = ckpt.grammar
+    grouped = group_experts(((module.name, module) for module in ckpt.modules), grammar)
     family, text_config = ckpt.family, ckpt.family.text_config(ckpt.config) if ckpt.family else {}
     layers = [_moe_layer(experts, found, family.layer_index(experts + ".", text_config) if family else
-                         layer_of(experts + ".")) for experts, found in grouped.items()]
+                         layer_of(experts + "."), grammar.projections) for experts, found in grouped.items()]
     seen: dict[int, str] = {}
     for layer in layers:
         if seen.setdefault(layer.layer, layer.experts) != layer.experts:
@@ -118,7 +119,8 @@ def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
     return sorted(layers, key=lambda lay: lay.layer)
 
 
-def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], layer: int | None) -> MoELayer:
+def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], layer: int | None,
+               projections: tuple[str, str, str]) -> MoELayer:
     if layer is None:
         raise Fp4kitError(f"{experts}: routed experts outside a `layers.N` module")
     if sorted(found) != list(range(len(found))):
@@ -126,11 +128,11 @@ def _moe_layer(experts: str, found: dict[int, dict[str, QuantModule]], layer: in
         raise Fp4kitError(f"{experts}: expert {missing[0]} is not an NVFP4 module (experts must be 0..E-1)")
     members = []
     for e in sorted(found):
-        lacking = [p for p in EXPERT_PROJS if p not in found[e]]
+        lacking = [p for p in projections if p not in found[e]]
         if lacking:
             raise Fp4kitError(f"{experts}.{e}: {lacking[0]} is not NVFP4-quantized; every expert needs gate, up "
                               f"and down in NVFP4")
-        members.append(tuple(found[e][p] for p in EXPERT_PROJS))
+        members.append(tuple(found[e][p] for p in projections))
     gate = members[0][0]
     hidden, intermediate = gate.in_features, gate.out_features
     expected = ((intermediate, hidden), (intermediate, hidden), (hidden, intermediate))

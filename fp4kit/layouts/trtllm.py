@@ -254,11 +254,12 @@ def undo(tensors: dict[str, torch.Tensor], meta: LayoutMeta) -> tuple[NVFP4Tenso
 
 
 def _routing_bias(root: str | os.PathLike, experts: str) -> torch.Tensor | None:
-    """The router's selection bias (GLM's `<moe>.gate.e_score_correction_bias`), which the TRT-LLM-gen router takes."""
-    from fp4kit.families.base import router_bias_name
-    from fp4kit.io.checkpoint import CheckpointReader
+    """The router's selection bias (GLM's `<moe>.gate.e_score_correction_bias`, MiniMax's beside the gate), which the
+    TRT-LLM-gen router takes."""
+    from fp4kit.families import detect
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
 
-    name = router_bias_name(experts)
+    name = detect(read_config(root)).grammar.router_bias_name(experts)
     with CheckpointReader(root) as reader:
         return reader.read(name) if name in reader else None
 

@@ -30,6 +30,8 @@ DEMO_MODELS: dict[str, dict] = {
     "glm4_moe_lite": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
     "deepseek_v32": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
     "glm_moe_dsa": {"moe_intermediate_size": DEMO_INTERMEDIATE, "n_routed_experts": DEMO_EXPERTS},
+    "minimax_m2": {"intermediate_size": DEMO_INTERMEDIATE, "num_local_experts": DEMO_EXPERTS},
+    "gpt_oss": {"intermediate_size": DEMO_INTERMEDIATE, "num_local_experts": DEMO_EXPERTS},
     "qwen3_next": {"moe_intermediate_size": DEMO_INTERMEDIATE, "num_experts": DEMO_EXPERTS},
     "qwen3_5_moe": {"moe_intermediate_size": DEMO_INTERMEDIATE, "num_experts": DEMO_EXPERTS, **_VISION_OUT},
 }

@@ -61,13 +61,14 @@ class _LayerHooks:
         self.handles = []
         self.moe_experts: list[nn.Module] = []
         for name, module in layer.named_modules():
-            if isinstance(module, nn.Linear) and self._wanted(self.layer_prefix + name):
-                self.handles.append(module.register_forward_pre_hook(self._linear_hook(self.layer_prefix + name)))
+            path = self.layer_prefix + self.moe.checkpoint_name(name)
+            if isinstance(module, nn.Linear) and self._wanted(path):
+                self.handles.append(module.register_forward_pre_hook(self._linear_hook(path)))
             experts = self.moe.experts(module)
             if experts is not None:
                 self.moe_experts.append(experts)
                 self.handles.append(self.moe.router(module).register_forward_hook(self._router_hook))
-                self.handles.append(module.register_forward_hook(self._moe_hook(self.layer_prefix + name, experts)))
+                self.handles.append(module.register_forward_hook(self._moe_hook(path, experts)))
 
     def _wanted(self, name: str) -> bool:
         return self.modules is None or name in self.modules
@@ -139,7 +140,7 @@ class _AmaxRecorder(_LayerHooks):
             gate, up = product(x, weight).chunk(2, dim=-1)
             self._update(gate_name, x_amax)
             self._update(up_name, x_amax)
-            self._update(down_name, (experts.act_fn(gate) * up).abs().amax())
+            self._update(down_name, self.moe.gated(experts, e, gate, up).abs().amax())
 
     def flush(self, result: CalibrationResult, index: int) -> None:
         self.close()
@@ -358,7 +359,7 @@ class _SecondMomentRecorder(_LayerHooks):
                 x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
             self._add(names[:2], x)
             gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
-            self._add(names[2:], experts.act_fn(gate) * up)
+            self._add(names[2:], self.moe.gated(experts, e, gate, up))
 
     def close(self) -> LayerStatistics:  # type: ignore[override]
         super().close()
@@ -379,7 +380,7 @@ class LoadedLayer:
     def weight(self, name: str) -> torch.Tensor:
         """The [N, K] weight of module ``name`` as a view of the layer's parameters: an nn.Linear's weight, or a
         routed expert's gate rows, up rows (of transformers' fused gate_up_proj) or down_proj."""
-        relative = name[len(self.prefix):]
+        relative = self.moe.module_name(name[len(self.prefix):])
         head, _, leaf = relative.rpartition(".")
         experts_path, _, expert = head.rpartition(".")
         experts = self.module.get_submodule(experts_path) if expert.isdigit() and experts_path else None

@@ -10,6 +10,7 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import input_scale_group
+from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.nvfp4 import divisor_from_amax
 from fp4kit.quantize.plan import ModelPlan
 
@@ -17,9 +18,9 @@ POLICIES = ("shared", "per-expert")
 ROUTING_STATS_NAME = "fp4kit_routing_stats.json"
 
 
-def _projection_key(module: str, expert: int | None) -> str:
+def _projection_key(module: str, expert: int | None, grammar: ExpertGrammar) -> str:
     """Modules that share one input scale under the `shared` policy: a layer's routed experts, per projection."""
-    return module if expert is None else input_scale_group(module)
+    return module if expert is None else input_scale_group(module, grammar)
 
 
 def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: str) -> dict[str, torch.Tensor]:
@@ -35,12 +36,12 @@ def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: 
             raise Fp4kitError(f"{c.linear.module}: calibration gave a non-finite input amax ({amax}) in layer "
                               f"{c.layer}: the layer's activations overflow or hold NaN")
         if amax > 0:
-            key = _projection_key(c.linear.module, c.expert)
+            key = _projection_key(c.linear.module, c.expert, plan.family.grammar)
             shared[key] = max(shared.get(key, 0.0), amax)
     divisors = {}
     for c in members:
         amax = input_amax.get(c.linear.module, 0.0)
-        key = _projection_key(c.linear.module, c.expert)
+        key = _projection_key(c.linear.module, c.expert, plan.family.grammar)
         if policy == "shared" or not amax > 0:
             amax = shared.get(key, 0.0)
         divisors[c.linear.module] = torch.tensor(divisor_from_amax(amax), dtype=torch.float64)

@@ -135,12 +135,12 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str, d
     stacked on ``device``, the rest where the reader puts them)."""
     state: dict[str, torch.Tensor] = {}
     for key, expected in layer.state_dict().items():
-        name = prefix + key
+        name = prefix + text.moe.checkpoint_name(key)
         parts = text.moe.stacked_parts(key, text.grammar)
         if name in reader:
             tensor = reader.read(name)
         elif parts is not None:
-            tensor = _stack_experts(reader, name, expected, device, parts, text.grammar)
+            tensor = _stack_experts(reader, name, expected, device, parts, text.grammar, text.moe.bmm)
         else:
             tensor = None
         if tensor is None:
@@ -155,10 +155,11 @@ def _layer_state_dict(reader: CheckpointReader, layer: nn.Module, prefix: str, d
 
 
 def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor, device: torch.device,
-                   parts: tuple[str, ...], grammar: ExpertGrammar) -> torch.Tensor | None:
+                   parts: tuple[str, ...], grammar: ExpertGrammar, bmm: bool = False) -> torch.Tensor | None:
     """Per-expert checkpoint tensors read straight into the fused parameter transformers holds ([E, 2I, H] as
-    cat(gate, up) per expert, or [E, H, I]), allocated on ``device``: the host holds only the experts in flight.
-    Experts are read by a few threads (reads and finiteness checks release the GIL)."""
+    cat(gate, up) per expert, or [E, H, I]; ``bmm``: [E, H, 2I], [E, I, H]; gate and up interleaved where the grammar
+    says so), allocated on ``device``: the host holds only the experts in flight. Experts are read by a few threads
+    (reads and finiteness checks release the GIL)."""
     experts = name.rsplit(".", 1)[0]
     names = [[f"{grammar.expert_linear(experts, e, part)}.weight" for part in parts] for e in range(expected.shape[0])]
     if not all(n in reader for per_expert in names for n in per_expert):
@@ -167,14 +168,16 @@ def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor, 
 
     @torch.inference_mode()  # per thread: the fused tensor may be an inference tensor of the caller's
     def place(e: int) -> None:
-        row = 0
-        for n in names[e]:
+        target = fused[e].t() if bmm else fused[e]  # [N_total, K]
+        for part_name, n in zip(parts, names[e], strict=True):
             part = reader.read(n)
-            if part.shape != fused[e, row : row + part.shape[0]].shape:
+            start, stop, step = (grammar.gate_up_rows(part_name, part.shape[0]) if len(parts) == 2
+                                 else (0, part.shape[0], 1))  # gate rows then up rows, or interleaved (gpt-oss)
+            rows = target[start:stop:step]
+            if part.shape != rows.shape:
                 raise Fp4kitError(f"{n}: shape {list(part.shape)} does not fit transformers' {name} "
                                   f"{list(expected.shape)}")
-            fused[e, row : row + part.shape[0]].copy_(part)
-            row += part.shape[0]
+            rows.copy_(part)
 
     with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(names)), thread_name_prefix="fp4kit-read") as pool:
         list(pool.map(place, range(len(names))))

@@ -130,7 +130,7 @@ def build_plan(
         dtype = reader.info(c.linear.source.tensor).dtype
         if not dtype.is_floating_point or dtype.itemsize == 1:
             raise Fp4kitError(f"{c.linear.source.tensor}: dtype {dtype} cannot be quantized (already quantized?)")
-    grouped = fused_groups(chosen)
+    grouped = fused_groups(chosen, family.grammar)
     if modelopt_layout and family.modelopt_fused_experts:
         grouped = _merge_fused_experts(grouped)
     groups = [QuantGroup(g) for g in grouped]
@@ -292,6 +292,6 @@ def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torc
             rows[key] = reader.read_rows(src.tensor, src.expert, src.expert + 1, check_finite=False)[0]
         matrix = rows[key].t() if src.transposed else rows[key]  # [N_total, K]
         if src.span is not None:
-            matrix = matrix[src.span[0] : src.span[1]]
+            matrix = matrix[src.span[0] : src.span[1] : src.step]
         weights.append(matrix.contiguous())
     return weights

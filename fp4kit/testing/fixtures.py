@@ -24,6 +24,8 @@ FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "lla
             "qwen3_next",
             "qwen3_5_moe",
             "qwen3_5_moe_text",
+            "minimax_m2",
+            "gpt_oss",
             )
 # MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32:
 # the GLM router as GLM-4.5's files (not checked against GLM-4.7-Flash's or GLM-5's), DeepSeek-V3.2's indexer k_norm
@@ -54,6 +56,8 @@ RECIPE_STAND_INS = {
     "qwen3_next": {"moe_intermediate_size": 64, "num_experts": 8},
     "qwen3_5_moe": {"moe_intermediate_size": 64, "num_experts": 8},
     "qwen3_5_moe_text": {"moe_intermediate_size": 64, "num_experts": 8},
+    "minimax_m2": {"intermediate_size": 64, "num_local_experts": 8},
+    "gpt_oss": {"intermediate_size": 64, "num_local_experts": 8},  # down_proj [E, 64, 64] square, as the 120b's
 }
 
 
@@ -109,7 +113,23 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
         tensors = load_file(single)
         tensors.update(_qwen_mtp_block(tensors, model.config.get_text_config(), seed))
         save_file(tensors, single, metadata={"format": "pt"})
+    if name == "minimax_m2":
+        _minimax_correction_bias(path / "model.safetensors", seed)
     return path
+
+
+def _minimax_correction_bias(single: Path, seed: int) -> None:
+    """MiniMax-M2's `block_sparse_moe.e_score_correction_bias` is a buffer (zeros in a fresh model) that selects
+    experts: give it seeded values so that routing depends on it, in fp32 as transformers holds it and vLLM's
+    MiniMaxM2MoE loads it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(single)
+    generator = torch.Generator().manual_seed(seed + 2)
+    for tname, t in tensors.items():
+        if tname.endswith("e_score_correction_bias"):
+            tensors[tname] = 0.05 * torch.randn(t.shape, generator=generator)
+    save_file(tensors, single, metadata={"format": "pt"})
 
 
 def _linear_modules(tensors: dict[str, torch.Tensor]):

@@ -25,6 +25,7 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import layer_of, routed_expert
+from fp4kit.families.grammar import DEFAULT
 from fp4kit.formats.base import Dialect
 from fp4kit.formats.detect import (
     EXACT_SCALES_KEY,
@@ -200,7 +201,7 @@ def convert_checkpoint(
         scales = _scales(ckpt)
         repaired = RepairReport() if repair else None
         if repaired is not None:
-            scales = unified_scales(scales, repaired)
+            scales = unified_scales(scales, repaired, ckpt.family.grammar if ckpt.family is not None else DEFAULT)
         fused, notes = _fused_jobs(ckpt, scales) if target.writes_fused(ckpt.family) else ([], [])
         in_fused = {id(m) for job in fused for m in job.members}
         jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.passthrough]

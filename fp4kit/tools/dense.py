@@ -77,12 +77,12 @@ class DenseView:
         info = self.info(name)
         out = torch.empty(info.shape, dtype=self.dtype)
         for e, (gate, up, down) in enumerate(layer.members):
-            parts = (gate, up) if leaf == self.grammar.fused_gate_up else (down,)
-            column = 0
-            for module in parts:  # canonical [N, K] -> K-major columns
-                out[e, :, column : column + module.out_features] = self.ckpt.read_weight(module).dequantize(
-                    self.dtype).t()
-                column += module.out_features
+            if leaf != self.grammar.fused_gate_up:  # canonical [N, K] -> K-major columns
+                out[e] = self.ckpt.read_weight(down).dequantize(self.dtype).t()
+                continue
+            for proj, module in zip(self.grammar.w13, (gate, up), strict=True):
+                start, stop, step = self.grammar.gate_up_rows(proj, module.out_features)
+                out[e, :, start:stop:step] = self.ckpt.read_weight(module).dequantize(self.dtype).t()
         return out
 
 

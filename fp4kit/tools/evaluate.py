@@ -88,7 +88,7 @@ def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tenso
     moe, grammar = family.moe_modules(), family.grammar
     covered: set[str] = set()
     for name, sub in module.named_modules():
-        full = prefix + name
+        full = prefix + moe.checkpoint_name(name)
         if isinstance(sub, nn.Linear) and full in divisors:
             sub.register_forward_pre_hook(_linear_input_hook(divisors[full]))
             covered.add(full)

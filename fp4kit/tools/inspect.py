@@ -29,6 +29,7 @@ import numpy
 import torch
 
 from fp4kit.families.base import ROUTER_RE, expert_module, layer_of, weight_scale_group
+from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layouts import marlin
 from fp4kit.registry import BACKEND_NAMES, backends
@@ -147,10 +148,11 @@ def _marlin_zeroed(histograms: dict[str, numpy.ndarray]) -> dict[str, int]:
     return zeroed
 
 
-def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding]) -> None:
+def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[Finding],
+                  grammar: ExpertGrammar) -> None:
     groups: dict[str, list[str]] = {}
     for name in scales:
-        if (group := weight_scale_group(name)) != name:  # q/k/v or gate/up siblings
+        if (group := weight_scale_group(name, grammar)) != name:  # q/k/v or gate/up siblings
             groups.setdefault(group, []).append(name)
     for group, members in groups.items():
         if len(members) < 2:
@@ -167,7 +169,7 @@ def _group_checks(scales: dict[str, tuple[float, float | None]], problems: list[
 
     spread: dict[tuple[str, str], list[float]] = {}
     for name, (_, input_div) in scales.items():
-        expert = expert_module(name)
+        expert = expert_module(name, grammar)
         if expert and input_div is not None:
             spread.setdefault((expert.experts, expert.proj), []).append(input_div)
     for (experts, proj), values in spread.items():
@@ -242,7 +244,8 @@ def unquantized_modules(ckpt: QuantizedCheckpoint) -> list[str]:
 
 
 def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: int | None = None,
-                       engine: str | None = None, progress: Callable[[int, int], None] | None = None) -> InspectReport:
+                       engine: str | None = None, progress: Callable[[int, int], None] | None = None,
+                       layout: bool = False) -> InspectReport:
     """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems, ``engine`` adds that
     engine's load-contract checks (fp4kit.tools.engine_checks); ``progress(done, total)`` counts quantized modules."""
     from fp4kit.errors import Fp4kitError
@@ -257,7 +260,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     if ep is not None and ep < 1:
         raise Fp4kitError(f"--ep {ep}: must be at least 1")
     problems: list[Finding] = []
-    with open_checkpoint(path, strict=False) as ckpt:
+    with open_checkpoint(path, strict=False, modules_required=not layout) as ckpt:
         # Every per-tensor scale first (tiny reads, cached as small tensors): created one per module between the
         # block-scale buffers below, they left that heap unreusable and inspect grew ~15 MB per 350 MB layer.
         for m in ckpt.modules:
@@ -276,7 +279,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                 histograms[key] = histograms[key] + counts if key in histograms else counts
         if progress:
             progress(len(ckpt.modules), len(ckpt.modules))
-        _group_checks(scales, problems)
+        _group_checks(scales, problems, ckpt.grammar)
         if engine == "vllm":
             vllm_checks(ckpt, scales, lambda check, module, detail: problems.append(
                 Finding(check, module, detail, source=SOURCES[check])))

@@ -91,7 +91,7 @@ def inspect_path(path: str | Path, backends: list[str] | None = None, ep: int | 
         report = _source(path)
     else:
         phase = start_phase(progress, "checking", None, "modules", main=True)
-        report = inspect_checkpoint(path, backends, ep, engine, phase)
+        report = inspect_checkpoint(path, backends, ep, engine, phase, layout=kind == "layout")
         report.kind = kind
         if kind == "layout":
             _layout(report, path)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4kit.families.base import input_scale_group, weight_scale_group
+from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 from fp4kit.nvfp4 import BLOCK, FP8_MAX, NVFP4Tensor, e2m1_codes, pack_codes, unpack_codes, unpack_e2m1
 
 _SMALLEST_FP8 = 2.0**-9
@@ -29,7 +30,8 @@ class RepairReport:
 
 
 def unified_scales(
-    scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]], report: RepairReport
+    scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]], report: RepairReport,
+    grammar: ExpertGrammar = DEFAULT,
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """Per-module (weight divisor, input divisor) -> the repaired ones (largest of each group)."""
     out = dict(scales)
@@ -37,7 +39,7 @@ def unified_scales(
         groups: dict[str, list[str]] = {}
         for name, pair in scales.items():
             if pair[index] is not None:
-                groups.setdefault(grouping(name), []).append(name)
+                groups.setdefault(grouping(name, grammar), []).append(name)
         for members in groups.values():
             values = [scales[m][index] for m in members]
             largest = max(values, key=float)  # type: ignore[arg-type]

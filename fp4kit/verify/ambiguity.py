@@ -15,7 +15,9 @@ The bound on how far two correct computations of the same value can be apart:
   truncation lose a few more ulps per 16-term step; the reference's dequantized operands (x̂ = e2m1·s/G, ŵ) each add
   one rounding. 1e-5 ≈ 170 u: the worst case up to 170 terms, the random-sign case far beyond any hidden size.
 - SwiGLU: |silu'| <= 1.1, so h = silu(g)·u moves by at most 1.1·δg·(|u| + δu) + |silu(g)|·δu, plus exp and division
-  approximations (Triton's on GPUs are within a few ulps) covered by ``ACCUMULATION_EPS``·|h|.
+  approximations (Triton's on GPUs are within a few ulps) covered by ``ACCUMULATION_EPS``·|h|. gpt-oss's
+  (clamp(u) + 1)·g·sigmoid(αg) (g clamped): the same bound with |u| + 1 for |u| and g·sigmoid(αg) for silu(g), whose
+  slope in g is also at most 1.1 (it is silu(αg) / α); the clamps only shrink differences, the biases none.
 - GEMM1's input: an identical IEEE computation (the Triton kernel) is bit-identical and has no ambiguity; a kernel
   that multiplies by a reciprocal instead of dividing gets ``input_eps`` = 2 ulps of relative uncertainty, and its
   flips propagate through GEMM1 into the intermediate's uncertainty.
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fp4kit.families.activation import SILU, ExpertActivation
 from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import BLOCK, FP4_MAX, FP8_MAX, block_scale_input, fake_quantize_activation, fp32_multiplier
 
@@ -99,11 +102,14 @@ def w4a4_flip_bound(
     *,
     input_eps: float = 0.0,
     accumulation_eps: float = ACCUMULATION_EPS,
+    activation: ExpertActivation = SILU,
+    biases: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """For the W4A4 `moe_reference` with the same arguments: (ambiguous bool [T], bound fp32 [T]), whether a token's
     emulated activation rounding (GEMM1 input or intermediate) can flip between correct computations, and an upper
     bound on the L2 norm by which such flips can move its output row. ``input_eps``: the relative uncertainty of
-    GEMM1's input values before rounding (0 for a kernel that rounds them with the reference's IEEE operations)."""
+    GEMM1's input values before rounding (0 for a kernel that rounds them with the reference's IEEE operations).
+    ``activation`` and ``biases`` (b13 [E, 2I], b2 [E, H]): gpt-oss's experts, as `moe_reference` takes them."""
     hidden = hidden.float()
     ambiguous = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
     reach = torch.zeros_like(hidden)
@@ -119,11 +125,16 @@ def w4a4_flip_bound(
         w13_e, w2_e = w13[expert].float(), w2[expert].float()
         in_ambiguous, in_change = quantization_flips(expert_in, input_eps * expert_in.abs(), div13[expert])
         x = fake_quantize_activation(expert_in, div13[expert])
-        gate, up = F.linear(x, w13_e).chunk(2, dim=-1)
+        bias13 = None if biases is None else biases[0][expert].float().to(x.device)
+        gate, up = F.linear(x, w13_e, bias13).chunk(2, dim=-1)
         spread = (accumulation_eps * F.linear(x.abs(), w13_e.abs()) + F.linear(in_change, w13_e.abs())).chunk(2, -1)
-        silu = F.silu(gate)
-        inter = silu * up
-        inter_delta = (SILU_LIPSCHITZ * spread[0] * (up.abs() + spread[1]) + silu.abs() * spread[1]
+        inter = activation(gate, up)
+        if activation.kind == "silu":
+            glu, up_factor = F.silu(gate), up.abs()
+        else:
+            clamped = gate.clamp(max=activation.limit)
+            glu, up_factor = clamped * torch.sigmoid(clamped * activation.alpha), up.abs() + 1
+        inter_delta = (SILU_LIPSCHITZ * spread[0] * (up_factor + spread[1]) + glu.abs() * spread[1]
                        + accumulation_eps * inter.abs())
         mid_ambiguous, change = quantization_flips(inter, inter_delta, div2[expert])
         out_reach = F.linear(change, w2_e.abs())

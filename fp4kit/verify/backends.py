@@ -75,6 +75,8 @@ class Backend:
         """Whether this token count and layer shape can run here (the interpreter is only for tiny shapes)."""
         if self.name == "flashinfer-cutlass" and spec.scales_input:
             return False, "Llama-4's input-side routing weight is not wired to cutlass_fused_moe"
+        if self.name not in ("reference", "triton") and (moe.biases is not None or moe.activation.kind != "silu"):
+            return False, f"expert biases and {moe.activation.kind} are not wired to this kernel"
         if self.name == "marlin":
             from fp4kit.layouts.marlin import shape_problems
 
@@ -160,7 +162,8 @@ def _prepare_reference(
     w13, w2 = dequantized(moe, device)
 
     def run(hidden: Tensor, weights: Tensor, ids: Tensor, logits: Tensor) -> Tensor:
-        return moe_reference(hidden, weights, ids, w13, w2, spec, activation_global_div=activation_div)
+        return moe_reference(hidden, weights, ids, w13, w2, spec, activation_global_div=activation_div,
+                             activation=moe.activation, biases=moe.biases)
 
     return run
 
@@ -170,7 +173,8 @@ def _prepare_triton(
 ) -> Runner:
     from fp4kit.verify.triton_moe import KernelConfig, TritonMoeWeights, fused_moe
 
-    weights_on_device = TritonMoeWeights.from_nvfp4(moe.w13, moe.w2, activation_div, device=device)
+    weights_on_device = TritonMoeWeights.from_nvfp4(moe.w13, moe.w2, activation_div, device=device,
+                                                    activation=moe.activation, biases=moe.biases)
     # interpreted, every program costs Python time: few large tiles (compiled, the kernel picks its own)
     config = KernelConfig(block_n1=64, block_n2=128, block_k=128, num_stages=2) if device.type == "cpu" else None
 

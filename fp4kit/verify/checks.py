@@ -159,7 +159,8 @@ class LayerVerifier:
         assert self.act is not None
         if self._dense is None:
             self._dense = dequantized(self.moe, self.device)
-        return w4a4_flip_bound(hidden, weights, ids, *self._dense, self.spec, self.act, input_eps=input_eps)
+        return w4a4_flip_bound(hidden, weights, ids, *self._dense, self.spec, self.act, input_eps=input_eps,
+                               activation=self.moe.activation, biases=self.moe.biases)
 
     def add(self, check: str, target: str, passed: bool, **fields: object) -> None:
         status = PASSED if passed else FAILED
@@ -207,7 +208,8 @@ class LayerVerifier:
                 quantized = expected + shared_output(self.moe.shared, hidden)
                 _, src_weights, src_ids = route_batch(source, hidden, self.spec)
                 reference = moe_reference(
-                    hidden, src_weights, src_ids, source.w13.to(self.device), source.w2.to(self.device), self.spec
+                    hidden, src_weights, src_ids, source.w13.to(self.device), source.w2.to(self.device), self.spec,
+                    activation=source.activation, biases=source.biases,
                 )
                 reference += shared_output(source.shared, hidden)
                 error = relative_error(quantized, reference)
@@ -221,10 +223,15 @@ class LayerVerifier:
     def _expert_errors(self, source: SourceMoe, tolerance: float) -> None:
         hidden = self.hidden_states(EXPERT_SAMPLE_TOKENS, salt=1)
         w13, w2 = dequantized(self.moe, self.device)
+
+        def biases(moe: QuantizedMoe | SourceMoe, e: int) -> tuple[Tensor | None, Tensor | None]:
+            return (None, None) if moe.biases is None else (moe.biases[0][e], moe.biases[1][e])
+
         errors = [
             relative_error(
-                swiglu_mlp(hidden, w13[e], w2[e]),
-                swiglu_mlp(hidden, source.w13[e].to(self.device), source.w2[e].to(self.device)),
+                swiglu_mlp(hidden, w13[e], w2[e], self.moe.activation, *biases(self.moe, e)),
+                swiglu_mlp(hidden, source.w13[e].to(self.device), source.w2[e].to(self.device), source.activation,
+                           *biases(source, e)),
             )
             for e in range(self.moe.num_experts)
         ]

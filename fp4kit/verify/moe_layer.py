@@ -24,14 +24,9 @@ from fp4kit.ep.shard import EXPERT_MAP
 from fp4kit.ep.shard import MANIFEST as SHARD_MANIFEST
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import (
-    EXPERT_PROJS,
-    Family,
-    group_experts,
-    router_bias_name,
-    router_weights,
-    shared_expert_modules,
-)
+from fp4kit.families.activation import SILU, ExpertActivation
+from fp4kit.families.base import EXPERT_PROJS, Family, group_experts
+from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.families.routing import RoutingSpec
 from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.io.checkpoint import CheckpointReader, read_config
@@ -50,9 +45,11 @@ PROJS = EXPERT_PROJS
 class Router:
     weight: Tensor  # fp32 [E, H]
     correction_bias: Tensor | None  # fp32 [E] (GLM)
+    bias: Tensor | None = None  # fp32 [E]: the router Linear's own bias, part of the logits (gpt-oss)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return hidden.float() @ self.weight.to(hidden.device).T
+        logits = hidden.float() @ self.weight.to(hidden.device).T
+        return logits if self.bias is None else logits + self.bias.to(hidden.device)
 
 
 @dataclass
@@ -65,6 +62,9 @@ class QuantizedMoe:
     experts: StackedExperts
     router: Router
     shared: tuple[Tensor, Tensor] | None  # dense fp32 shared expert (w13 [2Is, H], w2 [H, Is])
+    # gpt-oss: the experts' output biases (b13 [E, 2I] as [gate; up], b2 [E, H]) and activation
+    biases: tuple[Tensor, Tensor] | None = None
+    activation: ExpertActivation = SILU
 
     @property
     def w13(self) -> NVFP4Tensor:
@@ -97,6 +97,8 @@ class SourceMoe:
     router: Router
     shared: tuple[Tensor, Tensor] | None
     precision: str = "bf16"
+    biases: tuple[Tensor, Tensor] | None = None
+    activation: ExpertActivation = SILU
 
 
 def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
@@ -104,12 +106,34 @@ def model_spec(config: dict) -> tuple[Family, RoutingSpec]:
     return family, family.routing(family.text_config(config))
 
 
-def _router(reader: CheckpointReader, experts_module: str) -> Router:
-    candidates = router_weights(experts_module)
+def expert_activation(config: dict) -> ExpertActivation:
+    family = detect(config)
+    return family.activation(family.text_config(config))
+
+
+def _expert_biases(reader: CheckpointReader, experts_module: str, grammar: ExpertGrammar,
+                   num_experts: int) -> tuple[Tensor, Tensor] | None:
+    """gpt-oss's stored expert biases, b13 in the canonical [gate; up] order (de-interleaved), b2; None elsewhere."""
+    names = [grammar.fused_tensor(experts_module, f"{leaf}_bias") for leaf in grammar.fused_tensors]
+    if not all(n in reader for n in names):
+        return None
+    b13, b2 = (reader.read(n).float() for n in names)
+    if b13.dim() != 2 or b13.shape[0] != num_experts or b2.dim() != 2 or b2.shape[0] != num_experts:
+        raise Fp4kitError(f"{names[0]}, {names[1]}: shapes {list(b13.shape)}, {list(b2.shape)}, expected "
+                          f"[{num_experts}, 2I] and [{num_experts}, H]")
+    if grammar.interleaved:
+        b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
+    return b13, b2
+
+
+def _router(reader: CheckpointReader, experts_module: str, grammar: ExpertGrammar) -> Router:
+    candidates = grammar.router_weights(experts_module)
     for weight in candidates:
         if weight in reader:
-            bias = router_bias_name(experts_module)
-            return Router(reader.read(weight).float(), reader.read(bias).float() if bias in reader else None)
+            bias = grammar.router_bias_name(experts_module)
+            linear_bias = weight.removesuffix(".weight") + ".bias"
+            return Router(reader.read(weight).float(), reader.read(bias).float() if bias in reader else None,
+                          reader.read(linear_bias).float() if linear_bias in reader else None)
     raise Fp4kitError(f"{experts_module}: no router weight ({' or '.join(candidates)})")
 
 
@@ -125,11 +149,12 @@ def _dense_or_quantized(
 
 
 def _shared_expert(
-    reader: CheckpointReader, experts_module: str, ckpt: QuantizedCheckpoint | None,
+    reader: CheckpointReader, experts_module: str, ckpt: QuantizedCheckpoint | None, grammar: ExpertGrammar,
     source: SourceFormat | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     quantized = {m.name: m for m in ckpt.modules} if ckpt is not None else {}
-    for shared in shared_expert_modules(experts_module):
+    for shared in grammar.shared_expert_modules(experts_module):
+        # a shared expert is a dense MLP: transformers' gate_proj / up_proj / down_proj in every family
         gate, up, down = (_dense_or_quantized(reader, quantized, ckpt, f"{shared}.{p}", source) for p in PROJS)
         if gate is not None and up is not None and down is not None:
             return torch.cat([gate, up]), down
@@ -183,8 +208,11 @@ class QuantizedModel:
         else:
             experts = read_canonical_layer(self.ckpt, self._layers[index])
         reader = self.ckpt.reader
+        grammar = self.family.grammar
         return QuantizedMoe(
-            index, module, experts, _router(reader, module), _shared_expert(reader, module, self.ckpt)
+            index, module, experts, _router(reader, module, grammar),
+            _shared_expert(reader, module, self.ckpt, grammar),
+            _expert_biases(reader, module, grammar, experts.num_experts), expert_activation(self.config),
         )
 
     def close(self) -> None:
@@ -221,24 +249,26 @@ def read_source_layer(root: str | Path, experts_module: str, num_experts: int) -
     """The source's routed experts of the layer whose quantized experts live at ``experts_module``."""
     root = Path(root)
     config = read_config(root)
+    grammar = detect(config).grammar
     with CheckpointReader(root) as reader:
         candidates = source_candidates(reader, config, experts_module + ".")
         found = {c.linear.module: c for c in candidates}
         members = []
         for e in range(num_experts):
-            missing = [p for p in PROJS if f"{experts_module}.{e}.{p}" not in found]
+            missing = [p for p in grammar.projections if f"{experts_module}.{e}.{p}" not in found]
             if missing:
                 raise Fp4kitError(
                     f"{root}: source has no {experts_module}.{e}.{missing[0]} (does --source hold the "
                     f"model this checkpoint was made from?)"
                 )
-            members.extend(found[f"{experts_module}.{e}.{p}"] for p in PROJS)
+            members.extend(found[f"{experts_module}.{e}.{p}"] for p in grammar.projections)
         weights = [w.float() for w in read_group_weights(reader, QuantGroup(members))]
         w13 = torch.stack([torch.cat(weights[3 * e : 3 * e + 2]) for e in range(num_experts)])
         w2 = torch.stack([weights[3 * e + 2] for e in range(num_experts)])
         source = source_view(reader, config)[0]
-        return SourceMoe(w13, w2, _router(reader, experts_module), _shared_expert(reader, experts_module, None, source),
-                         source.name)
+        return SourceMoe(w13, w2, _router(reader, experts_module, grammar),
+                         _shared_expert(reader, experts_module, None, grammar, source), source.name,
+                         _expert_biases(reader, experts_module, grammar, num_experts), expert_activation(config))
 
 
 @dataclass
@@ -266,14 +296,15 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
     local_index = torch.tensor([int(local) for local in expert_map], dtype=torch.int64)
     mapped = local_index >= 0
     with open_checkpoint(rank_dir) as ckpt:
-        found = group_experts(((m.name, m) for m in ckpt.modules), ckpt.grammar).get(experts_module, {})
+        grammar = ckpt.grammar
+        found = group_experts(((m.name, m) for m in ckpt.modules), grammar).get(experts_module, {})
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
-        moe = _stack_held(ckpt, found, held, full)
+        moe = _stack_held(ckpt, found, held, full, grammar)
     return RankExperts(rank, held, mapped, moe, local_index)
 
 
 def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModule]], held: Tensor,
-                full: QuantizedMoe) -> QuantizedMoe:
+                full: QuantizedMoe, grammar: ExpertGrammar) -> QuantizedMoe:
     hidden, inter = full.w13.shape[2], full.w2.shape[2]
     num = held.shape[0]
     w13 = NVFP4Tensor(
@@ -289,7 +320,7 @@ def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModul
     div13, div2 = torch.ones(num, dtype=torch.float64), torch.ones(num, dtype=torch.float64)
     has_input = True
     for e in held.nonzero().flatten().tolist():
-        (gate, gate_in), (up, _), (down, down_in) = (ckpt.read(found[e][p]) for p in PROJS)
+        (gate, gate_in), (up, _), (down, down_in) = (ckpt.read(found[e][p]) for p in grammar.projections)
         w13.packed[e] = torch.cat([gate.packed, up.packed])
         w13.block_scale[e] = torch.cat([gate.block_scale, up.block_scale])
         w2.packed[e], w2.block_scale[e] = down.packed, down.block_scale
@@ -298,7 +329,8 @@ def _stack_held(ckpt: QuantizedCheckpoint, found: dict[int, dict[str, QuantModul
             has_input = False
         else:
             div13[e], div2[e] = gate_in, down_in
-    router = _router(ckpt.reader, full.experts_module)
+    router = _router(ckpt.reader, full.experts_module, grammar)
     if not has_input:
         div13 = div2 = None
-    return QuantizedMoe(full.layer, full.experts_module, StackedExperts(w13, w2, div13, div2), router, None)
+    return QuantizedMoe(full.layer, full.experts_module, StackedExperts(w13, w2, div13, div2), router, None,
+                        full.biases, full.activation)

@@ -60,7 +60,8 @@ def check_layouts(v: LayerVerifier, source: SourceMoe | None) -> None:
             detail=("differs from the checkpoint: " + "; ".join(differ)) if differ else "bit exact",
         )
         if source is not None:
-            undone = QuantizedMoe(moe.layer, moe.experts_module, undone_experts, moe.router, moe.shared)
+            undone = QuantizedMoe(moe.layer, moe.experts_module, undone_experts, moe.router, moe.shared, moe.biases,
+                                   moe.activation)
             _layout_source_error(v, str(path), undone, source)
 
 def _layout_source_error(v: LayerVerifier, target: str, undone: QuantizedMoe, source: SourceMoe) -> None:
@@ -71,7 +72,8 @@ def _layout_source_error(v: LayerVerifier, target: str, undone: QuantizedMoe, so
     got = run(hidden, weights, ids, logits) + shared_output(undone.shared, hidden)
     _, src_weights, src_ids = route_batch(source, hidden, v.spec)
     expected = moe_reference(
-        hidden, src_weights, src_ids, source.w13.to(v.device), source.w2.to(v.device), v.spec
+        hidden, src_weights, src_ids, source.w13.to(v.device), source.w2.to(v.device), v.spec,
+        activation=source.activation, biases=source.biases,
     ) + shared_output(source.shared, hidden)
     tolerance = v.options.tol_source or DEFAULT_TOL_SOURCE[v.mode]
     error = relative_error(got, expected)
@@ -111,6 +113,8 @@ def check_expert_parallel(v: LayerVerifier, shards: Path) -> None:
             v.spec,
             rank.mapped.to(v.device),
             activation_global_div=activation_divisors(rank.moe, v.mode),
+            activation=rank.moe.activation,
+            biases=rank.moe.biases,
         )
     error = relative_error(total, full)
     v.add(

@@ -376,24 +376,49 @@ def _dequant_mma(
 
 
 @triton.jit
+def _gated(gate, up, act_alpha, act_limit, OAI: tl.constexpr):
+    """The expert activation (`fp4kit.families.activation`): silu(gate) * up, or gpt-oss's clamped
+    (up + 1) * gate * sigmoid(alpha * gate) when OAI."""
+    if OAI:
+        gate = tl.minimum(gate, act_limit)
+        up = tl.minimum(tl.maximum(up, -act_limit), act_limit)
+        return (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * act_alpha))))
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _swiglu(
     acc_gate,
     acc_up,
     alpha_ptr,
     out_gmul_ptr,
+    bias_ptr,  # fp32 [E, 2I] gate then up biases (HAS_BIAS)
+    act_alpha,
+    act_limit,
     expert,
+    offs_n,  # [BLOCK_N] the intermediate columns of this tile
+    inter_size,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     W4A4: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    OAI: tl.constexpr,
 ):
-    """GEMM1's epilogue: global scale, SwiGLU, and in W4A4 the intermediate quantized per 16 columns with the
-    static activation global scale of GEMM2 (exact e2m1·s values): fp32 [BLOCK_M, BLOCK_N]."""
+    """GEMM1's epilogue: global scale, the biases, the activation, and in W4A4 the intermediate quantized per 16
+    columns with the static activation global scale of GEMM2 (exact e2m1·s values): fp32 [BLOCK_M, BLOCK_N].
+    Columns past I get no bias, so that their intermediate stays 0 (the sliced kernel relies on it)."""
     alpha = tl.load(alpha_ptr + expert)
     if FOLD_BIAS:
         alpha = alpha * _FOLD_ALPHA
     gate = tl.trans(acc_gate) * alpha
-    inter = gate / (1.0 + tl.exp(-gate)) * (tl.trans(acc_up) * alpha)
+    up = tl.trans(acc_up) * alpha
+    if HAS_BIAS:
+        n_valid = offs_n < inter_size
+        row = bias_ptr + expert.to(tl.int64) * (2 * inter_size)
+        gate += tl.load(row + offs_n, mask=n_valid, other=0.0)[None, :]
+        up += tl.load(row + inter_size + offs_n, mask=n_valid, other=0.0)[None, :]
+    inter = _gated(gate, up, act_alpha, act_limit, OAI)
     if W4A4:
         out_gmul = tl.load(out_gmul_ptr + expert)
         inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
@@ -540,11 +565,16 @@ def splitk_swiglu_kernel(
     ids_ptr,  # int32 or int64 [P] expert of each pair
     alpha_ptr,  # fp32 [E]
     inter_ptr,  # bf16 [P, I] out
+    bias_ptr,  # fp32 [E, 2I] (HAS_BIAS)
+    act_alpha,
+    act_limit,
     num_pairs,
     inter_size,
     SPLIT_K: tl.constexpr,
     BLOCK_I: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
+    OAI: tl.constexpr = False,
 ):
     """GEMM1's epilogue after split-K (W4A16): sums the K slices in order, then alpha and SwiGLU as in the kernel.
     Rows of pairs no program computed (experts of other ranks) hold garbage that nothing reads."""
@@ -557,9 +587,15 @@ def splitk_swiglu_kernel(
     for split in range(SPLIT_K):
         acc_gate += tl.load(gate_ptrs + split * num_pairs * 2 * inter_size, mask=valid, other=0.0)
         acc_up += tl.load(gate_ptrs + split * num_pairs * 2 * inter_size + inter_size, mask=valid, other=0.0)
-    alpha = tl.load(alpha_ptr + tl.load(ids_ptr + pair))
+    expert = tl.load(ids_ptr + pair)
+    alpha = tl.load(alpha_ptr + expert)
     gate = acc_gate * alpha
-    inter = gate / (1.0 + tl.exp(-gate)) * (acc_up * alpha)
+    up = acc_up * alpha
+    if HAS_BIAS:
+        row = bias_ptr + expert.to(tl.int64) * (2 * inter_size)
+        gate += tl.load(row + offs, mask=valid, other=0.0)
+        up += tl.load(row + inter_size + offs, mask=valid, other=0.0)
+    inter = _gated(gate, up, act_alpha, act_limit, OAI)
     tl.store(inter_ptr + pair * inter_size + offs, _to_mma(inter, EMULATE_BF16), mask=valid)
 
 
@@ -579,6 +615,9 @@ def gemm1_swiglu_kernel(
     inter_ptr,  # bf16 [P, I]
     partial_ptr,  # fp32 [SPLIT_K, P, 2I]: raw gate and up sums of each K slice (written only when SPLIT_K > 1)
     count_ptr,  # int32 [grid rows, N tiles]: zero on entry and on exit (SWIGLU_WHEN_LAST)
+    bias13_ptr,  # fp32 [E, 2I] (HAS_BIAS)
+    act_alpha,  # the activation's constants (OAI)
+    act_limit,
     num_pairs,
     top_k,
     hidden_size,
@@ -601,6 +640,8 @@ def gemm1_swiglu_kernel(
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
     LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a programmatic dependent launch (GEMM2) start now
+    HAS_BIAS: tl.constexpr = False,  # gpt-oss: w13's output biases
+    OAI: tl.constexpr = False,  # gpt-oss's activation (`_gated`)
 ):
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
@@ -646,10 +687,11 @@ def gemm1_swiglu_kernel(
             acc_gate += tl.load(split_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")
             acc_up += tl.load(split_ptrs + inter_size, mask=part_mask, other=0.0, cache_modifier=".cg")
         tl.store(counter, 0)
-        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_N, W4A4, False)
+        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
+                        inter_size, BLOCK_M, BLOCK_N, W4A4, False, HAS_BIAS, OAI)  # fmt: skip
     else:
-        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_N, W4A4,
-                        SHUFFLED and FOLD_BIAS)  # fmt: skip
+        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
+                        inter_size, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, OAI)  # fmt: skip
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_n[None, :]
     tl.store(out_ptrs, _to_mma(inter, EMULATE_BF16), mask=pair_valid[:, None] & n_valid[None, :])
 
@@ -669,6 +711,7 @@ def gemm2_combine_kernel(
     pair_out_ptr,  # fp32 [P, H]
     out_ptr,  # fp32 [T, H]: each token's sum over its k slots (COMBINE)
     count_ptr,  # int32 [T, cdiv(H, BLOCK_N)]: zero on entry and on exit (COMBINE)
+    bias2_ptr,  # fp32 [E, H] (HAS_BIAS): added by K slice 0
     num_pairs,
     top_k,
     hidden_size,
@@ -690,6 +733,7 @@ def gemm2_combine_kernel(
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
     WAIT_PRIMARY: tl.constexpr = False,  # launched as a programmatic dependent of GEMM1: wait for it before the K loop
+    HAS_BIAS: tl.constexpr = False,  # gpt-oss: w2's output biases
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -745,6 +789,9 @@ def gemm2_combine_kernel(
     if SHUFFLED and FOLD_BIAS:
         alpha = alpha * _FOLD_ALPHA
     acc = tl.trans(acc) * alpha
+    if HAS_BIAS:
+        bias = tl.load(bias2_ptr + expert.to(tl.int64) * hidden_size + offs_n, mask=n_valid, other=0.0)
+        acc += tl.where(tl.program_id(2) == 0, bias, 0.0)[None, :]
     if not SCALE_INPUT:
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
     out_ptrs = split_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
@@ -830,6 +877,10 @@ def fused_slice_kernel(
     w2_scale_ptr,  # u8 [E, S, H, BLOCK_I/16]
     alpha2_ptr,  # fp32 [E]
     out_ptr,  # fp32 [S, P, H]: each slice's share of each pair's output
+    bias13_ptr,  # fp32 [E, 2I] (HAS_BIAS)
+    bias2_ptr,  # fp32 [E, H] (HAS_BIAS): in slice 0's share
+    act_alpha,
+    act_limit,
     num_pairs,
     top_k,
     hidden_size,
@@ -851,6 +902,8 @@ def fused_slice_kernel(
     ALIGNED_SCALES: tl.constexpr,
     SHUFFLED: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
+    OAI: tl.constexpr = False,
 ):
     """Both GEMMs in one launch for few tokens: the program owning intermediate columns [i0, i0 + BLOCK_I) of its
     pairs computes them whole (gate and up over all of H, SwiGLU), then their product with the same columns of w2,
@@ -872,8 +925,9 @@ def fused_slice_kernel(
         hidden_size, inter_size, BLOCK_M, BLOCK_I, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
         EVEN_K, BIT_SCALES, ALIGNED_SCALES, SHUFFLED, SHUFFLED and FOLD_BIAS,
     )  # fmt: skip
-    inter = _swiglu(acc_gate, acc_up, alpha13_ptr, out_gmul_ptr, expert, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS)
-    # columns past I: zero gate and up sums, SwiGLU(0) = 0, against zero-padded w2 columns
+    inter = _swiglu(acc_gate, acc_up, alpha13_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_i,
+                    inter_size, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, OAI)  # fmt: skip
+    # columns past I: zero gate and up sums and no bias, an intermediate of 0, against zero-padded w2 columns
     a_even, a_odd = tl.split(tl.reshape(_to_mma(inter, EMULATE_BF16), (BLOCK_M, BLOCK_I // 2, 2)))
     num_slices = tl.cdiv(inter_size, BLOCK_I)
     tile = (expert * num_slices + pid_i) * hidden_size
@@ -905,6 +959,9 @@ def fused_slice_kernel(
         acc = _mma(a_even, w_even, acc, EMULATE_BF16)
         acc = _mma(a_odd, w_odd, acc, EMULATE_BF16)
         share = tl.trans(acc) * alpha2
+        if HAS_BIAS:
+            bias = tl.load(bias2_ptr + expert.to(tl.int64) * hidden_size + n0 + offs_r, mask=r_valid, other=0.0)
+            share += tl.where(pid_i == 0, bias, 0.0)[None, :]
         if not SCALE_INPUT:
             share = share * routing_weight[:, None]
         tl.store(out_rows + n0, share, mask=pair_valid[:, None] & r_valid[None, :])

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.activation import SILU, ExpertActivation
 from fp4kit.families.routing import RoutingSpec
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, fp32_multiplier
 
@@ -157,7 +158,8 @@ def shuffle_packed(packed: Tensor) -> Tensor:
 class TritonMoeWeights:
     """Expert weights as the kernel reads them: uint8 views of the canonical NVFP4 tensors plus fp32 per-expert
     scalars. ``alpha13`` / ``alpha2`` are 1/G_w (W4A16) or 1/(G_w·G_a) (W4A4); ``act13_gmul`` / ``act2_gmul`` are
-    the activation multipliers G_a = fp32(1/D_a), present only in W4A4 mode."""
+    the activation multipliers G_a = fp32(1/D_a), present only in W4A4 mode; ``bias13`` / ``bias2`` and
+    ``activation``: gpt-oss's experts (`fp4kit.verify.reference.moe_reference`'s)."""
 
     w13_packed: Tensor  # u8 [E, 2I, H/2]
     w13_scale: Tensor  # u8 [E, 2I, H/16]
@@ -167,6 +169,9 @@ class TritonMoeWeights:
     alpha2: Tensor  # fp32 [E]
     act13_gmul: Tensor | None = None
     act2_gmul: Tensor | None = None
+    bias13: Tensor | None = None  # fp32 [E, 2I], gate then up
+    bias2: Tensor | None = None  # fp32 [E, H]
+    activation: ExpertActivation = SILU
     _cache: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # not carried by replace()
 
     def shuffled_packed(self) -> tuple[Tensor, Tensor]:
@@ -208,6 +213,16 @@ class TritonMoeWeights:
     def w4a4(self) -> bool:
         return self.act13_gmul is not None
 
+    def epilogue_arguments(self) -> tuple[tuple, dict]:
+        """(bias13, bias2, act_alpha, act_limit) and the HAS_BIAS / OAI constexprs of the kernels' epilogues; a bias
+        pointer that is never read is any fp32 tensor."""
+        oai = self.activation.kind == "swiglu_oai"
+        bias13 = self.alpha13 if self.bias13 is None else self.bias13
+        bias2 = self.alpha2 if self.bias2 is None else self.bias2
+        limit = self.activation.limit if oai else 0.0
+        return (bias13, bias2, float(self.activation.alpha), float(limit)), {"HAS_BIAS": self.bias13 is not None,
+                                                                             "OAI": oai}
+
     @classmethod
     def from_nvfp4(
         cls,
@@ -215,8 +230,12 @@ class TritonMoeWeights:
         w2: NVFP4Tensor,
         activation_global_div: tuple[Tensor, Tensor] | None = None,
         device: torch.device | str | None = None,
+        *,
+        activation: ExpertActivation = SILU,
+        biases: tuple[Tensor, Tensor] | None = None,
     ) -> TritonMoeWeights:
-        """Stacked experts: w13 [E, 2I, H] (rows [w1; w3]) and w2 [E, H, I], each with a float64 [E] divisor."""
+        """Stacked experts: w13 [E, 2I, H] (rows [w1; w3]) and w2 [E, H, I], each with a float64 [E] divisor;
+        ``biases`` (b13 [E, 2I], b2 [E, H]) and ``activation``: gpt-oss's."""
         num_experts, two_inter, hidden = w13.shape
         if w2.shape != (num_experts, hidden, two_inter // 2):
             raise Fp4kitError(f"w2 {w2.shape} does not match w13 {w13.shape}: expected [E, H, I]")
@@ -246,7 +265,18 @@ class TritonMoeWeights:
             alpha2.to(torch.float32).to(device),
             act13,
             act2,
+            *(() if biases is None else _biases(biases, num_experts, two_inter, hidden, device)),
+            activation=activation,
         )
+
+
+def _biases(biases: tuple[Tensor, Tensor], num_experts: int, two_inter: int, hidden: int,
+            device: torch.device) -> tuple[Tensor, Tensor]:
+    bias13, bias2 = biases
+    if bias13.shape != (num_experts, two_inter) or bias2.shape != (num_experts, hidden):
+        raise Fp4kitError(f"expert biases {list(bias13.shape)} and {list(bias2.shape)} do not fit "
+                          f"[{num_experts}, {two_inter}] and [{num_experts}, {hidden}]")
+    return bias13.to(device, torch.float32).contiguous(), bias2.to(device, torch.float32).contiguous()
 
 
 def triton_interpreter_active() -> bool:
@@ -378,11 +408,12 @@ def _sliced(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, num_
     owners, grouping, grid_m = _grouping(flat_ids, expert_mask, num_experts, cfg)
     alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
     shares = alloc(num_slices, num_pairs, hidden_size, dtype=torch.float32, device=device)
+    epilogue, epilogue_flags = moe_weights.epilogue_arguments()
     kernels.fused_slice_kernel[(grid_m, num_slices)](
         x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else moe_weights.alpha13,
-        w2_packed, w2_scale, moe_weights.alpha2, shares,
-        num_pairs, top_k, hidden_size, inter_size, num_experts,
+        w2_packed, w2_scale, moe_weights.alpha2, shares, *epilogue,
+        num_pairs, top_k, hidden_size, inter_size, num_experts, **epilogue_flags,
         **grouping, BLOCK_I=block_i, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_INPUT=spec.scales_input,
         W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k == 0, EVEN_N=hidden_size % block_n == 0,
@@ -421,10 +452,12 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
             counts1 = moe_weights.counters("gemm1", max_blocks, num_tiles1, device)
     fused_swiglu = split1 > 1 and cfg.fused_combine
     pdl = _pdl_flags(cfg, emulate_bf16) if split1 == 1 or fused_swiglu else ({}, {})
+    (bias13, bias2, act_alpha, act_limit), epilogue_flags = moe_weights.epilogue_arguments()
     kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1, split1)](
         x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
-        inter, partial, counts1, num_pairs, top_k, hidden_size, inter_size, num_experts,
+        inter, partial, counts1, bias13, act_alpha, act_limit, num_pairs, top_k, hidden_size, inter_size, num_experts,
+        **epilogue_flags,
         **grouping, SWIGLU_WHEN_LAST=fused_swiglu, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input,
         W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
@@ -433,8 +466,8 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     )  # fmt: skip
     if split1 > 1 and not fused_swiglu:
         kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
-            partial, flat_ids, moe_weights.alpha13, inter, num_pairs, inter_size,
-            SPLIT_K=split1, BLOCK_I=256, EMULATE_BF16=emulate_bf16, num_warps=2,
+            partial, flat_ids, moe_weights.alpha13, inter, bias13, act_alpha, act_limit, num_pairs, inter_size,
+            SPLIT_K=split1, BLOCK_I=256, EMULATE_BF16=emulate_bf16, **epilogue_flags, num_warps=2,
         )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
     block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
@@ -448,7 +481,7 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
         counts = moe_weights.counters("gemm2", num_tokens, num_tiles2, device)
     kernels.gemm2_combine_kernel[(max_blocks, num_tiles2, split2)](
         inter, flat_weights, *owners, w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out, out, counts,
-        num_pairs, top_k, hidden_size, inter_size, num_experts,
+        bias2, num_pairs, top_k, hidden_size, inter_size, num_experts, HAS_BIAS=epilogue_flags["HAS_BIAS"],
         **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
         EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
         SPLIT_K=split2, COMBINE=combine, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps,
@@ -476,7 +509,10 @@ def fused_moe_nvfp4(
     *,
     activation_global_div: tuple[Tensor, Tensor] | None = None,
     config: KernelConfig | None = None,
+    activation: ExpertActivation = SILU,
+    biases: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """`fused_moe` straight from canonical NVFP4 expert stacks (prepares the kernel's view of them on each call)."""
-    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, activation_global_div, device=hidden.device)
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, activation_global_div, device=hidden.device,
+                                              activation=activation, biases=biases)
     return fused_moe(hidden, weights, ids, moe_weights, spec, expert_mask, config)
