@@ -79,13 +79,13 @@ VARIANTS = {
 }
 
 
-_CONFIG_KEYS = {"i": "slice_i", "g": "grouping", "c": "fused_combine", "p": "pdl", "m": "block_m", "n1": "block_n1",
+_CONFIG_KEYS = {"i": "slice_i", "g": "grouping", "c": "fused_combine", "m": "block_m", "n1": "block_n1",
                 "n": "block_n2", "k": "block_k", "w": "num_warps", "s": "num_stages", "sk": "split_k"}  # fmt: skip
 
 
 def variant_config(name: str, cfg: KernelConfig) -> KernelConfig:
     """A named variant, or `cfg:key=value,...` on top of the default config (keys: i slice_i, g grouping
-    (align, pair), c fused_combine (0/1), p pdl (0/1), m block_m, n1 block_n1, n block_n2, k block_k, w num_warps,
+    (align, pair), c fused_combine (0/1), m block_m, n1 block_n1, n block_n2, k block_k, w num_warps,
     s num_stages, sk split_k), e.g. `cfg:i=0,g=pair,c=1,sk=4`."""
     if not name.startswith("cfg:"):
         return VARIANTS[name](cfg)

@@ -53,3 +53,15 @@ def test_unknown_family_is_a_usage_error(monkeypatch, capsys) -> None:
     assert cli.run(["demo", "--family", "mixtral"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: fp4kit demo: ") and "mixtral" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("family", DEMO_FAMILIES)
+def test_the_cli_offers_every_family_the_demo_builds(family, monkeypatch, capsys) -> None:
+    """`fp4kit demo --family` takes exactly the families pipeline.demo has a model of (its choices derive from them)."""
+    from fp4kit import cli
+
+    called = []
+    monkeypatch.setattr("fp4kit.pipeline.demo.run_demo", lambda keep, device, name: called.append(name) or ["ok"])
+    cli._register_commands()
+    assert cli.run(["demo", "--family", family]) == 0, capsys.readouterr().err
+    assert called == [family]

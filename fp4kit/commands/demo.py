@@ -7,7 +7,10 @@ from typing import Annotated, Literal, get_args
 
 import typer
 
-Family = Literal["qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "qwen3_next", "qwen3_5_moe"]
+from fp4kit.pipeline.demo import DEMO_FAMILIES
+
+# the families the demo builds a model of
+Family = Literal[DEMO_FAMILIES]  # type: ignore[valid-type]
 
 
 def demo(

@@ -17,13 +17,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import largest_amax
 from fp4kit.io.shard_io import SourceTensor, read_bytes
 
 if TYPE_CHECKING:
     from fp4kit.ep.inventory import ExpertInventory
 
 # Tensor leaf -> how to pick the value of largest amax among a layer's experts.
-INPUT_SCALE_LEAVES: dict[str, Callable[[list[float]], float]] = {"input_global_scale": min, "input_scale": max}
+INPUT_SCALE_LEAVES: dict[str, Callable[[list[float]], float]] = {
+    "input_global_scale": largest_amax("multiplier"), "input_scale": largest_amax("divisor")}
 _STRUCT = {"F64": "d", "F32": "f", "F16": "e"}
 
 

@@ -1,6 +1,6 @@
 """`fp4kit shard`: one checkpoint directory per expert-parallel rank, each loadable on its own (docs/formats.md).
 
-On-disk layout of DST for ``--ep N`` (format ``fp4kit-ep``, version 1)::
+On-disk layout of DST for ``--ep N`` (format ``fp4kit-ep``, version 1; its readers: fp4kit.ep.format)::
 
     DST/
       fp4kit_shard.json                  summary: ep size, placement, tokens per rank per layer, unified input scales
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fp4kit.ep.copy import FileEntry, ShardCopier, file_jobs, sha256_file
+from fp4kit.ep.format import EXPERT_MAP, FORMAT, MANIFEST, SHARED_DIR, VERSION, rank_dir_name
 from fp4kit.ep.inventory import ExpertInventory, scan_experts
 from fp4kit.ep.placement import LayerPlacement, check_ep, imbalance, load_stats, place
 from fp4kit.ep.scales import unify_input_scales
@@ -56,10 +57,6 @@ from fp4kit.io.shard_io import (
 )
 
 LAYOUT_MANIFEST = "fp4kit_layout.json"
-MANIFEST = "fp4kit_shard.json"
-EXPERT_MAP = "expert_map.json"
-SHARED_DIR = "_shared"
-FORMAT, VERSION = "fp4kit-ep", 1
 
 
 @dataclass
@@ -101,10 +98,6 @@ def uneven_split_warning(num_experts: int, ep: int) -> str | None:
     return (f"{num_experts} experts over {ep} ranks is uneven ({'/'.join(map(str, counts))} per rank): vLLM's "
             f"Triton and Marlin MoE run it, {EVEN_SPLIT_BACKENDS} need E % ep == 0 (an EP size dividing "
             f"{num_experts})")
-
-
-def rank_dir_name(rank: int) -> str:
-    return f"rank-{rank:05d}"
 
 
 def _refuse_layout(src: Path, num_experts: int, ep: int) -> None:

@@ -316,6 +316,15 @@ def input_scale_group(module: str, grammar: ExpertGrammar = DEFAULT) -> str:
     return f"{expert.experts}#{expert.fused}" if expert else weight_scale_group(module, grammar)
 
 
+def largest_amax(stores: str) -> Callable[..., T]:
+    """The input-scale policy's choice within one ``input_scale_group``: the value of largest amax, so no member's
+    activations clip (and EP ranks agree). ``stores``: what the values are, ``"amax"`` or ``"divisor"`` (the
+    largest) or ``"multiplier"`` (448*6/amax: the smallest). Works on floats and on 0-d tensors (``key=float``)."""
+    if stores not in ("amax", "divisor", "multiplier"):
+        raise ValueError(f"scale values are an amax, a divisor or a multiplier, not {stores!r}")
+    return min if stores == "multiplier" else max
+
+
 def layer_of(name: str) -> int | None:
     m = LAYER_RE.match(name)
     return int(m.group("layer")) if m else None

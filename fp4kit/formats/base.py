@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import largest_amax
 from fp4kit.nvfp4 import BLOCK, divisor_of
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class Dialect:
     @property
     def largest_amax(self) -> Callable[[list[float]], float]:
         """Which of several stored scale values has the largest amax: the smallest multiplier, the largest divisor."""
-        return min if self.stores == "multiplier" else max
+        return largest_amax(self.stores)
 
     # --- writing ---
     def scale_names(self, module: str) -> tuple[str, str]:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import largest_amax
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 
 
@@ -141,14 +142,14 @@ def shared_input_divisor(input_scale_div13: torch.Tensor) -> torch.Tensor:
     hidden states once, before routing, so one scale serves all experts. Like vLLM 0.33
     (``flashinfer_fp4_moe.py::prepare_nvfp4_moe_layer_for_fi_or_cutlass``, ``amax_for_moe_activation_quant``), the
     layer's largest divisor (largest calibrated amax: nothing clips), repeated over the experts."""
-    return input_scale_div13.max().expand_as(input_scale_div13).clone()
+    return largest_amax("divisor")(input_scale_div13, key=float).expand_as(input_scale_div13).clone()
 
 
 def collapsed_input_scales(input_scale_div13: torch.Tensor | None) -> int:
     """How many experts' own gate/up input scales :func:`shared_input_divisor` replaces (0 when they agree)."""
     if input_scale_div13 is None:
         return 0
-    return int((input_scale_div13 != input_scale_div13.max()).sum())
+    return int((input_scale_div13 != shared_input_divisor(input_scale_div13)).sum())
 
 
 def describe(backend: str, w13: NVFP4Tensor, w2: NVFP4Tensor, input_scale_div13: torch.Tensor | None,

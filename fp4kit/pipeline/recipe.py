@@ -412,7 +412,6 @@ def check_against_model(loaded: LoadedRecipe) -> None:
     text = family.text_config(config)
     experts, hidden, inter = family.num_experts(text), int(text["hidden_size"]), family.moe_intermediate(text)
     _check_backend(loaded, experts, hidden, inter)
-    _check_available(loaded)
 
 
 def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) -> None:
@@ -437,12 +436,3 @@ def _check_backend(loaded: LoadedRecipe, experts: int, hidden: int, inter: int) 
     except Fp4kitError as exc:
         raise origins.error(("shard", "ep"), f"{ep} with layout.backend {recipe.layout.backend}: {exc}") from None
 
-
-def _check_available(loaded: LoadedRecipe) -> None:
-    """Options this fp4kit's quantize does not take fail here, before any step runs."""
-    from fp4kit.quantize import checkpoint as quantize
-
-    section = loaded.recipe.quantize
-    if section is not None and section.format not in quantize.FORMATS:
-        raise loaded.origins.error(("quantize", "format"), f"this fp4kit quantize writes {', '.join(quantize.FORMATS)} "
-                                                           f"only; convert afterwards with repair.to: {section.format}")

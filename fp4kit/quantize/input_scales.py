@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import input_scale_group
+from fp4kit.families.base import input_scale_group, largest_amax
 from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.nvfp4 import divisor_from_amax
 from fp4kit.quantize.plan import ModelPlan
@@ -29,15 +29,15 @@ def input_scale_divisors(plan: ModelPlan, input_amax: dict[str, float], policy: 
     projection's shared value, and failing that a divisor of 1 (multiplier 1, compressed-tensors' own fallback), so
     no scale is ever 0, Inf or NaN. A non-finite amax is an error: no default would make the layer's scales right."""
     members = [c for g in plan.groups for c in g.members]
-    shared: dict[str, float] = {}
+    recorded: dict[str, list[float]] = {}
     for c in members:
         amax = input_amax.get(c.linear.module, 0.0)
         if not math.isfinite(amax):
             raise Fp4kitError(f"{c.linear.module}: calibration gave a non-finite input amax ({amax}) in layer "
                               f"{c.layer}: the layer's activations overflow or hold NaN")
         if amax > 0:
-            key = _projection_key(c.linear.module, c.expert, plan.family.grammar)
-            shared[key] = max(shared.get(key, 0.0), amax)
+            recorded.setdefault(_projection_key(c.linear.module, c.expert, plan.family.grammar), []).append(amax)
+    shared = {key: largest_amax("amax")(values) for key, values in recorded.items()}
     divisors = {}
     for c in members:
         amax = input_amax.get(c.linear.module, 0.0)

@@ -45,8 +45,8 @@ def _read_json(path: Path, what: str) -> dict:
 
 def artifact_kind(path: Path) -> str:
     """Which of KINDS ``path`` is, from the files that mark each (without reading tensors)."""
-    from fp4kit.ep.shard import EXPERT_MAP
-    from fp4kit.ep.shard import MANIFEST as SHARD_MANIFEST
+    from fp4kit.ep.format import EXPERT_MAP
+    from fp4kit.ep.format import MANIFEST as SHARD_MANIFEST
     from fp4kit.layouts.manifest import MANIFEST as LAYOUT_MANIFEST
 
     if not path.is_dir():
@@ -202,20 +202,6 @@ def _layout(report: InspectReport, path: Path) -> None:
                         f"`fp4kit shard` does not split layouts")
 
 
-def _rank_manifests(path: Path) -> tuple[dict, dict]:
-    from fp4kit.ep.shard import EXPERT_MAP, FORMAT, MANIFEST, VERSION
-
-    manifest = _read_json(path / MANIFEST, "the rank's manifest")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise Fp4kitError(f"{path / MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r};"
-                          f" this fp4kit reads {FORMAT!r} version {VERSION}")
-    expert_map = _read_json(path / EXPERT_MAP, "the rank's expert map")
-    layers = expert_map.get("layers")
-    if not isinstance(layers, dict) or not all(isinstance(v, list) for v in layers.values()):
-        raise Fp4kitError(f"{path / EXPERT_MAP}: needs a 'layers' object of lists (docs/formats.md)")
-    return manifest, expert_map
-
-
 def _held_experts(path: Path) -> dict[int, set[int]]:
     """Per decoder layer, the expert ids whose tensors the rank holds."""
     from fp4kit.families.base import expert_module, layer_of
@@ -233,9 +219,9 @@ def _held_experts(path: Path) -> dict[int, set[int]]:
 def _ep_rank(report: InspectReport, path: Path, alone: bool = True) -> dict:
     """The rank's checks (problems into ``report``) and its record: rank, EP size, placement, global ids held;
     ``alone``: the report is the rank's own (not a part of its EP root's), so it gets the record."""
-    from fp4kit.ep.shard import EXPERT_MAP, MANIFEST
+    from fp4kit.ep.format import EXPERT_MAP, MANIFEST, read_expert_map, read_rank_manifest
 
-    manifest, expert_map = _rank_manifests(path)
+    manifest, expert_map = read_rank_manifest(path), read_expert_map(path)
     rank, ep_size = manifest.get("ep_rank"), manifest.get("ep_size")
     where = path.name
     for key in ("ep_rank", "ep_size", "placement"):
@@ -298,17 +284,11 @@ def _ids(ids: list[int]) -> str:
 
 def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str | None,
              progress: Callable[[int, int], None] | None) -> InspectReport:
-    from fp4kit.ep.shard import FORMAT, MANIFEST, SHARED_DIR, VERSION, uneven_split_warning
+    from fp4kit.ep.format import MANIFEST, SHARED_DIR, read_root_manifest
+    from fp4kit.ep.shard import uneven_split_warning
 
-    manifest = _read_json(path / MANIFEST, "the EP split's manifest")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise Fp4kitError(f"{path / MANIFEST}: format {manifest.get('format')!r} version {manifest.get('version')!r};"
-                          f" this fp4kit reads {FORMAT!r} version {VERSION}")
-    names = manifest.get("ranks")
-    num_experts, ep_size = manifest.get("num_experts"), manifest.get("ep_size")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names) or \
-            not isinstance(num_experts, int) or not isinstance(ep_size, int):
-        raise Fp4kitError(f"{path / MANIFEST}: needs 'ranks' (directory names), 'num_experts' and 'ep_size'")
+    manifest = read_root_manifest(path)
+    names, num_experts, ep_size = manifest["ranks"], manifest["num_experts"], manifest["ep_size"]
     problems: list[Finding] = []
     if len(names) != ep_size:
         problems.append(Finding("ep_split", MANIFEST, f"{len(names)} ranks listed, ep_size is {ep_size}"))

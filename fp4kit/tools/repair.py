@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fp4kit.families.base import input_scale_group, weight_scale_group
+from fp4kit.families.base import input_scale_group, largest_amax, weight_scale_group
 from fp4kit.families.grammar import DEFAULT, ExpertGrammar
 from fp4kit.nvfp4 import BLOCK, FP8_MAX, NVFP4Tensor, e2m1_codes, pack_codes, unpack_codes, unpack_e2m1
 
@@ -42,7 +42,7 @@ def unified_scales(
                 groups.setdefault(grouping(name, grammar), []).append(name)
         for members in groups.values():
             values = [scales[m][index] for m in members]
-            largest = max(values, key=float)  # type: ignore[arg-type]
+            largest = largest_amax("divisor")(values, key=float)
             if all(torch.equal(v, largest) for v in values):  # type: ignore[arg-type]
                 continue
             if index == 0:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.routing import RoutingSpec, route
+from fp4kit.layouts import shared_input_divisor
 from fp4kit.nvfp4 import amax_of_divisor
 from fp4kit.verify.ambiguity import w4a4_flip_bound
 from fp4kit.verify.backends import BACKENDS, ActivationDiv, Runner, dequantized
@@ -117,7 +118,7 @@ def activation_divisors(moe: QuantizedMoe, mode: str, unified: bool = False) -> 
     if moe.input_div13 is None or moe.input_div2 is None:
         raise Fp4kitError("--mode w4a4 needs activation scales and this checkpoint is weight-only (nvfp4a16)")
     if unified:  # one value per layer and projection, as EP-invariant engines run (largest amax)
-        return moe.input_div13.max().expand_as(moe.input_div13), moe.input_div2.max().expand_as(moe.input_div2)
+        return shared_input_divisor(moe.input_div13), shared_input_divisor(moe.input_div2)
     return moe.input_div13, moe.input_div2
 
 

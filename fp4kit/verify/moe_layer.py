@@ -13,15 +13,14 @@ The BF16 source reads the same layer as fp32 dense experts, whichever expert lay
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from fp4kit.ep.shard import EXPERT_MAP
-from fp4kit.ep.shard import MANIFEST as SHARD_MANIFEST
+from fp4kit.ep.format import EXPERT_MAP, read_expert_map
+from fp4kit.ep.format import MANIFEST as SHARD_MANIFEST
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.activation import SILU, ExpertActivation
@@ -285,10 +284,9 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
     weights elsewhere."""
     layer, experts_module, num_experts = full.layer, full.experts_module, full.num_experts
     rank_dir = Path(rank_dir)
-    try:
-        expert_map = json.loads((rank_dir / EXPERT_MAP).read_text())["layers"][str(layer)]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise Fp4kitError(f"{rank_dir}: no usable {EXPERT_MAP} entry for layer {layer} ({exc})") from None
+    expert_map = read_expert_map(rank_dir)["layers"].get(str(layer))
+    if expert_map is None:
+        raise Fp4kitError(f"{rank_dir / EXPERT_MAP}: no entry for layer {layer}")
     if len(expert_map) != num_experts:
         raise Fp4kitError(
             f"{rank_dir / EXPERT_MAP}: layer {layer} maps {len(expert_map)} experts, expected {num_experts}"

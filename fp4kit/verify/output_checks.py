@@ -3,12 +3,12 @@ against the BF16 source) and EP splits (every expert on one rank, rank outputs s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from fp4kit.ep.format import rank_directories
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.routing import route
 from fp4kit.layouts import StackedExperts
@@ -157,17 +157,6 @@ def _expert_map_kernel(v: LayerVerifier, ranks: list[RankExperts], target: str, 
     error = relative_error(total, expected)
     v.add("ep-kernel", f"{name}: {target}", error <= v.options.tol_kernel, error=error,
           tolerance=v.options.tol_kernel, tokens=num_tokens)
-
-
-def rank_directories(shards: Path) -> list[Path]:
-    from fp4kit.ep.shard import MANIFEST
-
-    manifest = shards / MANIFEST
-    try:
-        names = json.loads(manifest.read_text())["ranks"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        raise Fp4kitError(f"{shards}: not an EP split of `fp4kit shard` (no usable {MANIFEST} with ranks)") from None
-    return [shards / name for name in names]
 
 
 def _same_bytes(a: Tensor, b: Tensor) -> bool:

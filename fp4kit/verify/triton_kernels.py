@@ -639,12 +639,9 @@ def gemm1_swiglu_kernel(
     SWIGLU_WHEN_LAST: tl.constexpr = False,  # with SPLIT_K > 1: the tile's last K slice sums them and ends (`_arrive`)
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
-    LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a programmatic dependent launch (GEMM2) start now
     HAS_BIAS: tl.constexpr = False,  # gpt-oss: w13's output biases
     OAI: tl.constexpr = False,  # gpt-oss's activation (`_gated`)
 ):
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, pairs, active = _owned_pairs(
@@ -732,7 +729,6 @@ def gemm2_combine_kernel(
     COMBINE: tl.constexpr = False,  # sum each token's k slots into out_ptr in this launch (`_sum_slots_when_last`)
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
-    WAIT_PRIMARY: tl.constexpr = False,  # launched as a programmatic dependent of GEMM1: wait for it before the K loop
     HAS_BIAS: tl.constexpr = False,  # gpt-oss: w2's output biases
 ):
     pid_m = tl.program_id(0)
@@ -762,8 +758,6 @@ def gemm2_combine_kernel(
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if WAIT_PRIMARY:  # all above overlaps GEMM1's tail; the intermediate is complete and visible after this
-        tl.extra.cuda.gdc_wait()
     for k0 in range(k_start, k_end, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k

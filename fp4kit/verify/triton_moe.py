@@ -72,9 +72,6 @@ class KernelConfig:
     # each token's k slots (and K slices) in GEMM2's (not with an expert mask), and with split_k the K slices' sum and
     # SwiGLU in GEMM1's; no torch reduction, no `splitk_swiglu_kernel` (and split-K works in W4A4 too)
     fused_combine: bool = False
-    # Two-GEMM path on a GPU: GEMM2 launched as a programmatic dependent of GEMM1 (sm90+), so that its launch and the
-    # work before its K loop (finding its pairs) overlap GEMM1's tail
-    pdl: bool = False
 
 
 DECODE_CONFIG = KernelConfig()
@@ -379,13 +376,6 @@ def _decode_flags(cfg: KernelConfig, emulate_bf16: bool) -> dict:
             "BIT_SCALES": cfg.fast_scales, "SHUFFLED": _shuffled(cfg), "FOLD_BIAS": cfg.fold_bias}  # fmt: skip
 
 
-def _pdl_flags(cfg: KernelConfig, emulate_bf16: bool) -> tuple[dict, dict]:
-    """Launch arguments of GEMM1 and GEMM2 for `KernelConfig.pdl` (compiled only: the interpreter has no grids)."""
-    if not cfg.pdl or emulate_bf16:
-        return {}, {}
-    return {"LAUNCH_DEPENDENTS": True}, {"WAIT_PRIMARY": True, "launch_pdl": True}
-
-
 def _shuffled(cfg: KernelConfig) -> bool:
     # The shuffled decode takes 4 consecutive bytes of a row as one aligned word: true of the 8-bit dot operand of
     # mma.sync (kWidth 4), which is all Triton uses below 4 warps; wgmma's (sm90, 4+ warps) has kWidth 2.
@@ -451,7 +441,6 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
         if cfg.fused_combine:
             counts1 = moe_weights.counters("gemm1", max_blocks, num_tiles1, device)
     fused_swiglu = split1 > 1 and cfg.fused_combine
-    pdl = _pdl_flags(cfg, emulate_bf16) if split1 == 1 or fused_swiglu else ({}, {})
     (bias13, bias2, act_alpha, act_limit), epilogue_flags = moe_weights.epilogue_arguments()
     kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1, split1)](
         x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
@@ -462,7 +451,6 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
         W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
         SPLIT_K=split1, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl[0],
     )  # fmt: skip
     if split1 > 1 and not fused_swiglu:
         kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
@@ -485,7 +473,7 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
         **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
         EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
         SPLIT_K=split2, COMBINE=combine, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl[1],
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     if combine:
         return out
@@ -497,22 +485,3 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
-
-def fused_moe_nvfp4(
-    hidden: Tensor,
-    weights: Tensor,
-    ids: Tensor,
-    w13: NVFP4Tensor,
-    w2: NVFP4Tensor,
-    spec: RoutingSpec,
-    expert_mask: Tensor | None = None,
-    *,
-    activation_global_div: tuple[Tensor, Tensor] | None = None,
-    config: KernelConfig | None = None,
-    activation: ExpertActivation = SILU,
-    biases: tuple[Tensor, Tensor] | None = None,
-) -> Tensor:
-    """`fused_moe` straight from canonical NVFP4 expert stacks (prepares the kernel's view of them on each call)."""
-    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, activation_global_div, device=hidden.device,
-                                              activation=activation, biases=biases)
-    return fused_moe(hidden, weights, ids, moe_weights, spec, expert_mask, config)
