@@ -185,12 +185,13 @@ def _correlated_hessian(k: int, tokens: int, seed: int) -> torch.Tensor:
     return x.t() @ x
 
 
+@pytest.mark.parametrize("search", [None, ScaleSearch(0.8, 1.8, 2.4)])
 @pytest.mark.parametrize("mse_scales", [False, True])
-def test_gptq_lowers_its_objective_below_rtn_and_mse(mse_scales):
+def test_gptq_lowers_its_objective_below_rtn_and_mse(mse_scales, search):
     hessian = _correlated_hessian(128, 512, 0)
     weight = (torch.randn(48, 128, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)
     global_mul = nvfp4.global_scale_mul(weight.abs().amax())
-    q = gptq_quantize(weight[None], hessian[None], global_mul[None], GptqOptions(mse_scales=mse_scales))
+    q = gptq_quantize(weight[None], hessian[None], global_mul[None], GptqOptions(mse_scales=mse_scales, search=search))
     gptq = gptq_objective(weight, q.dequantize()[0], hessian)
     rtn = gptq_objective(weight, nvfp4.quantize(weight, global_mul).dequantize(), hessian)
     mse = gptq_objective(weight, quantize_mse(weight, global_mul, hessian.diagonal()).dequantize(), hessian)
@@ -362,7 +363,8 @@ def test_bad_method_options_are_one_line_errors(tiny, tmp_path):
     from fp4kit.errors import Fp4kitError
 
     for options in (QuantizeOptions(method="awq"), QuantizeOptions(method="gptq", gptq_damp=0),
-                    QuantizeOptions(method="gptq", gptq_min_tokens=0)):
+                    QuantizeOptions(method="gptq", gptq_min_tokens=0), QuantizeOptions(method="mse", mse_range="2:3"),
+                    QuantizeOptions(method="mse", mse_norm=2.4)):
         with pytest.raises(Fp4kitError):
             quantize_checkpoint(tiny("qwen3_moe"), tmp_path / "out", options)
 
