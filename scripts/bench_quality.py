@@ -16,6 +16,9 @@ with the output's fsync, peak RSS, as scripts/bench_quantize.py times them), the
   llmc rtn <scheme>         llm-compressor oneshot(QuantizationModifier(scheme NVFP4A16 | NVFP4)); NVFP4 calibrates
                             on the same windows (moe_calibrate_all_experts, its default)
   llmc gptq <scheme>        oneshot(GPTQModifier(scheme ...)) on the same windows
+  llmc <m>-emse <scheme>    the same with weight_observer="nvfp4_expanded_mse" (llm-compressor 0.14's search over
+                            1.8x down to 0.8x of each group's absmax, error exponent 2.4): rtn-emse (data-free in
+                            W4A16), gptq-emse, awq+gptq-emse (AWQModifier, its default mappings, then GPTQModifier)
 
 Independent check (unless --no-check): each compressed-tensors output is also dequantized, in float32, by
 compressed-tensors' own NVFP4 unpack and dequantize functions into transformers' whole model (its own loader for the
@@ -84,9 +87,15 @@ def child_llmc(src: Path, dst: Path, calib: Path, method: str, scheme: str) -> N
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16)
-    modifier = GPTQModifier if method == "gptq" else QuantizationModifier
-    recipe = modifier(targets="Linear", scheme=SCHEMES[scheme], ignore=LLMC_IGNORE)
-    if method == "rtn" and scheme == "nvfp4a16":  # data-free
+    base, _, observer = method.partition("-")
+    kwargs = {"weight_observer": "nvfp4_expanded_mse"} if observer == "emse" else {}
+    modifier = QuantizationModifier if base == "rtn" else GPTQModifier
+    recipe = [modifier(targets="Linear", scheme=SCHEMES[scheme], ignore=LLMC_IGNORE, **kwargs)]
+    if base.startswith("awq+"):
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        recipe.insert(0, AWQModifier())
+    if base == "rtn" and scheme == "nvfp4a16":  # data-free
         oneshot(model=model, recipe=recipe)
     else:
         ids = [json.loads(line)["input_ids"] for line in calib.read_text().splitlines() if line.strip()]
@@ -228,7 +237,7 @@ def plan_rows(args: argparse.Namespace) -> list[Row]:
                 continue  # W4A4 calibrates anyway: the same as mse
             rows.append(Row(f"fp4kit {method} {scheme}", "fp4kit", method, scheme))
         if not args.skip_llmc:
-            rows += [Row(f"llmc {m} {scheme}", "llmc", m, scheme) for m in ("rtn", "gptq")]
+            rows += [Row(f"llmc {m} {scheme}", "llmc", m, scheme) for m in args.llmc_methods.split(",")]
     return rows
 
 
@@ -284,6 +293,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8, help="eval batch size")
     parser.add_argument("--device", default="cpu", help="where fp4kit eval runs")
+    parser.add_argument("--llmc-methods", default="rtn,gptq,rtn-emse,gptq-emse,awq+gptq-emse",
+                        help="llm-compressor recipes, comma-separated")
     parser.add_argument("--skip-llmc", action="store_true", help="leave out llm-compressor's rows")
     parser.add_argument("--llmc-only", action="store_true", help="only llm-compressor's rows and fp4kit's RTN anchors")
     parser.add_argument("--no-check", action="store_true", help="skip the independent whole-model KL")

@@ -12,7 +12,7 @@ from fp4kit import nvfp4
 from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 from fp4kit.quantize.gptq import GptqOptions, gptq_objective, gptq_quantize
-from fp4kit.quantize.scale_search import quantize_mse, round_e2m1_magnitude_
+from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_mse, round_e2m1_magnitude_
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -113,6 +113,71 @@ def test_mse_stack_and_group_share_the_rtn_global_scale():
     assert stacked.global_scale_div[0] == group[0].global_scale_div
 
 
+def _brute_force_range_search(weight: torch.Tensor, global_mul: torch.Tensor, importance: torch.Tensor | None,
+                              search: ScaleSearch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block, in float64: the smallest sum w |dq - x|^norm over the RTN scale and every E4M3 code 1..0x7E whose
+    value lies within [low, high] x G * amax / 6, and the codes' values allowed."""
+    blocks = weight.double().unflatten(-1, (-1, 16))
+    amax = nvfp4.block_amax(weight)
+    rtn = nvfp4.rtn_block_scale(amax, global_mul)
+    exact = (global_mul * (amax.float() / 6)).double()
+    weights = torch.ones(weight.shape[-1], dtype=torch.float64) if importance is None else importance.double()
+    weights = weights.unflatten(-1, (-1, 16))
+
+    def error(scale: torch.Tensor) -> torch.Tensor:
+        divisor = (scale.float() / global_mul).unsqueeze(-1)
+        values = nvfp4._E2M1_TABLE[nvfp4.e2m1_codes(blocks.abs().float() / divisor).long() & 7].double()
+        return ((values * divisor.double() - blocks.abs()).abs() ** search.norm * weights).sum(-1)
+
+    best_error = error(rtn)
+    for value in torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float():
+        candidate = torch.full_like(rtn, float(value))
+        inside = (candidate >= search.low * exact) & (candidate <= search.high * exact)
+        best_error = torch.where(inside, torch.minimum(best_error, error(candidate)), best_error)
+    return best_error, exact
+
+
+@pytest.mark.parametrize("search", [ScaleSearch(), ScaleSearch(0.8, 1.8, 2.4), ScaleSearch(0.5, 3.0, 1.0)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_range_search_is_the_best_code_in_range(search, weighted):
+    gen = torch.Generator().manual_seed(3)
+    for weight in _adversarial_weights():
+        weight = weight[:16]
+        importance = torch.rand(weight.shape[-1], generator=gen) ** 4 if weighted else None
+        global_mul = nvfp4.global_scale_mul(weight.abs().amax())
+        q = quantize_mse(weight, global_mul, importance, search=search)
+        rtn = nvfp4.quantize(weight, global_mul)
+        expected_error, exact = _brute_force_range_search(weight, global_mul, importance, search)
+        got_error = _norm_errors(weight, q, importance, search.norm)
+        # the exhaustive search's error (fp32 sums against float64: a near-tie may pick the other code)
+        assert torch.allclose(got_error, expected_error, rtol=1e-4, atol=1e-30)
+        assert (got_error <= _norm_errors(weight, rtn, importance, search.norm) * (1 + 1e-5) + 1e-30).all()
+        chosen = q.block_scale.float().double()
+        in_range = (chosen >= search.low * exact) & (chosen <= search.high * exact)
+        assert (in_range | (q.block_scale.view(torch.uint8) == rtn.block_scale.view(torch.uint8))).all()
+        assert torch.equal(q.global_scale_div, rtn.global_scale_div)
+    assert ScaleSearch().offsets == (-3, -2, -1, 1, 2, 3, 4, 5, 6, 7)
+
+
+def _norm_errors(weight: torch.Tensor, q: nvfp4.NVFP4Tensor, importance: torch.Tensor | None,
+                 norm: float) -> torch.Tensor:
+    error = (q.dequantize().double() - weight.double()).abs() ** norm
+    if importance is not None:
+        error = error * importance.double()
+    return error.unflatten(-1, (-1, 16)).sum(-1)
+
+
+def test_scale_search_options():
+    assert parse_scale_search("codes", 2.0) is None
+    assert parse_scale_search("0.8:1.8", 2.4) == ScaleSearch(0.8, 1.8, 2.4)
+    from fp4kit.errors import Fp4kitError
+
+    for span, norm in (("1.8", 2.0), ("1.2:1.8", 2.0), ("0.8:0.9", 2.0), ("x:y", 2.0), ("codes", 2.4),
+                       ("0.8:1.8", 0.0), ("0.8:1.8", float("nan"))):
+        with pytest.raises(Fp4kitError):
+            parse_scale_search(span, norm)
+
+
 def _correlated_hessian(k: int, tokens: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, k, generator=gen) @ torch.randn(k, k, generator=gen) * 0.3
@@ -120,12 +185,13 @@ def _correlated_hessian(k: int, tokens: int, seed: int) -> torch.Tensor:
     return x.t() @ x
 
 
+@pytest.mark.parametrize("search", [None, ScaleSearch(0.8, 1.8, 2.4)])
 @pytest.mark.parametrize("mse_scales", [False, True])
-def test_gptq_lowers_its_objective_below_rtn_and_mse(mse_scales):
+def test_gptq_lowers_its_objective_below_rtn_and_mse(mse_scales, search):
     hessian = _correlated_hessian(128, 512, 0)
     weight = (torch.randn(48, 128, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)
     global_mul = nvfp4.global_scale_mul(weight.abs().amax())
-    q = gptq_quantize(weight[None], hessian[None], global_mul[None], GptqOptions(mse_scales=mse_scales))
+    q = gptq_quantize(weight[None], hessian[None], global_mul[None], GptqOptions(mse_scales=mse_scales, search=search))
     gptq = gptq_objective(weight, q.dequantize()[0], hessian)
     rtn = gptq_objective(weight, nvfp4.quantize(weight, global_mul).dequantize(), hessian)
     mse = gptq_objective(weight, quantize_mse(weight, global_mul, hessian.diagonal()).dequantize(), hessian)
@@ -297,7 +363,8 @@ def test_bad_method_options_are_one_line_errors(tiny, tmp_path):
     from fp4kit.errors import Fp4kitError
 
     for options in (QuantizeOptions(method="awq"), QuantizeOptions(method="gptq", gptq_damp=0),
-                    QuantizeOptions(method="gptq", gptq_min_tokens=0)):
+                    QuantizeOptions(method="gptq", gptq_min_tokens=0), QuantizeOptions(method="mse", mse_range="2:3"),
+                    QuantizeOptions(method="mse", mse_norm=2.4)):
         with pytest.raises(Fp4kitError):
             quantize_checkpoint(tiny("qwen3_moe"), tmp_path / "out", options)
 

@@ -59,6 +59,12 @@ def quantize(
     ] = 32,
     gptq_scales: Annotated[Literal["mse", "rtn"], typer.Option(
         help="GPTQ block scales: mse (searched on the error-compensated weights) or rtn")] = "mse",
+    mse_range: Annotated[str, typer.Option(
+        help="mse search candidates (mse, gptq's mse block scales): codes (the RTN FP8 code +-1 and max-to-4) or "
+             "LOW:HIGH, every E4M3 block-scale code within LOW..HIGH x the block's RTN scale (e.g. 0.8:1.8)")
+    ] = "codes",
+    mse_norm: Annotated[float, typer.Option(
+        help="error exponent of the LOW:HIGH search (2: squared error)")] = 2.0,
     input_scales_from: Annotated[Literal["auto", "quantized", "source"], typer.Option(
         help="gptq/mse W4A4 input scales: quantized (the calibrated pass's forward of the quantized model, the "
              "activations it will serve; no extra pass), source (the source model's forward, a pass of its own, as "
@@ -89,7 +95,8 @@ def quantize(
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
         method=method or "rtn", cast_mxfp4=method is None, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens,
-        gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp, command=command_line(src, dst),
+        gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp, mse_range=mse_range, mse_norm=mse_norm,
+        command=command_line(src, dst),
     )
     # warnings even with -q (they say what an option did not do), on rank 0 only
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",

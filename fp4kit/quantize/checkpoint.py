@@ -26,7 +26,7 @@ from fp4kit.progress import warn as warn_progress
 from fp4kit.quantize import distributed
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
-from fp4kit.quantize.scale_search import quantize_group_mse, quantize_stacked_mse
+from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_group_mse, quantize_stacked_mse
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
@@ -71,6 +71,14 @@ class QuantizeOptions:
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
+    # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "codes" (the RTN code +-1 and
+    # max-to-4, squared error) or "LOW:HIGH" (every E4M3 code in that range of the RTN scale, error exponent mse_norm)
+    mse_range: str = "codes"
+    mse_norm: float = 2.0
+
+    @property
+    def scale_search(self) -> ScaleSearch | None:
+        return parse_scale_search(self.mse_range, self.mse_norm)
     input_scales_from: str = "auto"  # quantized, but source for ModelOpt output (see input_scale_source)
     # MXFP4 source groups under rtn: cast to NVFP4 without rounding (fp4kit.nvfp4.cast_mxfp4_group); False: RTN from
     # their exact values (the CLI's explicit --method rtn)
@@ -144,6 +152,7 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
     if options.gptq_scales not in ("mse", "rtn"):
         raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
+    options.scale_search  # noqa: B018 (a bad --mse-range / --mse-norm: one line, before any work)
     if options.gptq_min_tokens < 1:
         raise Fp4kitError(f"--gptq-min-tokens must be at least 1, got {options.gptq_min_tokens}")
     if options.gptq_block_size < 16 or options.gptq_block_size % 16:
@@ -268,7 +277,8 @@ def quantize_tensors(
         on_device = [w if isinstance(w, nvfp4_cpu.Fp8BlockWeight) else w.to(device, non_blocking=True)
                      for w in weights]
         if options.method == "mse":
-            quantized = quantize_group_mse(on_device, options.exact_fp32_global_scale, native=options.native_cpu)
+            quantized = quantize_group_mse(on_device, options.exact_fp32_global_scale, native=options.native_cpu,
+                                           search=options.scale_search)
         else:
             quantized = quantize_group(on_device, options.exact_fp32_global_scale, options.native_cpu)
     except NonFiniteError:
@@ -312,7 +322,8 @@ class GroupBatcher:
         try:
             stack = torch.stack(rows) if len(rows) > 1 else rows[0].unsqueeze(0)
             if self.options.method == "mse":
-                stacked = quantize_stacked_mse(stack, self.options.exact_fp32_global_scale)
+                stacked = quantize_stacked_mse(stack, self.options.exact_fp32_global_scale,
+                                               search=self.options.scale_search)
             else:
                 stacked = quantize_stacked(stack, self.options.exact_fp32_global_scale, self.options.native_cpu)
         except NonFiniteError:
@@ -427,7 +438,8 @@ def _quantize_calibrated(
     quantizer = LayerQuantizer(
         reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
-        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens),
+        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens,
+                    options.scale_search),
         native=options.native_cpu,
     )
     with_input = options.scheme == "nvfp4"
@@ -460,7 +472,7 @@ def _quantize_calibrated(
         weights = _read_job(reader, group, options.device)
         try:
             quantized = quantize_group_mse([w.to(options.device) for w in weights], options.exact_fp32_global_scale,
-                                           native=options.native_cpu)
+                                           native=options.native_cpu, search=options.scale_search)
         except NonFiniteError:
             raise _nonfinite_error([group], [weights]) from None
         quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]

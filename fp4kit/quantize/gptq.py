@@ -24,6 +24,7 @@ from fp4kit.quantize.calibrate import LayerStatistics, LoadedLayer
 from fp4kit.quantize.plan import QuantGroup, read_group_weights
 from fp4kit.quantize.scale_search import (
     GPTQ_CODE_OFFSETS,
+    ScaleSearch,
     group_global_mul,
     quantize_mse,
     round_e2m1_magnitude_,
@@ -41,6 +42,7 @@ class GptqOptions:
     block_size: int = 128  # columns per lazy-update block (a multiple of 16)
     mse_scales: bool = True  # block scales by the diag-H-weighted mse search, else round-to-nearest
     min_tokens: int = 32  # routed experts that saw fewer calibration tokens fall back to mse
+    search: ScaleSearch | None = None  # the range search for the mse block scales (and the fallbacks' mse)
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -64,7 +66,8 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def _lazy_block(
-    w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor, mse_scales: bool
+    w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor, mse_scales: bool,
+    search: ScaleSearch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One lazy block of the pass, columns [W] of weights w1 [B, N, W] (updated in place) against its diagonal
     block u1 [B, W, W] of the factor: the scaled rounding errors [B, N, W], each column as the pass rounded it
@@ -79,7 +82,8 @@ def _lazy_block(
         block = w1[:, :, g : g + BLOCK]
         amax = block.abs().amax(dim=-1, keepdim=True)  # finite: checked up front
         if mse_scales:
-            scale = search_block_scales(block, global_f32, importance[:, g : g + BLOCK], amax, GPTQ_CODE_OFFSETS)
+            scale = search_block_scales(block, global_f32, importance[:, g : g + BLOCK], amax, GPTQ_CODE_OFFSETS,
+                                        search)
         else:
             scale = rtn_block_scale(amax, _per_leading_index(global_f32, 3))
         scale = scale.squeeze(-1)  # [B, N]
@@ -120,14 +124,15 @@ class LazyBlocks:
         self._seen: set[tuple] = set()
 
     def __call__(self, w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
-                 mse_scales: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = (tuple(w1.shape), w1.device, mse_scales)
+                 mse_scales: bool, search: ScaleSearch | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (tuple(w1.shape), w1.device, mse_scales, search)
         if not self.graphs or w1.device.type != "cuda" or key not in self._seen:
             self._seen.add(key)
-            return _lazy_block(w1.clone(), u1, importance, global_f32, mse_scales)
+            return _lazy_block(w1.clone(), u1, importance, global_f32, mse_scales, search)
         graphed = self._graphs.get(key)
         if graphed is None:
-            graphed = self._graphs[key] = self._capture(w1, u1, importance, global_f32, mse_scales)
+            graphed = self._graphs[key] = self._capture(w1, u1, importance, global_f32, mse_scales, search)
         for static, value in zip(graphed.inputs, (w1, u1, importance, global_f32), strict=True):
             static.copy_(value)
         graphed.graph.replay()
@@ -135,11 +140,11 @@ class LazyBlocks:
 
     @staticmethod
     def _capture(w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
-                 mse_scales: bool) -> _Graphed:
+                 mse_scales: bool, search: ScaleSearch | None) -> _Graphed:
         inputs = tuple(t.clone() for t in (w1, u1, importance, global_f32))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = _lazy_block(inputs[0].clone(), inputs[1], inputs[2], inputs[3], mse_scales)
+            outputs = _lazy_block(inputs[0].clone(), inputs[1], inputs[2], inputs[3], mse_scales, search)
         return _Graphed(graph, inputs, outputs)
 
 
@@ -172,7 +177,7 @@ def gptq_quantize(
         end = min(start + options.block_size, k)
         errors, block_compensated, block_scales = blocks(
             w[:, :, start:end], upper[:, start:end, start:end], importance[:, start:end], global_f32,
-            options.mse_scales)
+            options.mse_scales, options.search)
         compensated[:, :, start:end] = block_compensated
         scales[:, :, start // BLOCK : end // BLOCK] = block_scales
         if end < k:
@@ -251,7 +256,7 @@ class LayerQuantizer:
             importance = None
             if unit.hessian is not None and unit.tokens > 0:
                 importance = unit.hessian.diagonal() if unit.hessian.dim() == 2 else unit.hessian
-            q = quantize_mse(unit.weight.to(self.device), unit.global_mul, importance, self.native)
+            q = quantize_mse(unit.weight.to(self.device), unit.global_mul, importance, self.native, self.gptq.search)
             results[(unit.group, unit.members[0])] = NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(),
                                                                  q.global_scale_div)
         replacements: dict[str, torch.Tensor] = {}
