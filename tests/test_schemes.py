@@ -101,3 +101,41 @@ def test_fp8_zero_channel_and_saturation():
         torch.testing.assert_close(q.dequantize(), weight.float(), rtol=0.07, atol=0)
     with pytest.raises(Fp4kitError, match="non-finite"):
         quantize_fp8(torch.full((4, 4), float("inf")), "fp8-dynamic", "m")
+
+
+def test_mixed_config_and_tensors_match_llm_compressor(tmp_path):
+    """A three-group recipe (NVFP4A16 experts, FP8_DYNAMIC attention, FP8_BLOCK shared expert) through
+    model_free_ptq: our quantization_config equals its config.json's, and our FP8 tensors, named and encoded by
+    the dialect, equal its bytes."""
+    import json
+
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from llmcompressor import model_free_ptq
+
+    from fp4kit.formats import compressed_tensors as ct
+
+    attn = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    experts = ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj"]
+    shared = ["model.layers.0.mlp.shared_expert.up_proj"]
+    source = _checkpoint(tmp_path / "src", {m: (128, 256) for m in attn + experts + shared})
+    recipe = [("nvfp4a16", [r"re:.*mlp\.experts\..*"]), ("fp8-dynamic", [r"re:.*self_attn\..*"]),
+              ("fp8-block", [r"re:.*shared_expert.*"])]
+    presets = {"nvfp4a16": "NVFP4A16", "fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK"}
+    config = QuantizationConfig(config_groups={
+        f"group_{i}": preset_name_to_scheme(presets[s], t) for i, (s, t) in enumerate(recipe)})
+    model_free_ptq(tmp_path / "src", tmp_path / "ref", config=config)
+    theirs = json.loads((tmp_path / "ref" / "config.json").read_text())["quantization_config"]
+    ours = ct.build_mixed_quantization_config(recipe, [])
+    assert ours["format"] == "mixed-precision"
+    assert theirs.pop("transform_config") == {}  # llm-compressor's only extra key (as in test_llmcompressor_parity)
+    assert ours == theirs
+    ref = _tensors(tmp_path / "ref")
+    smap = SchemeMap.parse("bf16", [f"{t[0]}={s}" for s, t in recipe])
+    for module in attn + shared:
+        q = quantize_fp8(source[f"{module}.weight"], smap.scheme_of(module), module)
+        planned = ct.fp8_planned(module, tuple(q.scale.shape), 128, 256, torch.bfloat16)
+        encoded = ct.fp8_encode(module, q.codes, q.scale)
+        assert [p.name for p in planned] == list(encoded)
+        for p in planned:
+            assert (encoded[p.name].dtype, tuple(encoded[p.name].shape)) == (p.dtype, tuple(p.shape))
+            assert torch.equal(encoded[p.name].view(torch.uint8), ref[p.name].view(torch.uint8)), p.name
