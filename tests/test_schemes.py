@@ -139,3 +139,30 @@ def test_mixed_config_and_tensors_match_llm_compressor(tmp_path):
         for p in planned:
             assert (encoded[p.name].dtype, tuple(encoded[p.name].shape)) == (p.dtype, tuple(p.shape))
             assert torch.equal(encoded[p.name].view(torch.uint8), ref[p.name].view(torch.uint8)), p.name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_plan_groups_get_one_scheme_each(tiny, family):
+    """On a family's planned groups: experts NVFP4, attention FP8, the fused q/k/v (or MLA's) and gate/up groups
+    whole; splitting a fused group, or a rule that matches nothing planned, is one line."""
+    import json
+
+    from fp4kit.io.checkpoint import CheckpointReader
+    from fp4kit.quantize.plan import build_plan
+    from fp4kit.quantize.schemes import assign
+
+    src = tiny(family)
+    plan = build_plan(CheckpointReader(src), json.loads((src / "config.json").read_text()))
+    dense = [r"mlp\.(shared_experts|gate_proj|up_proj|down_proj)=fp8-block"] if family == "deepseek_v3" else []
+    schemes = assign(plan.groups, SchemeMap.parse("nvfp4", [r"self_attn=fp8-dynamic", *dense]))
+    by_module = {c.linear.module: schemes[i] for i, g in enumerate(plan.groups) for c in g.members}
+    assert {s for m, s in by_module.items() if ".self_attn." in m} == {"fp8-dynamic"}
+    assert {s for m, s in by_module.items() if ".experts." in m} == {"nvfp4"}
+    assert {s for m, s in by_module.items() if ".self_attn." not in m and ".experts." not in m} <= {"fp8-block"}
+    assert any(".self_attn." in m for m in by_module) and any(".experts." in m for m in by_module)
+    fused = next(g for g in plan.groups if len(g.members) > 1 and ".experts." in g.members[0].linear.module)
+    first = fused.members[0].linear.module.rsplit(".", 1)[1]
+    with pytest.raises(Fp4kitError, match="must share one scheme"):
+        assign(plan.groups, SchemeMap.parse("nvfp4", [rf"experts\.\d+\.{first}$=fp8-block"]))
+    with pytest.raises(Fp4kitError, match="matches no module"):
+        assign(plan.groups, SchemeMap.parse("nvfp4", ["lm_head=fp8-dynamic"]))

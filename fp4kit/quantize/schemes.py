@@ -15,10 +15,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from fp4kit.errors import Fp4kitError
+
+if TYPE_CHECKING:
+    from fp4kit.quantize.plan import QuantGroup
 
 NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
 FP8_SCHEMES = ("fp8-dynamic", "fp8-block")
@@ -96,6 +100,17 @@ class SchemeMap:
                     winners.add(rule.spelled)
                     break
         return [r.spelled for r in self.rules if r.spelled not in winners]
+
+
+def assign(groups: Iterable[QuantGroup], smap: SchemeMap) -> dict[int, str]:
+    """The scheme of each planned group (keyed by its index), every member of a fused group agreeing; an error
+    for a rule that wins for no planned module, as an ignore pattern that matches nothing would."""
+    groups = list(groups)
+    modules = [c.linear.module for g in groups for c in g.members]
+    unused = smap.unused_rules(modules)
+    if unused:
+        raise Fp4kitError(f"--scheme-for {unused[0]!r}: matches no module that is quantized (see --ignore)")
+    return {i: smap.group_scheme([c.linear.module for c in g.members]) for i, g in enumerate(groups)}
 
 
 @dataclass
