@@ -31,6 +31,11 @@ FORMAT = "nvfp4-pack-quantized"
 SUFFIXES = {"packed": ".weight_packed", "block": ".weight_scale", "global": ".weight_global_scale",
             "input": ".input_global_scale"}
 SCHEMES = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
+# per-module schemes (fp4kit.quantize.schemes) besides NVFP4: compressed-tensors' preset and group format
+FP8_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK"}
+FP8_FORMAT = "float-quantized"
+MIXED_FORMAT = "mixed-precision"
+FP8_SUFFIXES = {"weight": ".weight", "scale": ".weight_scale"}
 CONFIG_SNAPSHOT = "compressed_tensors_config.json"
 
 
@@ -110,6 +115,45 @@ def build_quantization_config(scheme: str, ignore: list[str]) -> dict:
     out = config.model_dump(mode="json")
     out["version"] = compressed_tensors.__version__
     return out
+
+
+def build_mixed_quantization_config(groups: list[tuple[str, list[str]]], ignore: list[str]) -> dict:
+    """config.json's ``quantization_config`` for several schemes: one config group per (scheme, targets) in order,
+    built by compressed-tensors' own classes as llm-compressor writes a multi-group recipe; the format is
+    ``mixed-precision`` when the groups' formats differ."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, preset_name_to_scheme
+
+    config_groups = {}
+    for i, (scheme, targets) in enumerate(groups):
+        preset = SCHEMES.get(scheme) or FP8_SCHEMES.get(scheme)
+        if preset is None:
+            raise ValueError(f"no compressed-tensors config group for scheme {scheme!r}")
+        quant_scheme = preset_name_to_scheme(preset, list(targets))
+        quant_scheme.format = FORMAT if scheme in SCHEMES else FP8_FORMAT
+        config_groups[f"group_{i}"] = quant_scheme
+    formats = {g.format for g in config_groups.values()}
+    config = QuantizationConfig(
+        config_groups=config_groups,
+        format=formats.pop() if len(formats) == 1 else MIXED_FORMAT,
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=ignore,
+    )
+    out = config.model_dump(mode="json")
+    out["version"] = compressed_tensors.__version__
+    return out
+
+
+def fp8_planned(module: str, scale_shape: tuple[int, ...], out_features: int, in_features: int,
+                dtype: torch.dtype) -> list[PlannedTensor]:
+    """An FP8 Linear as compressed-tensors' float-quantized format stores it: E4M3 ``weight`` and its scale in
+    the source weight's dtype."""
+    return [PlannedTensor(module + FP8_SUFFIXES["weight"], torch.float8_e4m3fn, (out_features, in_features)),
+            PlannedTensor(module + FP8_SUFFIXES["scale"], dtype, scale_shape)]
+
+
+def fp8_encode(module: str, codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {module + FP8_SUFFIXES["weight"]: codes, module + FP8_SUFFIXES["scale"]: scale}
 
 
 def config_snapshot() -> dict:
