@@ -29,6 +29,7 @@ from typing import Annotated
 
 import typer
 
+from fp4kit.commands._common import INVOKED_ARGS
 from fp4kit.errors import Fp4kitError
 
 try:  # typer 0.2x raises the exceptions of its own bundled copy of click, not the click package's
@@ -201,8 +202,12 @@ def run(args: Sequence[str]) -> int:
     try:
         _check_ranks()
         # click's own main() would turn Ctrl-C into a silent exit 130 and print usage errors over several lines
-        with command.make_context(PROG, list(args)) as ctx:
-            command.invoke(ctx)
+        invoked = INVOKED_ARGS.set(list(args))
+        try:
+            with command.make_context(PROG, list(args)) as ctx:
+                command.invoke(ctx)
+        finally:
+            INVOKED_ARGS.reset(invoked)
         return 0
     except typer.Exit as exc:  # --help, --version
         return exc.exit_code

@@ -214,7 +214,8 @@ def test_the_output_records_how_it_was_made(tiny, tmp_path, capsys, monkeypatch)
     argv = ["quantize", str(src), str(dst), "--scheme", "nvfp4", "--format", "modelopt", "--calib", str(calib),
             "--samples", "4", "--seq-len", "64", "--method", "mse", "-q"]
     cli._register_commands()
-    monkeypatch.setattr("sys.argv", ["fp4kit", *argv])  # the command line, as the console script sees it
+    # the record is of the command line run() was given, not of the process's (a runner or a pipeline calling it)
+    monkeypatch.setattr("sys.argv", ["runner.py", "--run", "plan.json"])
     assert cli.run(argv) == 0, capsys.readouterr().err
 
     record = json.loads((dst / "fp4kit_provenance.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TypeVar
 
 from fp4kit.progress import Reporter
@@ -23,3 +24,7 @@ def with_progress(fn: Callable[[Reporter], T], quiet: bool, label: str, phase: s
     line per phase otherwise; ``phase`` names the work of a function that reports bytes without naming phases."""
     with Reporter(label, quiet, warnings=warnings, default_phase=phase) as reporter:
         return fn(reporter)
+
+# the command line (without the program name) that fp4kit.cli.run is running: what a command records of itself,
+# which is not sys.argv when a runner or a pipeline calls run()
+INVOKED_ARGS: ContextVar[list[str] | None] = ContextVar("fp4kit_invoked_args", default=None)

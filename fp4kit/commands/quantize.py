@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from fp4kit.commands._common import human_bytes, with_progress
+from fp4kit.commands._common import INVOKED_ARGS, human_bytes, with_progress
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES
 
 
@@ -122,7 +122,9 @@ def command_line(src: Path, dst: Path) -> str:
     """This run's command line as the output records it, SRC and DST as those words: the record says what SRC was
     (its base model), and the same command into any DST writes the same bytes."""
     words = {src: "SRC", dst: "DST"}
-    return shlex.join(["fp4kit", *(words.get(Path(arg), arg) for arg in sys.argv[1:])])
+    args = INVOKED_ARGS.get()
+    args = sys.argv[1:] if args is None else args
+    return shlex.join(["fp4kit", *(words.get(Path(arg), arg) for arg in args)])
 
 
 def register(app: typer.Typer) -> None:
