@@ -73,12 +73,14 @@ def sharded(tiny, tmp_path_factory, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def clean(tiny, tmp_path_factory):
-    """(source, the bytes `fp4kit quantize` writes from it)."""
-    from fp4kit.quantize.checkpoint import quantize_checkpoint
+    """(source, the bytes `fp4kit quantize` writes from it: by the same command line as the mutated runs, which the
+    output's provenance record and model card carry)."""
+    from fp4kit import cli
 
     src = sharded(tiny, tmp_path_factory, "qwen3_moe")
     out = tmp_path_factory.mktemp("clean") / "out"
-    quantize_checkpoint(src, out)
+    cli._register_commands()
+    assert cli.run(["quantize", str(src), str(out), "-q"]) == 0
     return src, digest(out)
 
 
