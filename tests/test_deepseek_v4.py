@@ -28,6 +28,16 @@ def release(tiny, tmp_path_factory):
     return write_deepseek_v4_release_source(tiny("deepseek_v4"), tmp_path_factory.mktemp("dsv4") / "release")
 
 
+@pytest.fixture(scope="module")
+def quantized(release, tmp_path_factory):
+    """`fp4kit quantize RELEASE DST` (data-free, compressed-tensors): its stdout and DST."""
+    dst = tmp_path_factory.mktemp("dsv4") / "nvfp4"
+    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(release), str(dst)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout, dst
+
+
 def transformers_dequantized(path) -> dict[str, torch.Tensor]:
     """Every quantized Linear of the release as transformers' Fp8Dequantize reads it, in fp32."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
@@ -56,7 +66,7 @@ def test_release_read_exactly_as_transformers_reads_it(release):
             assert torch.equal(got, expected[f"{module}.weight"]), module
 
 
-def test_quantize_casts_the_release_exactly(release, tmp_path):
+def test_quantize_casts_the_release_exactly(release, quantized):
     """`fp4kit quantize` of the release: the routed experts of the decoder layers dequantize (compressed-tensors'
     decompressor) to the source's MXFP4 values bit for bit, every 16-block cast exactly; the FP8 Linears kept are
     transformers' dequantized values in bf16 (exact); every other tensor is the source's bytes; inspect is clean."""
@@ -64,12 +74,9 @@ def test_quantize_casts_the_release_exactly(release, tmp_path):
 
     from fp4kit.tools.inspect_artifacts import inspect_path
 
-    dst = tmp_path / "nvfp4"
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(release), str(dst)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert "MXFP4 source: 73728 NVFP4 blocks cast exactly, 0 re-quantized" in run.stdout
-    assert "deepseek_v4" in run.stdout and "72 Linears quantized" in run.stdout
+    stdout, dst = quantized
+    assert "MXFP4 source: 73728 NVFP4 blocks cast exactly, 0 re-quantized" in stdout
+    assert "deepseek_v4" in stdout and "72 Linears quantized" in stdout
     source = transformers_dequantized(release)
     written = load_file(dst / "model.safetensors")
     out = CompressedTensorsDequantizer(dst, dtype=torch.float32).process(dict(written))
@@ -92,17 +99,15 @@ def test_quantize_casts_the_release_exactly(release, tmp_path):
     assert config["quantization_config"]["format"] == "nvfp4-pack-quantized"
 
 
-def test_the_output_is_the_release_in_transformers(release, tmp_path):
+def test_the_output_is_the_release_in_transformers(release, quantized, tmp_path):
     """fp4kit eval does not stream DeepSeek-V4 yet; the whole model says the same: transformers' DeepSeek-V4 loaded
     from the release (FP8 dequantized on load) and from the NVFP4 output (`fp4kit convert --to bf16`, exact) holds
     the same weights and computes the same logits (KL 0)."""
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
-    from fp4kit.quantize import quantize_checkpoint
     from fp4kit.tools.dense import dequantize_checkpoint
 
-    quantize_checkpoint(release, tmp_path / "nvfp4")
-    dequantize_checkpoint(tmp_path / "nvfp4", tmp_path / "dense")
+    dequantize_checkpoint(quantized[1], tmp_path / "dense")
     # fp32 throughout: transformers keeps the hyper-connections fp32, which its bf16 Linears refuse
     source = DeepseekV4ForCausalLM.from_pretrained(release, dtype=torch.float32,
                                                    quantization_config=FineGrainedFP8Config(dequantize=True)).float()
@@ -180,8 +185,19 @@ def test_activation_is_transformers_clamped_swiglu():
 
 
 def test_mtp_block_layers_follow_the_decoder_layers():
+    """The MTP block `mtp.0.*` is numbered after the decoder layers, kept whole by default, and `--mtp quantize`
+    leaves only its routed experts to quantize."""
+    import re
+
     from fp4kit.families import deepseek_v4
 
     tc = {"num_hidden_layers": 3}
     assert deepseek_v4.FAMILY.layer_index("mtp.0.ffn.experts.5.w1", tc) == 3
     assert deepseek_v4.FAMILY.layer_index("layers.2.ffn.experts.5.w1", tc) == 2
+
+    def kept(module: str, mtp: str) -> bool:
+        return any(re.search(p, module) for p in deepseek_v4.FAMILY.default_ignore(tc, mtp))
+
+    assert kept("mtp.0.ffn.experts.5.w1", "keep") and kept("mtp.0.e_proj", "keep")
+    assert not kept("mtp.0.ffn.experts.5.w1", "quantize") and kept("mtp.0.attn.wq_a", "quantize")
+    assert not kept("layers.1.ffn.experts.5.w2", "keep") and kept("layers.1.ffn.gate", "keep")

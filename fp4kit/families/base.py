@@ -95,7 +95,8 @@ class Family:
         kept = [*COMMON_IGNORE, *self.ignore(config)]
         if self.mtp_prefix is not None:
             block = "^" + re.escape(self.mtp_prefix)
-            kept.append(block if mtp == "keep" else block + r"(?!layers\.\d+\.mlp\.experts\.\d+\.)")
+            routed = rf"(?!(layers\.)?\d+\.\w+\.{re.escape(self.grammar.experts)}\.\d+\.)"  # its layers' experts
+            kept.append(block if mtp == "keep" else block + routed)
         elif mtp != "keep":
             raise Fp4kitError(f"--mtp {mtp}: {self.name} has no MTP block outside its decoder layers (its MTP layers, "
                               "if any, are `layers.N` past num_hidden_layers: choose them with --ignore)")
