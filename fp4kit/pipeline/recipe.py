@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.options import recipe_fields
+from fp4kit.pipeline.llm_compressor import is_llm_compressor_recipe, translate
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
@@ -161,6 +162,8 @@ class LoadedRecipe:
     recipe: Recipe
     origins: Origins
     path: Path
+    notes: list[str] = field(default_factory=list)  # what an llm-compressor recipe asked and fp4kit does not do
+    from_llm_compressor: bool = False
 
 
 def _key_lines(node: yaml.Node, origins: Origins, prefix: KeyPath = ()) -> None:
@@ -330,18 +333,57 @@ def _section_model(key: KeyPath) -> type[BaseModel] | None:
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe:
-    """Read, override and validate a recipe (schema and cross-field rules; no file besides the recipe is read)."""
+    """Read, override and validate a recipe (schema and cross-field rules; no file besides the recipe is read, but
+    an llm-compressor recipe's model config.json, for its family)."""
     path = Path(path)
     origins = Origins(str(path))
     data = _read_yaml(path, origins)
+    notes: list[str] = []
+    llm_compressor = is_llm_compressor_recipe(data)
+    if llm_compressor:
+        translation = translate(data, origins.lines, str(path), set(Recipe.model_fields))
+        data, origins.lines, notes = translation.data, translation.lines, translation.notes
     data.setdefault("name", path.stem)
     apply_overrides(data, overrides, origins)
+    if llm_compressor:
+        _complete_llm_compressor(data, path)
     _normalize_steps(data)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(_problems(exc, origins)) from None
-    return LoadedRecipe(recipe, origins, path)
+    return LoadedRecipe(recipe, origins, path, notes, llm_compressor)
+
+
+def _complete_llm_compressor(data: dict, path: Path) -> None:
+    """An llm-compressor recipe names no model: --set model=DIR gives it; the family is the model's."""
+    if "model" not in data:
+        raise Fp4kitError(f"{path}: an llm-compressor recipe names no model: add --set model=DIR (the BF16 "
+                          f"checkpoint directory)")
+    if "family" not in data and isinstance(data["model"], str):
+        from fp4kit.families import detect
+        from fp4kit.io.shard_io import read_config
+
+        config = Path(data["model"]) / "config.json"
+        if not config.is_file():
+            raise Fp4kitError(f"--set model={data['model']}: no config.json there, to find the model's family "
+                              f"(or add --set family=NAME)")
+        data["family"] = detect(read_config(config.parent)).name
+
+
+def write_recipe(loaded: LoadedRecipe, out: Path, header: Sequence[str] = ()) -> None:
+    """The recipe as an fp4kit recipe file: the keys it sets (defaults left out), ``header`` lines as comments;
+    written whole or not at all."""
+    import os
+
+    document = loaded.recipe.model_dump(mode="json", exclude_unset=True)
+    for step in STEP_ORDER:
+        if getattr(loaded.recipe, step) is not None and document.get(step) is None:
+            document[step] = {}
+    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(document, sort_keys=False)
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, out)
 
 
 def check_against_model(loaded: LoadedRecipe) -> None:
