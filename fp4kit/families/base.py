@@ -76,7 +76,7 @@ class Family:
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
     # transformers' decoder layers of the family load one at a time from the checkpoint's names
-    # (quantize.layer_model: W4A4 calibration, the mse / gptq methods, eval); False: those refuse the family
+    # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
     streams_layers: bool = True
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
