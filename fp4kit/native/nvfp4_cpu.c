@@ -1,5 +1,6 @@
 /* NVFP4 quantization of bf16 (and fp32) weights on the CPU: the same bytes as fp4kit.nvfp4.quantize (compressed-tensors'
  * math), in one pass per 16-block instead of a dozen whole-tensor torch ops.
+ * Also the exact MXFP4 -> NVFP4 cast's block scales (fp4kit.nvfp4.cast_mxfp4_group), at the end of the file.
  *
  * Every step is an IEEE fp32 operation in the order torch performs it, so the result is bit-identical provided the
  * compiler neither contracts to FMA nor flushes denormals (built with -ffp-contract=off, without -ffast-math). */

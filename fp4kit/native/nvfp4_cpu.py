@@ -1,5 +1,6 @@
 """NVFP4 quantization of bf16 and fp32 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use;
-also of FP8-block weights straight from their stored e4m3 codes (``Fp8BlockWeight``: the bytes of their fp32 values).
+also of FP8-block weights straight from their stored e4m3 codes (``Fp8BlockWeight``: the bytes of their fp32 values),
+and the block scales of the exact MXFP4 cast (``mxfp4_top``, ``mxfp4_cast_scales``: fp4kit.nvfp4.cast_mxfp4_group).
 
 The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
 with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
