@@ -307,10 +307,6 @@ class CastResult:
     requantized_blocks: int  # 16-blocks whose scale the E4M3 range left by the global scale cannot hold
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.dtype != torch.uint8 else tensor
-
-
 def _check_mxfp4(weight: Mxfp4Weight) -> None:
     if weight.packed.dim() != 2 or weight.packed.shape[1] % (BLOCK // 2):
         raise ValueError(f"MXFP4 code bytes {list(weight.packed.shape)}: [N, K/2] with K a multiple of {BLOCK}")
@@ -424,8 +420,7 @@ def cast_mxfp4_group(weights: list[Mxfp4Weight], native: bool = False) -> CastRe
     Any other 16-block holding a nonzero code is re-quantized (RTN under the same global scale) from its exact
     values, and counted; an all-zero block keeps its codes under the nearest such scale. No arithmetic touches the
     codes: they are the source's bytes. ``native``: through fp4kit's C loop where it reads the weights (on the CPU),
-    the same bytes. Codes and exponents may come in any 1-byte dtype (int8 FP4 pairs, float8_e8m0fnu exponents)."""
-    weights = [Mxfp4Weight(_as_bytes(w.packed), _as_bytes(w.exponents)) for w in weights]
+    the same bytes."""
     for weight in weights:
         _check_mxfp4(weight)
     if native and weights and all(nvfp4_cpu.handles_mxfp4(w.packed, w.exponents) for w in weights):
