@@ -23,7 +23,8 @@ against the I/O floor in the same run:
   expert groups (gate/up fused, down) already in memory, against reading the same tensors from the page cache with
   fp4kit's reader and against a memory copy of their bytes; GB/s of stored bytes;
 - the whole conversion: ``quantize_checkpoint`` (the cast by default) in a child process, timed inside it (from the
-  call, imports excluded) with its peak RSS, against a plain copy of the source's shards into a fresh directory
+  call, imports excluded) with its peak RSS, and again with the cast's torch ops (``native_cpu=False``: the output
+  shards compared byte for byte), against a plain copy of the source's shards into a fresh directory
   (read from the page cache, written, fsynced: the least any tool writing a same-sized output does), runs
   alternating. Ratio copy seconds / quantize seconds: >= 1 is at the I/O floor.
 """
@@ -31,6 +32,7 @@ against the I/O floor in the same run:
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import math
 import os
@@ -69,7 +71,7 @@ CHILD = """
 import json, sys, time
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 start = time.perf_counter()
-report = quantize_checkpoint(sys.argv[1], sys.argv[2], QuantizeOptions())
+report = quantize_checkpoint(sys.argv[1], sys.argv[2], QuantizeOptions(native_cpu=sys.argv[3] == "native"))
 print(json.dumps({"seconds": time.perf_counter() - start, "cast": report.mxfp4_cast}))
 """
 
@@ -166,12 +168,14 @@ def plain_copy(src: Path, dst: Path) -> float:
     return time.perf_counter() - start
 
 
-def child_quantize(src: Path, dst: Path) -> tuple[float, float, int, dict]:
-    """(seconds inside the call, seconds of the whole process, peak RSS bytes, the cast's block counts)."""
+def child_quantize(src: Path, dst: Path, native: bool = True) -> tuple[float, float, int, dict]:
+    """(seconds inside the call, seconds of the whole process, peak RSS bytes, the cast's block counts); ``native``
+    False: the cast's torch ops (``--no-native``)."""
     shutil.rmtree(dst, ignore_errors=True)
     warm(src)
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(dst)], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(dst), "native" if native else "torch"],
+                             stdout=subprocess.PIPE, text=True)
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     whole = time.perf_counter() - start
@@ -228,18 +232,24 @@ def bench_mxfp4(args: argparse.Namespace) -> None:
     for layers in layer_counts:
         src = mxfp4_source(args.workdir, layers, args.experts)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        copies, runs = [], []
+        copies, runs, torch_runs = [], [], []
         for _ in range(args.repeats):
             copies.append(plain_copy(src, args.workdir / "out"))
             runs.append(child_quantize(src, args.workdir / "out"))
+            torch_runs.append(child_quantize(src, args.workdir / "out-torch", native=False))
+        same = all(filecmp.cmp(f, args.workdir / "out-torch" / f.name, shallow=False)
+                   for f in sorted((args.workdir / "out").glob("*.safetensors")))
         copy, inside = statistics.median(copies), statistics.median(r[0] for r in runs)
         whole, peak = statistics.median(r[1] for r in runs), max(r[2] for r in runs)
         print(f"{layers} layers, {args.experts} experts, {size / 1e6:.0f} MB: plain copy {copy:.2f} s "
               f"(runs {', '.join(f'{c:.2f}' for c in copies)}); quantize (cast) {inside:.2f} s in the call "
               f"(runs {', '.join(f'{r[0]:.2f}' for r in runs)}), {whole:.2f} s as a process, peak RSS "
               f"{peak / 2**30:.2f} GiB, blocks {runs[0][3]}")
+        print(f"  the cast's torch ops (--no-native): {statistics.median(r[0] for r in torch_runs):.2f} s in the call "
+              f"(runs {', '.join(f'{r[0]:.2f}' for r in torch_runs)}); shards byte-identical to the C loop's: {same}")
         print(f"speed against the I/O floor (copy / quantize): {copy / inside:.2f}x")
-    shutil.rmtree(args.workdir / "out", ignore_errors=True)
+    for out in ("out", "out-torch"):
+        shutil.rmtree(args.workdir / out, ignore_errors=True)
 
 
 def main() -> None:
