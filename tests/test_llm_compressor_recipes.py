@@ -141,3 +141,11 @@ def test_run_of_an_llm_compressor_recipe_writes_what_quantize_writes(tmp_path, t
     assert ran and ran == sorted(p.name for p in (tmp_path / "direct").glob("*.safetensors"))
     for name in ran:
         assert (work / "quantize" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+
+
+def test_fp4kit_keys_beside_the_stages_win(tmp_path, tiny) -> None:
+    """fp4kit's own keys in the same file: its quantize keys over the translation's, its other steps as written."""
+    text = EXAMPLE.replace("{model}", str(tiny("qwen3_moe"))) + "quantize:\n  gptq_damp: 0.03\nshard:\n  ep: 2\n"
+    recipe = load_recipe(write(tmp_path, text)).recipe
+    assert recipe.quantize is not None and recipe.quantize.gptq_damp == 0.03 and recipe.quantize.method == "gptq"
+    assert recipe.shard is not None and recipe.shard.ep == 2
