@@ -1,0 +1,91 @@
+"""SGLang's own pure-python quantization-config code, imported for the oracle tests (tests/test_sglang_*.py).
+
+SGLang is installed without its dependencies (`pip install --no-deps -r .ci/sglang-oracle.txt`: sglang==0.5.23 and
+the pure-python module its imports need, as .ci/run does). Its package imports torchvision (image processors) and
+sentencepiece (a tokenizer class) at import time, neither of which CI installs (torchvision's wheels are built
+against one torch build and CI keeps torch's CPU build): stand-in modules satisfy those imports while SGLang is
+imported, and transformers is told torchvision is there for the image-processor registrations; the config parsing
+under test never touches them. Without SGLang the tests skip with the reason; with FP4KIT_REQUIRE_ORACLES=1 (CI)
+they fail instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import warnings
+from types import ModuleType
+
+import pytest
+
+SGLANG_VERSION = "0.5.23"
+INSTALL = "pip install --no-deps -r .ci/sglang-oracle.txt (SGLang and the module its imports need)"
+STAND_INS = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.functional",
+             "torchvision.transforms.v2.functional", "torchvision.io", "torchvision.ops", "sentencepiece")
+
+
+def _unavailable(why: str) -> None:
+    if os.environ.get("FP4KIT_REQUIRE_ORACLES"):
+        pytest.fail(f"FP4KIT_REQUIRE_ORACLES is set but {why}", pytrace=False)
+    pytest.skip(f"{why}; install it with {INSTALL}", allow_module_level=True)
+
+
+class _StandIn(ModuleType):
+    """A module whose every public attribute is an inert class (only names used at import time are asked)."""
+
+    def __getattr__(self, name: str) -> type:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {"__init__": lambda self, *args, **kwargs: None})
+
+
+def _missing(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return True
+    return False
+
+
+def sglang_module(name: str) -> ModuleType:
+    """``sglang.<name>``, or skip (fail in CI) when SGLang 0.5.23 cannot be imported."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        installed = version("sglang")
+    except PackageNotFoundError:
+        _unavailable("SGLang is not installed")
+    if installed != SGLANG_VERSION:
+        _unavailable(f"SGLang {installed} is installed, the oracles pin {SGLANG_VERSION}")
+    if f"sglang.{name}" in sys.modules:
+        return sys.modules[f"sglang.{name}"]
+    import torch
+
+    if not torch.cuda.is_available():
+        # SGLang imports triton: on the CPU the rest of the suite runs Triton's interpreter, which must be switched
+        # on before triton is first imported (fp4kit/verify/backends.py)
+        from fp4kit.verify.backends import enable_triton_interpreter
+
+        enable_triton_interpreter()
+    import transformers.utils.import_utils as import_utils
+
+    stand_ins = [s for s in STAND_INS if s.split(".")[0] not in sys.modules and _missing(s.split(".")[0])]
+    for stub in stand_ins:
+        sys.modules[stub] = _StandIn(stub)
+    backend = import_utils.BACKENDS_MAPPING["torchvision"]
+    if stand_ins:
+        import_utils.BACKENDS_MAPPING["torchvision"] = (lambda: True, backend[1])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(f"sglang.{name}")
+    except ImportError as exc:
+        _unavailable(f"sglang.{name} does not import ({exc})")
+    finally:
+        import_utils.BACKENDS_MAPPING["torchvision"] = backend
+        for stub in stand_ins:
+            sys.modules.pop(stub, None)
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    return module
