@@ -27,7 +27,7 @@ SOURCES = {
                                    f"{_Q}/modelopt_quant.py (ModelOptNvFp4FusedMoEMethod: the Marlin path keeps "
                                    "w13_weight_scale_2[:, 0]; Marlin is the default below sm100)",
     "sglang_w4a16_moe_backend": f"{_Q}/modelopt_quant.py (ModelOptNvFp4FusedMoEMethod serves W4A16_NVFP4 experts "
-                                "too: its input scales start at 1.0 and the FlashInfer backends quantize the "
+                                "too: its input scales start at 1.0 and every backend but Marlin quantizes the "
                                 "activations with them)",
 }
 
@@ -75,7 +75,7 @@ def sglang_checks(ckpt: QuantizedCheckpoint, scales: dict[str, tuple[float, floa
         _excluded(ckpt, report)
         if ckpt.scheme == "nvfp4a16" and any(expert_module(m.name, ckpt.grammar) for m in ckpt.modules):
             note("SGLang serves these W4A16 experts correctly only with `--moe-runner-backend marlin` (the default "
-                 "below sm100): its FlashInfer MoE backends run them as W4A4 with activation scales of 1.0 "
+                 "below sm100): its other MoE backends run them as W4A4 with activation scales of 1.0 "
                  f"[{SOURCES['sglang_w4a16_moe_backend']}]")
     _gate_up(scales, report, ckpt)
 
