@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from _sglang_oracle import sglang_module
 from test_convert import EXPERT0, rewrite, run_cli, with_input_scales
 
@@ -149,3 +150,67 @@ def test_cli_text_says_which_engine_was_checked(monkeypatch, capsys, outputs, tm
     code, out = run_cli(monkeypatch, capsys, "inspect", str(bad), "--engine", "sglang")
     assert code == 1 and "engine sglang 0.5.23: 3 load-contract checks, 1 problem (below)" in out
     assert "compressed_tensors_w4a4_nvfp4_moe.py" in out
+
+
+def _sglang_moe_parameters(dialect: str, scheme: str) -> set[str]:
+    """The parameters SGLang's MoE method for this dialect and scheme registers on a FusedMoE layer (its own
+    ``create_weights``; the constructors' GPU checks are skipped, the attributes they set given)."""
+    from types import SimpleNamespace
+
+    if dialect == "modelopt":
+        modelopt = sglang_module("srt.layers.quantization.modelopt_quant")
+        method = object.__new__(modelopt.ModelOptNvFp4FusedMoEMethod)
+        method.quant_config = modelopt.ModelOptFp4Config(True, None, 16, [], None)
+        method.enable_flashinfer_trtllm_moe = method.use_flashinfer_trtllm_weight_layout = False
+    elif scheme == "nvfp4":
+        schemes = sglang_module("srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a4_nvfp4_moe")
+        method = object.__new__(schemes.CompressedTensorsW4A4Nvfp4MoE)
+        method.group_size = 16
+    else:
+        schemes = sglang_module("srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a16_nvfp4_moe")
+        method = schemes.CompressedTensorsW4A16Nvfp4MoE()
+    layer = torch.nn.Module()
+    layer.moe_runner_config = SimpleNamespace(is_gated=True)
+    layer.num_experts = layer.num_local_experts = 8
+    layer.moe_ep_rank, layer.intermediate_size_per_partition, layer.params_dtype = 0, 32, torch.bfloat16
+    method.create_weights(layer, num_experts=8, hidden_size=64, intermediate_size_per_partition=32,
+                          params_dtype=torch.bfloat16, weight_loader=lambda *args, **kwargs: None)
+    return {name for name, _ in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_sglang_expert_mapping_loads_every_expert_tensor(family, scheme, dialect, outputs):
+    """SGLang's model files (qwen3_moe.py, deepseek_v2.py) map each routed-expert tensor with
+    FusedMoE.make_expert_params_mapping and skip, without a word, any name that is then not a parameter: every expert
+    tensor of fp4kit's output lands on a parameter of SGLang's MoE method, and the only parameters nothing fills
+    are the ones SGLang derives after loading, and the W4A16 ModelOpt input scales the backend note is about."""
+    layer_module = sglang_module("srt.layers.moe.fused_moe_triton.layer")
+    mapping = layer_module.FusedMoE.make_expert_params_mapping(
+        ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj", ckpt_up_proj_name="up_proj", num_experts=8)
+    parameters = _sglang_moe_parameters(dialect, scheme)
+    ckpt = outputs(family, scheme, dialect)
+    from safetensors import safe_open
+
+    from fp4kit.families.base import layer_of
+
+    decoder_layers = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
+    filled: set[str] = set()
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        # the MTP layer (DeepSeek-V3's last, kept bf16) is the drafter's, which SGLang's main model skips
+        for name in [n for n in f.keys() if (layer_of(n) or 0) < decoder_layers]:
+            for param_name, weight_name, _, _ in mapping:
+                if weight_name in name:
+                    leaf = name.replace(weight_name, param_name).split(".experts.", 1)[1]
+                    assert leaf in parameters, (name, leaf, sorted(parameters))
+                    filled.add(leaf)
+                    break
+    unfilled = parameters - filled - {"w13_blockscale_swizzled", "w2_blockscale_swizzled"}
+    if dialect == "modelopt" and scheme == "nvfp4a16":
+        assert unfilled == {"w13_input_scale", "w2_input_scale"}
+        notes = inspect_checkpoint(ckpt, engine="sglang").notes
+        assert any("--moe-runner-backend marlin" in note for note in notes)
+    else:
+        assert unfilled == set()
+        assert not inspect_checkpoint(ckpt, engine="sglang").notes
