@@ -5,8 +5,9 @@ the pure-python module its imports need, as .ci/run does). Its package imports t
 sentencepiece (a tokenizer class) at import time, neither of which CI installs (torchvision's wheels are built
 against one torch build and CI keeps torch's CPU build): stand-in modules satisfy those imports while SGLang is
 imported, and transformers is told torchvision is there for the image-processor registrations; the config parsing
-under test never touches them. Without SGLang the tests skip with the reason; with FP4KIT_REQUIRE_ORACLES=1 (CI)
-they fail instead.
+under test never touches them. SGLang's registrations with transformers' Auto classes are undone afterwards, so the
+rest of the session builds fixtures with transformers' own config classes. Without SGLang the tests skip with the
+reason; with FP4KIT_REQUIRE_ORACLES=1 (CI) they fail instead.
 """
 
 from __future__ import annotations
@@ -49,6 +50,14 @@ def _missing(name: str) -> bool:
     return False
 
 
+def _auto_registries() -> list:
+    """transformers' Auto* name -> class mappings that ``register`` calls extend (their ``_extra_content``), of the
+    Auto modules imported so far (importing more here would change what SGLang's import then sees)."""
+    prefix = "transformers.models.auto."
+    return [value for name, module in list(sys.modules.items()) if name.startswith(prefix) and module is not None
+            for value in list(vars(module).values()) if isinstance(getattr(value, "_extra_content", None), dict)]
+
+
 def sglang_module(name: str) -> ModuleType:
     """``sglang.<name>``, or skip (fail in CI) when SGLang 0.5.23 cannot be imported."""
     try:
@@ -71,6 +80,8 @@ def sglang_module(name: str) -> ModuleType:
         enable_triton_interpreter()
     import transformers.utils.import_utils as import_utils
 
+    registries = _auto_registries()
+    registered = {id(r): dict(r._extra_content) for r in registries}
     stand_ins = [s for s in STAND_INS if s.split(".")[0] not in sys.modules and _missing(s.split(".")[0])]
     for stub in stand_ins:
         sys.modules[stub] = _StandIn(stub)
@@ -85,6 +96,9 @@ def sglang_module(name: str) -> ModuleType:
         _unavailable(f"sglang.{name} does not import ({exc})")
     finally:
         import_utils.BACKENDS_MAPPING["torchvision"] = backend
+        for registry in _auto_registries():  # SGLang registers its own config classes (kimi_k2 among them)
+            registry._extra_content.clear()
+            registry._extra_content.update(registered.get(id(registry), {}))
         for stub in stand_ins:
             sys.modules.pop(stub, None)
     logging.getLogger("sglang").setLevel(logging.ERROR)
