@@ -4,7 +4,7 @@ SGLang is installed without its dependencies (`pip install --no-deps -r .ci/sgla
 the pure-python module its imports need, as .ci/run does). Its package imports torchvision (image processors) and
 sentencepiece (a tokenizer class) at import time, neither of which CI installs (torchvision's wheels are built
 against one torch build and CI keeps torch's CPU build): stand-in modules satisfy those imports while SGLang is
-imported, and transformers is told torchvision is there for the image-processor registrations; the config parsing
+imported, and its image-processor registrations go to an inert AutoImageProcessor; the config parsing
 under test never touches them. SGLang's registrations with transformers' Auto classes are undone afterwards, so the
 rest of the session builds fixtures with transformers' own config classes. Without SGLang the tests skip with the
 reason; with FP4KIT_REQUIRE_ORACLES=1 (CI) they fail instead.
@@ -40,6 +40,15 @@ class _StandIn(ModuleType):
         if name.startswith("__"):
             raise AttributeError(name)
         return type(name, (), {"__init__": lambda self, *args, **kwargs: None})
+
+
+class _ImageProcessorRegistry:
+    """Stands in for transformers' AutoImageProcessor (which needs torchvision) while SGLang registers its image
+    processors at import time."""
+
+    @classmethod
+    def register(cls, *args: object, **kwargs: object) -> None:
+        pass
 
 
 def _missing(name: str) -> bool:
@@ -78,6 +87,7 @@ def sglang_module(name: str) -> ModuleType:
         from fp4kit.verify.backends import enable_triton_interpreter
 
         enable_triton_interpreter()
+    import transformers
     import transformers.utils.import_utils as import_utils
 
     registries = _auto_registries()
@@ -86,8 +96,10 @@ def sglang_module(name: str) -> ModuleType:
     for stub in stand_ins:
         sys.modules[stub] = _StandIn(stub)
     backend = import_utils.BACKENDS_MAPPING["torchvision"]
+    image_processor = transformers.__dict__.get("AutoImageProcessor")
     if stand_ins:
         import_utils.BACKENDS_MAPPING["torchvision"] = (lambda: True, backend[1])
+        transformers.AutoImageProcessor = _ImageProcessorRegistry
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -96,6 +108,10 @@ def sglang_module(name: str) -> ModuleType:
         _unavailable(f"sglang.{name} does not import ({exc})")
     finally:
         import_utils.BACKENDS_MAPPING["torchvision"] = backend
+        if image_processor is None:
+            transformers.__dict__.pop("AutoImageProcessor", None)
+        else:
+            transformers.AutoImageProcessor = image_processor
         for registry in _auto_registries():  # SGLang registers its own config classes (kimi_k2 among them)
             registry._extra_content.clear()
             registry._extra_content.update(registered.get(id(registry), {}))
