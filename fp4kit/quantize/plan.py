@@ -17,6 +17,7 @@ from fp4kit.io.sources import (
     SourceFormat,
     dequantize,
     model_dtype,
+    mxfp4_bytes,
     read_source,
     stored_fp8_block,
 )
@@ -266,7 +267,7 @@ def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weig
     """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
     enc = linear.encoding
     assert isinstance(enc, Mxfp4)
-    return Mxfp4Weight(reader.read(enc.weight), reader.read(enc.scale))
+    return Mxfp4Weight(mxfp4_bytes(reader.read(enc.weight)), mxfp4_bytes(reader.read(enc.scale)))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,

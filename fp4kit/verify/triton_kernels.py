@@ -376,13 +376,17 @@ def _dequant_mma(
 
 
 @triton.jit
-def _gated(gate, up, act_alpha, act_limit, OAI: tl.constexpr):
-    """The expert activation (`fp4kit.families.activation`): silu(gate) * up, or gpt-oss's clamped
-    (up + 1) * gate * sigmoid(alpha * gate) when OAI."""
-    if OAI:
+def _gated(gate, up, act_alpha, act_limit, ACT: tl.constexpr):
+    """The expert activation (`fp4kit.families.activation`, ACT its ACTIVATION_CODES entry): silu(gate) * up
+    (0), gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate) (1), or silu(gate) * up of the clamped halves,
+    DeepSeek-V4's (2)."""
+    if ACT == 1:
         gate = tl.minimum(gate, act_limit)
         up = tl.minimum(tl.maximum(up, -act_limit), act_limit)
         return (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * act_alpha))))
+    if ACT == 2:
+        gate = tl.minimum(gate, act_limit)
+        up = tl.minimum(tl.maximum(up, -act_limit), act_limit)
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
@@ -403,7 +407,7 @@ def _swiglu(
     W4A4: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    OAI: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """GEMM1's epilogue: global scale, the biases, the activation, and in W4A4 the intermediate quantized per 16
     columns with the static activation global scale of GEMM2 (exact e2m1·s values): fp32 [BLOCK_M, BLOCK_N].
@@ -418,7 +422,7 @@ def _swiglu(
         row = bias_ptr + expert.to(tl.int64) * (2 * inter_size)
         gate += tl.load(row + offs_n, mask=n_valid, other=0.0)[None, :]
         up += tl.load(row + inter_size + offs_n, mask=n_valid, other=0.0)[None, :]
-    inter = _gated(gate, up, act_alpha, act_limit, OAI)
+    inter = _gated(gate, up, act_alpha, act_limit, ACT)
     if W4A4:
         out_gmul = tl.load(out_gmul_ptr + expert)
         inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
@@ -574,7 +578,7 @@ def splitk_swiglu_kernel(
     BLOCK_I: tl.constexpr,
     EMULATE_BF16: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
-    OAI: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
 ):
     """GEMM1's epilogue after split-K (W4A16): sums the K slices in order, then alpha and SwiGLU as in the kernel.
     Rows of pairs no program computed (experts of other ranks) hold garbage that nothing reads."""
@@ -595,7 +599,7 @@ def splitk_swiglu_kernel(
         row = bias_ptr + expert.to(tl.int64) * (2 * inter_size)
         gate += tl.load(row + offs, mask=valid, other=0.0)
         up += tl.load(row + inter_size + offs, mask=valid, other=0.0)
-    inter = _gated(gate, up, act_alpha, act_limit, OAI)
+    inter = _gated(gate, up, act_alpha, act_limit, ACT)
     tl.store(inter_ptr + pair * inter_size + offs, _to_mma(inter, EMULATE_BF16), mask=valid)
 
 
@@ -616,7 +620,7 @@ def gemm1_swiglu_kernel(
     partial_ptr,  # fp32 [SPLIT_K, P, 2I]: raw gate and up sums of each K slice (written only when SPLIT_K > 1)
     count_ptr,  # int32 [grid rows, N tiles]: zero on entry and on exit (SWIGLU_WHEN_LAST)
     bias13_ptr,  # fp32 [E, 2I] (HAS_BIAS)
-    act_alpha,  # the activation's constants (OAI)
+    act_alpha,  # the activation's constants (swiglu_oai, silu_clamped)
     act_limit,
     num_pairs,
     top_k,
@@ -640,7 +644,7 @@ def gemm1_swiglu_kernel(
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
     HAS_BIAS: tl.constexpr = False,  # gpt-oss: w13's output biases
-    OAI: tl.constexpr = False,  # gpt-oss's activation (`_gated`)
+    ACT: tl.constexpr = 0,  # the expert activation's code (`_gated`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -685,10 +689,10 @@ def gemm1_swiglu_kernel(
             acc_up += tl.load(split_ptrs + inter_size, mask=part_mask, other=0.0, cache_modifier=".cg")
         tl.store(counter, 0)
         inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
-                        inter_size, BLOCK_M, BLOCK_N, W4A4, False, HAS_BIAS, OAI)  # fmt: skip
+                        inter_size, BLOCK_M, BLOCK_N, W4A4, False, HAS_BIAS, ACT)  # fmt: skip
     else:
         inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
-                        inter_size, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, OAI)  # fmt: skip
+                        inter_size, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, ACT)  # fmt: skip
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_n[None, :]
     tl.store(out_ptrs, _to_mma(inter, EMULATE_BF16), mask=pair_valid[:, None] & n_valid[None, :])
 
@@ -897,7 +901,7 @@ def fused_slice_kernel(
     SHUFFLED: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
-    OAI: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
 ):
     """Both GEMMs in one launch for few tokens: the program owning intermediate columns [i0, i0 + BLOCK_I) of its
     pairs computes them whole (gate and up over all of H, SwiGLU), then their product with the same columns of w2,
@@ -920,7 +924,7 @@ def fused_slice_kernel(
         EVEN_K, BIT_SCALES, ALIGNED_SCALES, SHUFFLED, SHUFFLED and FOLD_BIAS,
     )  # fmt: skip
     inter = _swiglu(acc_gate, acc_up, alpha13_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_i,
-                    inter_size, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, OAI)  # fmt: skip
+                    inter_size, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, ACT)  # fmt: skip
     # columns past I: zero gate and up sums and no bias, an intermediate of 0, against zero-padded w2 columns
     a_even, a_odd = tl.split(tl.reshape(_to_mma(inter, EMULATE_BF16), (BLOCK_M, BLOCK_I // 2, 2)))
     num_slices = tl.cdiv(inter_size, BLOCK_I)

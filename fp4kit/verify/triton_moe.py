@@ -206,14 +206,14 @@ class TritonMoeWeights:
         return self.act13_gmul is not None
 
     def epilogue_arguments(self) -> tuple[tuple, dict]:
-        """(bias13, bias2, act_alpha, act_limit) and the HAS_BIAS / OAI constexprs of the kernels' epilogues; a bias
+        """(bias13, bias2, act_alpha, act_limit) and the HAS_BIAS / ACT constexprs of the kernels' epilogues; a bias
         pointer that is never read is any fp32 tensor."""
-        oai = self.activation.kind == "swiglu_oai"
+        code = ACTIVATION_CODES[self.activation.kind]
         bias13 = self.alpha13 if self.bias13 is None else self.bias13
         bias2 = self.alpha2 if self.bias2 is None else self.bias2
-        limit = self.activation.limit if oai else 0.0
+        limit = self.activation.limit if code else 0.0
         return (bias13, bias2, float(self.activation.alpha), float(limit)), {"HAS_BIAS": self.bias13 is not None,
-                                                                             "OAI": oai}
+                                                                             "ACT": code}
 
     @classmethod
     def from_nvfp4(
@@ -334,6 +334,8 @@ def fused_moe(
 
 
 GROUPINGS = {"pair": 0, "align": 1}  # triton_kernels.PER_PAIR, ALIGNED
+# the kernels' ACT constexpr per expert activation kind (triton_kernels._gated)
+ACTIVATION_CODES = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2}
 
 
 def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
