@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from _verify_sources import text_forward
+from helpers import text_forward
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
@@ -39,13 +39,7 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second OpenMP thread only adds waiting on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from _terminal import under_terminal
-from _verify_sources import run_cli
+from helpers import run_cli, under_terminal
 
 from fp4kit.progress import Reporter, start_phase
 from fp4kit.quantize.calib_data import DEFAULT_SET
