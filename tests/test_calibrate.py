@@ -293,6 +293,7 @@ def synthetic_checkpoint(path, num_layers: int) -> int:
     return sum(t.nbytes for n, t in tensors.items() if n.startswith("model.layers.0."))
 
 
+@pytest.mark.slow  # two child processes calibrating 2- and 8-layer checkpoints of 25 MB layers
 def test_peak_memory_does_not_grow_with_layer_count(tmp_path, tiny):
     """Peak RSS, and its growth during calibration (after a warm-up run, peak reset), are the same for 2 and 8
     layers: one layer's weights at a time, not the model."""
