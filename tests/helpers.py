@@ -41,19 +41,6 @@ from fp4kit.formats import compressed_tensors as ct
 EXPERT0 = "model.layers.0.mlp.experts.0"
 SQUARE = {"hidden_size": 128, "moe_intermediate_size": 128}  # square experts: every layout backend's shape rules hold
 
-# (method, dialect, scheme): every pair of the three at least once (each method with both dialects and both schemes,
-# each dialect with both schemes). A family's quantize test runs these 6 rather than the whole product's 12: the
-# dialect decides names and scale form and the scheme adds input scales, each met by every method here, so the other
-# 6 would repeat code paths these already run.
-METHOD_DIALECT_SCHEME_PAIRS = [
-    ("rtn", "compressed-tensors", "nvfp4a16"),
-    ("rtn", "modelopt", "nvfp4"),
-    ("mse", "compressed-tensors", "nvfp4"),
-    ("mse", "modelopt", "nvfp4a16"),
-    ("gptq", "compressed-tensors", "nvfp4a16"),
-    ("gptq", "modelopt", "nvfp4"),
-]
-
 
 # ---- the CLI --------------------------------------------------------------------------------------------------------
 
