@@ -140,7 +140,7 @@ def test_llm_compressor_model_free_ptq_defects_are_found(tiny, tmp_path):
 def test_backend_table_says_what_layout_does(hidden, intermediate, monkeypatch, capsys, tmp_path_factory):
     """Every backend row of inspect's table against `fp4kit layout --backend` on the same checkpoint: weight-only and
     W4A4, sizes every backend runs and sizes only TRT-LLM (which pads) runs."""
-    from _layout_sources import shared_source
+    from helpers import shared_source
 
     from fp4kit.tools.inspect import BACKENDS
 
