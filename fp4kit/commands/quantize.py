@@ -79,6 +79,10 @@ def quantize(
     mtp: Annotated[Literal["keep", "quantize"], typer.Option(
         help="an MTP block outside the decoder layers (Qwen3-Next, Qwen3.5/3.6-MoE `mtp.*`): keep it as stored (as "
              "published NVFP4 checkpoints do) or quantize its routed experts (weight-only)")] = "keep",
+    scheme_for: Annotated[list[str] | None, typer.Option(
+        metavar="REGEX=SCHEME",
+        help="give modules matching REGEX another scheme: nvfp4, nvfp4a16, fp8-dynamic, fp8-block, fp8-static or "
+             "bf16 (kept); the first matching rule wins, the rest get --scheme (repeatable)")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -96,7 +100,7 @@ def quantize(
         seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
         method=method or "rtn", cast_mxfp4=method is None, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens,
         gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp, mse_range=mse_range, mse_norm=mse_norm,
-        command=command_line(src, dst),
+        scheme_for=scheme_for or [], command=command_line(src, dst),
     )
     # warnings even with -q (they say what an option did not do), on rank 0 only
     report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",
