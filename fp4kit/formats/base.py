@@ -109,6 +109,8 @@ class Dialect:
     # the `--quantization` value the serving docs pass to vLLM and SGLang for this dialect (docs/serving.md); None:
     # none passed (the engines read the method from config.json)
     serve_quantization: str | None = None
+    # the same for a checkpoint with per-module schemes (fp4kit.quantize.schemes)
+    serve_quantization_mixed: str | None = None
 
     # --- reading ---
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:

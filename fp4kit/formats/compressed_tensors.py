@@ -78,13 +78,20 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
 
 def scheme_of(qconfig: dict) -> str:
     """nvfp4 or nvfp4a16 from a compressed-tensors quantization_config (an error for any format but NVFP4)."""
+    if qconfig.get("format") == MIXED_FORMAT:
+        raise Fp4kitError(f"compressed-tensors format {MIXED_FORMAT!r} (several schemes, e.g. FP8 modules beside "
+                          "NVFP4 ones): fp4kit reads single-scheme NVFP4 checkpoints only")
     formats = {qconfig.get("format")} | {g.get("format") for g in (qconfig.get("config_groups") or {}).values()}
     formats.discard(None)
     if formats - {FORMAT}:
         raise Fp4kitError(f"compressed-tensors format {sorted(formats - {FORMAT})[0]!r} is not NVFP4 "
                           f"(fp4kit reads {FORMAT})")
     groups = (qconfig.get("config_groups") or {}).values()
-    return "nvfp4" if any(g.get("input_activations") for g in groups) else "nvfp4a16"
+    with_input = {bool(g.get("input_activations")) for g in groups}
+    if len(with_input) > 1:
+        raise Fp4kitError("compressed-tensors config groups mix NVFP4 (W4A4) and NVFP4A16 (weight-only): fp4kit reads "
+                          "single-scheme NVFP4 checkpoints only")
+    return "nvfp4" if True in with_input else "nvfp4a16"
 
 
 def ignore_from(patterns: list[str]) -> list[str]:

@@ -335,6 +335,9 @@ def quantization_config(scheme: str, exclude_modules: list[str]) -> dict:
 def scheme_of(qconfig: dict) -> str:
     """nvfp4 or nvfp4a16 from hf_quant_config.json's quantization section (an error for any algorithm but NVFP4)."""
     algo = str(qconfig.get("quant_algo", "")).upper()
+    if algo == MIXED:
+        raise Fp4kitError(f"ModelOpt quant_algo {MIXED} (per-layer schemes, e.g. FP8 modules beside NVFP4 ones): "
+                          "fp4kit reads single-scheme NVFP4 checkpoints only")
     if algo not in SCHEMES:
         raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 (fp4kit reads {', '.join(SCHEMES)})")
     return SCHEMES[algo]
@@ -393,6 +396,8 @@ class ModelOpt(Dialect):
     fused_experts = True
     records_exact_input_scales = True
     serve_quantization = "modelopt_fp4"
+    # vLLM 0.33's ModelOptMixedPrecisionConfig.override_quantization_method picks it for quant_algo MIXED_PRECISION
+    serve_quantization_mixed = "modelopt_mixed"
 
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
         if files.get(HF_QUANT_CONFIG):

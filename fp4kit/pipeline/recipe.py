@@ -71,6 +71,7 @@ class QuantizeStep(_Options):
     gptq_scales: Literal["mse", "rtn"] | None = None
     input_scales_from: Literal["auto", "source", "quantized"] | None = None
     mtp: Literal["keep", "quantize"] = "keep"  # fp4kit quantize --mtp
+    scheme_for: list[str] = Field(default_factory=list)  # fp4kit quantize --scheme-for: REGEX=SCHEME, first match wins
 
 
 class RepairStep(_Options):

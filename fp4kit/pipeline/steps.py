@@ -69,6 +69,7 @@ def run_quantize(ctx: StepContext, dst: Path) -> dict:
         "targets": section.targets, "default_ignore": section.default_ignore,
         "exact_fp32_global_scale": section.exact_fp32_global_scale, "native_cpu": section.native,
         "max_shard_bytes": parse_size(section.max_shard_size), "overwrite": True, "mtp": section.mtp,
+        "scheme_for": section.scheme_for,
     }
     # Calibration options (W4A4): passed only when set, so QuantizeOptions' own defaults apply otherwise.
     for name in CALIBRATION_OPTIONS:

@@ -100,14 +100,19 @@ def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, c
     }
 
 
-def serving_lines(dialect: str) -> list[str]:
+def serving_lines(dialect: str, mixed: bool = False) -> list[str]:
+    """``mixed``: the checkpoint has per-module schemes (``--scheme-for``), which some dialects serve under another
+    method name."""
     from fp4kit.registry import dialect as registered_dialect
 
-    flag = registered_dialect(dialect).serve_quantization
+    fmt = registered_dialect(dialect)
+    flag = fmt.serve_quantization_mixed if mixed else fmt.serve_quantization
     return [f"{line} --quantization {flag}" if flag else line for line in SERVE]
 
 
 def model_card(record: dict, plan: ModelPlan) -> str:
+    from fp4kit.quantize.schemes import single_nvfp4
+
     """The card's text; like the record, it does not depend on DST's name (the same input, the same bytes)."""
     scheme, dialect, method = record["scheme"], record["dialect"], record["method"]
     calibration = record["calibration"]
@@ -130,7 +135,7 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines += ["```bash", record["command"], "```", ""]
     lines += [f"Every option and the calibration data's hashes: `{PROVENANCE_NAME}`.", "", "## Serving", "",
               "DST is this directory, or its Hub id once uploaded.", "",
-              "```bash", *serving_lines(dialect), "```", ""]
+              "```bash", *serving_lines(dialect, not single_nvfp4(plan.schemes.values())), "```", ""]
     return "\n".join(lines)
 
 
