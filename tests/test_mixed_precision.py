@@ -66,7 +66,7 @@ def _expected(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("family", sorted(RULES))
 def test_compressed_tensors_mixed_config_resolves_in_vllm_as_first_match(mixed, tiny, family):
-    from _vllm_oracle import vllm_module
+    from helpers import vllm_module
 
     ct_config = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors")
     from compressed_tensors.quantization import QuantizationConfig
@@ -109,7 +109,7 @@ def test_compressed_tensors_mixed_config_resolves_in_vllm_as_first_match(mixed, 
 
 @pytest.mark.parametrize("family", sorted(RULES))
 def test_modelopt_mixed_config_resolves_in_vllm(mixed, family):
-    from _vllm_oracle import vllm_module
+    from helpers import vllm_module
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
     modelopt_config = vllm_module("model_executor.layers.quantization.modelopt")
@@ -144,7 +144,7 @@ def test_modelopt_mixed_config_resolves_in_vllm(mixed, family):
 @pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
 def test_fp8_tensors_have_the_shapes_vllm_registers(mixed, monkeypatch, dialect):
     """Every FP8 module's tensors, by name and shape, as vLLM 0.33's FP8 linear methods create their parameters."""
-    from _vllm_oracle import vllm_module
+    from helpers import vllm_module
 
     root = mixed("deepseek_v3", dialect)
     tensors = _tensors(root)

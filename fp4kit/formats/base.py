@@ -170,6 +170,10 @@ class Dialect:
         """The ``config_files`` to write beside config.json, by file name."""
         return {}
 
+    def exclusions(self, unquantized: list[str], quantized: list[str]) -> list[str]:
+        """The ignore list the configs carry, from the unquantized modules (or patterns) and the quantized ones."""
+        return list(unquantized)
+
     # --- per-module schemes (fp4kit.quantize.schemes): FP8 Linears beside NVFP4 ones ---
     def fp8_planned(self, module: str, scheme: str, out_features: int, in_features: int, dtype: torch.dtype,
                     with_input_scale: bool) -> list[PlannedTensor]:

@@ -94,6 +94,19 @@ def scheme_of(qconfig: dict) -> str:
     return "nvfp4" if True in with_input else "nvfp4a16"
 
 
+_WHOLE_LAYER_GLOB = re.compile(r"(.*\blayers\.\d+)\.\*")
+
+
+def whole_layers_named(patterns: list[str], unquantized: list[str]) -> list[str]:
+    """A ModelOpt glob for a whole kept layer (``<...>.layers.N.*``, what fp4kit's ModelOpt writer spells a layer
+    with no quantized module as) replaced by the unquantized modules it names, as compressed-tensors lists them."""
+    out: list[str] = []
+    for pattern in patterns:
+        whole = _WHOLE_LAYER_GLOB.fullmatch(pattern)
+        out.extend([n for n in unquantized if n.startswith(whole.group(1) + ".")] if whole else [pattern])
+    return out
+
+
 def ignore_from(patterns: list[str]) -> list[str]:
     """Module names and fnmatch globs (ModelOpt's exclude_modules) as compressed-tensors' names and `re:` regexes."""
     return [p if "*" not in p else "re:" + re.escape(p).replace(r"\*", ".*") for p in patterns]
@@ -288,7 +301,7 @@ class CompressedTensors(Dialect):
     mixed_quantization_config = staticmethod(mixed_quantization_config)
 
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
-        return ignore_from(patterns)
+        return ignore_from(whole_layers_named(patterns, unquantized))
 
 
 DIALECT = CompressedTensors()

@@ -361,6 +361,26 @@ def ignore_from(patterns: list[str], unquantized: list[str]) -> list[str]:
     return out
 
 
+_LAYER_PREFIX = re.compile(r"^(.*?\blayers\.\d+)\.")
+
+
+def whole_layer_globs(exclude: list[str], quantized: list[str]) -> list[str]:
+    """``exclude`` with the modules of each layer that holds no quantized module written as one ``<...>.layers.N.*``
+    glob (a kept MTP layer). SGLang reads an exclusion whose last part is an MLA projection name (``q_a_proj``,
+    ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``) as that projection of every layer
+    (sglang/srt/layers/quantization/modelopt_quant.py, ``is_layer_excluded``): a kept MTP layer listed module by
+    module would build every decoder layer's MLA projections unquantized. vLLM matches the glob with fnmatch
+    (vllm/model_executor/layers/quantization/modelopt.py, ``is_layer_excluded``)."""
+    holding = {m.group(1) for name in quantized if (m := _LAYER_PREFIX.match(name))}
+    out: list[str] = []
+    for name in exclude:
+        m = _LAYER_PREFIX.match(name)
+        entry = name if m is None or m.group(1) in holding else m.group(1) + ".*"
+        if entry not in out:
+            out.append(entry)
+    return out
+
+
 def fused_modules(reader: CheckpointReader) -> list[QuantModule]:
     """The per-expert Linears of every fused expert tensor, each naming its expert and rows."""
     modules = []
@@ -440,6 +460,9 @@ class ModelOpt(Dialect):
 
     def side_configs(self, scheme: str, ignore: list[str]) -> dict[str, dict]:
         return {HF_QUANT_CONFIG: hf_quant_config(scheme, ignore)}
+
+    def exclusions(self, unquantized: list[str], quantized: list[str]) -> list[str]:
+        return whole_layer_globs(unquantized, quantized)
 
     fp8_planned = staticmethod(fp8_planned)
     fp8_encode = staticmethod(fp8_encode)

@@ -598,14 +598,15 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     from fp4kit.quantize.provenance import calibration_record, write_provenance
 
     fmt = _format_module(options)
+    ignore = fmt.exclusions(plan.ignored_modules, [m.linear.module for g in plan.groups for m in g.members])
     if single_nvfp4(plan.schemes.values()):
         scheme = next(iter(set(plan.schemes.values())), options.scheme)
-        side_configs = fmt.side_configs(scheme, plan.ignored_modules)
-        quantization_config = fmt.quantization_config(scheme, plan.ignored_modules)
+        side_configs = fmt.side_configs(scheme, ignore)
+        quantization_config = fmt.quantization_config(scheme, ignore)
     else:
         schemes = config_schemes(plan, options)
-        side_configs = fmt.mixed_side_configs(schemes, plan.ignored_modules)
-        quantization_config = fmt.mixed_quantization_config(schemes, plan.ignored_modules)
+        side_configs = fmt.mixed_side_configs(schemes, ignore)
+        quantization_config = fmt.mixed_quantization_config(schemes, ignore)
     for name, document in side_configs.items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
     write_config(work, config, quantization_config)

@@ -98,8 +98,9 @@ def _ignore_for(target: Dialect, ckpt: QuantizedCheckpoint) -> list[str]:
     """The source's ignore list in the target's spelling (Dialect.spell_ignore)."""
     if ckpt.dialect == target.name:
         return list(ckpt.ignore)
-    unquantized = sorted({n[: -len(".weight")] for n in ckpt.passthrough if n.endswith(".weight")})
-    return target.spell_ignore(list(ckpt.ignore), unquantized)
+    unquantized = sorted({n[: -len(".weight")] for n in ckpt.passthrough  # Linears, not norms
+                          if n.endswith(".weight") and len(ckpt.reader.info(n).shape) == 2})
+    return target.exclusions(target.spell_ignore(list(ckpt.ignore), unquantized), [m.name for m in ckpt.modules])
 
 
 def _planned(job: Job, target: Dialect, ckpt: QuantizedCheckpoint) -> list[PlannedTensor]:
