@@ -174,10 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     bq = _bench_quantize()
     args.workdir.mkdir(parents=True, exist_ok=True)
     src = bq.build_source(args.workdir, args.layers, args.model, args.experts)
+    from fp4kit.families import detect
     from fp4kit.io.checkpoint import read_config
 
-    calib = args.workdir / f"calib-{args.samples}x{args.seq_len}.jsonl"
-    write_calibration(calib, args.samples, args.seq_len, int(read_config(src)["vocab_size"]))
+    config = read_config(src)
+    vocab_size = int(detect(config).text_config(config)["vocab_size"])
+    calib = args.workdir / f"calib-{args.samples}x{args.seq_len}-{vocab_size}.jsonl"
+    write_calibration(calib, args.samples, args.seq_len, vocab_size)
     input_bytes = bq.checkpoint_bytes(src)
     print(f"source: {src.name}, {input_bytes / 1e9:.2f} GB bf16; calibration {args.samples} x "
           f"{args.seq_len} tokens; device {args.device}; median of {args.repeats}; load average "
