@@ -62,8 +62,20 @@ def child_oneshot(src: Path, dst: Path, calib: Path, device: str, method: str = 
     modifier = GPTQModifier if method == "gptq" else QuantizationModifier
     recipe = modifier(targets="Linear", scheme=scheme.upper(), ignore=bq.llmc_ignore(src))
     oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(ids),
-            max_seq_length=len(ids[0]), moe_calibrate_all_experts=True)
+            max_seq_length=len(ids[0]), moe_calibrate_all_experts=True, processor=_id_tokenizer(src))
     model.save_pretrained(str(dst), save_compressed=True)
+
+
+def _id_tokenizer(src: Path):
+    """The tokenizer of SRC; for a synthetic checkpoint, which has none, a stand-in (the dataset is token ids
+    already: oneshot only asks the processor for padding, which equal-length samples never need)."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if any((src / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(str(src))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0}, unk_token="<pad>")),
+                                   pad_token="<pad>")
 
 
 def tool_command(bq, tool: str, src: Path, dst: Path, calib: Path, args: argparse.Namespace) -> list[str]:
