@@ -21,6 +21,7 @@ SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4
 SEED_RECIPES |= {"glm-4.7-flash", "glm-5.1", "deepseek-v3.2"}
 SEED_RECIPES |= {"minimax-m2.5", "gpt-oss-120b"}
 SEED_RECIPES |= {"qwen3.6-35b-a3b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"}
+SEED_RECIPES |= {"deepseek-v4-flash"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -182,7 +183,7 @@ def test_every_problem_is_reported_in_file_order(tmp_path, monkeypatch, capsys):
     text = BASE + "shard:\n  epp: 4\n  placment: x\nquantize:\n  scheme: nvfp5\n  samples: 0\nname: [1, 2]\n"
     expected = ["r.yaml:4: shard.epp: unknown key; did you mean 'ep'?",
                 "r.yaml:5: shard.placment: unknown key; did you mean 'placement'?",
-                "r.yaml:7: quantize.scheme: Input should be 'nvfp4' or 'nvfp4a16', got 'nvfp5'",
+                "r.yaml:7: quantize.scheme: Input should be 'nvfp4a16' or 'nvfp4', got 'nvfp5'",
                 "r.yaml:8: quantize.samples: Input should be greater than or equal to 1, got 0",
                 "r.yaml:9: name: Input should be a valid string, got [1, 2]",
                 "--set verify.seed=x: verify.seed: Input should be a valid integer, got 'x'"]
