@@ -1,16 +1,19 @@
 """Benchmark calibrated NVFP4: `fp4kit quantize --calib` against llm-compressor `oneshot`, RTN or GPTQ.
 
-    python scripts/bench_calibrate.py --layers 2 [--samples 8] [--seq-len 128] [--device cpu|cuda] [--repeats 3]
+    python scripts/bench_calibrate.py --layers 2 [--model qwen3-30b-a3b|qwen3.6-35b-a3b|glm-5] [--experts E]
+                                      [--samples 8] [--seq-len 128] [--device cpu|cuda] [--repeats 3]
                                       [--nproc N] [--method rtn|gptq] [--scheme nvfp4|nvfp4a16]
 
-Source: the synthetic Qwen3-30B-A3B-shaped bf16 checkpoint of scripts/bench_quantize.py (fp4kit.testing.synthetic).
+Source: the synthetic bf16 checkpoint of scripts/bench_quantize.py (fp4kit.testing.synthetic) with the model's
+layer shapes (default Qwen3-30B-A3B's).
 Calibration data: ``samples`` x ``seq-len`` seeded random token ids, written once to an ``input_ids`` jsonl that both
 tools read, so both see exactly the same tokens:
 
   fp4kit   python -m fp4kit quantize SRC DST --scheme nvfp4 --calib ids.jsonl (layer-streaming calibration pass,
            then the weight pass; input scales shared per layer and projection, the default)
-  oneshot  AutoModelForCausalLM (bf16) + oneshot(QuantizationModifier(scheme="NVFP4"), dataset = the same ids,
-           moe_calibrate_all_experts=True, its default), save_pretrained(save_compressed=True)
+  oneshot  the class of config.json's architecture (bf16) + oneshot(QuantizationModifier(scheme="NVFP4", ignore =
+           fp4kit's default ignores of the family), dataset = the same ids, moe_calibrate_all_experts=True, its
+           default), save_pretrained(save_compressed=True)
 
 ``--method gptq`` runs `fp4kit quantize --method gptq` against llm-compressor's GPTQModifier (same scheme, same
 ids); ``--scheme nvfp4a16`` compares weight-only quantization (RTN weight-only needs no calibration: use gptq).
@@ -20,7 +23,7 @@ peak RSS from `/usr/bin/time -v`, CPU seconds of the child); ``--nproc N`` start
 ranks, as in bench_quantize.py. The targets: fp4kit >= 3x faster than
 oneshot with <= 1/3 of its peak RSS. The report also prints, for layer 0, the ratio of the two tools' input global
 scales for o_proj (llm-compressor's attention statistics lack the causal mask, so they differ) and
-for an expert's gate_proj (same function before the attention output matters, so close).
+for an expert's gate/up (same function before the attention output matters, so close), in the first MoE layer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LLMC_IGNORE = ["lm_head", "re:.*mlp.gate$"]
 TOOLS = ("fp4kit", "oneshot")
 
 
@@ -49,21 +51,31 @@ def _bench_quantize():
 
 
 def child_oneshot(src: Path, dst: Path, calib: Path, device: str, method: str = "rtn", scheme: str = "nvfp4") -> None:
-    import torch
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-    from transformers import AutoModelForCausalLM
 
+    bq = _bench_quantize()
     ids = [json.loads(line)["input_ids"] for line in calib.read_text().splitlines() if line.strip()]
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]})
-    device_map = None if device == "cpu" else device
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, device_map=device_map)
+    model = bq.load_model(src, device)
     modifier = GPTQModifier if method == "gptq" else QuantizationModifier
-    recipe = modifier(targets="Linear", scheme=scheme.upper(), ignore=LLMC_IGNORE)
+    recipe = modifier(targets="Linear", scheme=scheme.upper(), ignore=bq.llmc_ignore(src))
     oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(ids),
-            max_seq_length=len(ids[0]), moe_calibrate_all_experts=True)
+            max_seq_length=len(ids[0]), moe_calibrate_all_experts=True, processor=_id_tokenizer(src))
     model.save_pretrained(str(dst), save_compressed=True)
+
+
+def _id_tokenizer(src: Path):
+    """The tokenizer of SRC; for a synthetic checkpoint, which has none, a stand-in (the dataset is token ids
+    already: oneshot only asks the processor for padding, which equal-length samples never need)."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if any((src / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(str(src))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0}, unk_token="<pad>")),
+                                   pad_token="<pad>")
 
 
 def tool_command(bq, tool: str, src: Path, dst: Path, calib: Path, args: argparse.Namespace) -> list[str]:
@@ -85,11 +97,20 @@ def write_calibration(path: Path, samples: int, seq_len: int, vocab_size: int) -
 
 
 def scale_ratios(ours: Path, theirs: Path) -> dict[str, float]:
-    """fp4kit / oneshot input_global_scale for a few layer-0 modules."""
-    from fp4kit.io.checkpoint import CheckpointReader
+    """fp4kit / oneshot input_global_scale for the first layer's quantized modules outside the routed experts and
+    expert 0 of the first MoE layer."""
+    from fp4kit.families import detect
+    from fp4kit.families.base import layer_of
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
 
-    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
-             "model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.down_proj"]
+    grammar = detect(read_config(ours)).grammar
+    with CheckpointReader(ours) as reader:
+        modules = sorted(n.removesuffix(".input_global_scale") for n in reader.names()
+                         if n.endswith(".input_global_scale"))
+    first_moe = min((layer_of(m) for m in modules if grammar.split_expert(m)), default=None)
+    first = min((layer_of(m) for m in modules if layer_of(m) is not None), default=None)
+    names = [m for m in modules if (not grammar.split_expert(m) and layer_of(m) == first)
+             or (layer_of(m) == first_moe and (grammar.split_expert(m) or (None, None))[1] == 0)]
     ratios = {}
     with CheckpointReader(ours) as a, CheckpointReader(theirs) as b:
         for name in names:
@@ -137,6 +158,8 @@ def table(results: list) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic checkpoint")
+    parser.add_argument("--model", default="qwen3-30b-a3b", help="whose layer shapes (bench_quantize.py's MODELS)")
+    parser.add_argument("--experts", type=int, default=0, help="routed experts per layer (0: the model's)")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8, help="fp4kit's calibration batch size")
@@ -162,13 +185,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     bq = _bench_quantize()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    src = bq.build_source(args.workdir, args.layers)
+    src = bq.build_source(args.workdir, args.layers, args.model, args.experts)
+    from fp4kit.families import detect
     from fp4kit.io.checkpoint import read_config
 
-    calib = args.workdir / f"calib-{args.samples}x{args.seq_len}.jsonl"
-    write_calibration(calib, args.samples, args.seq_len, int(read_config(src)["vocab_size"]))
+    config = read_config(src)
+    vocab_size = int(detect(config).text_config(config)["vocab_size"])
+    calib = args.workdir / f"calib-{args.samples}x{args.seq_len}-{vocab_size}.jsonl"
+    write_calibration(calib, args.samples, args.seq_len, vocab_size)
     input_bytes = bq.checkpoint_bytes(src)
-    print(f"source: {args.layers} layers, {input_bytes / 1e9:.2f} GB bf16; calibration {args.samples} x "
+    print(f"source: {src.name}, {input_bytes / 1e9:.2f} GB bf16; calibration {args.samples} x "
           f"{args.seq_len} tokens; device {args.device}; median of {args.repeats}; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     tools = [t for t in TOOLS if t in args.tools.split(",")]
@@ -181,11 +207,11 @@ def main(argv: list[str] | None = None) -> None:
               "environment": bq.environment(), "input_bytes": input_bytes, "input_scale_ratio_fp4kit_over_oneshot":
               ratios, "results": [asdict(r) for r in results]}
     suffix = f"-nproc{args.nproc}" if args.nproc else ""
-    out = args.workdir / (f"calib-results-{args.layers}L-{args.samples}x{args.seq_len}-{args.device}-{tag}"
+    out = args.workdir / (f"calib-results-{src.name}-{args.samples}x{args.seq_len}-{args.device}-{tag}"
                           f"{suffix}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\ninput_global_scale fp4kit / oneshot, layer 0: {json.dumps(ratios)}")
-    print(f"\n{args.method} {args.scheme}: {args.layers} layers, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x "
+    print(f"\n{args.method} {args.scheme}: {src.name}, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x "
           f"{args.seq_len} calibration "
           f"tokens, device {args.device}, median of {args.repeats} (wall incl. fsync; load = 1-min load average):")
     print(table(results))

@@ -1,10 +1,12 @@
-"""Benchmark `fp4kit quantize` against the I/O floor and llm-compressor on a synthetic Qwen3-30B-A3B-shaped checkpoint.
+"""Benchmark `fp4kit quantize` against the I/O floor and llm-compressor on synthetic checkpoints of real layer shapes.
 
-    python scripts/bench_quantize.py --layers 2 [--device cpu|cuda] [--repeats 3] [--workdir DIR] [--skip-oneshot]
-                                     [--nproc N]
+    python scripts/bench_quantize.py --layers 2 [--model qwen3-30b-a3b|qwen3.6-35b-a3b|glm-5] [--experts E]
+                                     [--device cpu|cuda] [--repeats 3] [--workdir DIR] [--skip-oneshot] [--nproc N]
 
-Builds a bf16 checkpoint with Qwen3-30B-A3B's MoE layer shapes (hidden 2048, moe_intermediate 768, 128 experts,
-32/4 heads of 128) and N layers, then times each tool as a whole subprocess (docs/BENCHMARKS.md):
+Builds a bf16 checkpoint with N layers of the model's layer shapes (default Qwen3-30B-A3B: hidden 2048,
+moe_intermediate 768, 128 experts, 32/4 heads of 128; the others from fp4kit.testing.synthetic.PUBLISHED, in the
+release's on-disk layout; ``--experts`` keeps every matrix shape and stores fewer routed experts), then times each
+tool as a whole subprocess (docs/BENCHMARKS.md):
 
   copy            plain safetensors read (safe_open/get_tensor) + tensor-by-tensor write: the I/O floor
   fp4kit          fp4kit quantize --scheme nvfp4a16
@@ -41,6 +43,7 @@ from pathlib import Path
 
 TIME_BIN = "/usr/bin/time"
 LLMC_IGNORE = ["lm_head", "re:.*mlp.gate$"]
+MODELS = ("qwen3-30b-a3b", "qwen3.6-35b-a3b", "glm-5")
 TOOLS = ("copy", "fp4kit", "model_free_ptq", "oneshot")
 # Rough peak of oneshot over the bf16 model size: the loaded model, the linearized experts, the compressed copy.
 ONESHOT_MEMORY_FACTOR = 3.0
@@ -74,21 +77,40 @@ def child_copy(src: Path, dst: Path) -> None:
     shutil.copy2(src / "config.json", dst / "config.json")
 
 
+def llmc_ignore(src: Path) -> list[str]:
+    """llm-compressor's ignore list for SRC: fp4kit's default ignores of its family (``re.search`` regexes) in
+    llm-compressor's ``re:`` form, which matches from the start of the name."""
+    from fp4kit.families import detect
+    from fp4kit.io.checkpoint import read_config
+
+    config = read_config(src)
+    return [f"re:.*{pattern}" for pattern in detect(config).default_ignore(config)]
+
+
+def load_model(src: Path, device: str):
+    """SRC in bf16 with transformers' class of its first architecture (the class its release names)."""
+    import torch
+    import transformers
+
+    from fp4kit.io.checkpoint import read_config
+
+    model_class = getattr(transformers, (read_config(src).get("architectures") or ["AutoModelForCausalLM"])[0])
+    return model_class.from_pretrained(str(src), dtype=torch.bfloat16, device_map=None if device == "cpu" else device)
+
+
 def child_model_free(src: Path, dst: Path, device: str) -> None:
     from llmcompressor import model_free_ptq
 
-    model_free_ptq(model_stub=str(src), save_directory=str(dst), scheme="NVFP4A16", ignore=LLMC_IGNORE, device=device)
+    model_free_ptq(model_stub=str(src), save_directory=str(dst), scheme="NVFP4A16", ignore=llmc_ignore(src),
+                   device=device)
 
 
 def child_oneshot(src: Path, dst: Path, device: str) -> None:
-    import torch
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
-    from transformers import AutoModelForCausalLM
 
-    device_map = None if device == "cpu" else device
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16, device_map=device_map)
-    recipe = QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=LLMC_IGNORE)
+    model = load_model(src, device)
+    recipe = QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=llmc_ignore(src))
     oneshot(model=model, recipe=recipe)
     model.save_pretrained(str(dst), save_compressed=True)
 
@@ -277,20 +299,34 @@ def _differing(ours: object, theirs: object, names: list[str]) -> list[str]:
 
 
 def compare_outputs(fp4kit_dir: Path, reference_dir: Path) -> str:
-    """Byte-compare fp4kit's output with a reference's for the experts 0, E/2, E-1 and q/k/v/o of layer 0."""
+    """Byte-compare fp4kit's output with a reference's for the experts 0, E/2, E-1 of the first MoE layer (names
+    parsed with the family's grammar) and every other quantized module of the first layer."""
+    from fp4kit.families import detect
+    from fp4kit.families.base import layer_of
     from fp4kit.io.checkpoint import CheckpointReader, read_config
 
-    num_experts = int(read_config(fp4kit_dir)["num_experts"])
-    projections = {"gate_proj": [], "up_proj": [], "down_proj": [], "attention": []}
-    for e in (0, num_experts // 2, num_experts - 1):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            projections[proj].append(f"model.layers.0.mlp.experts.{e}.{proj}")
-    projections["attention"] = [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    config = read_config(fp4kit_dir)
+    family = detect(config)
+    grammar, num_experts = family.grammar, family.num_experts(family.text_config(config))
+    picked = (0, num_experts // 2, num_experts - 1)
+    projections: dict[str, list[str]] = {proj: [] for proj in grammar.projections} | {"other": []}
+    with CheckpointReader(fp4kit_dir) as ours:
+        modules = sorted({n.removesuffix(".weight_packed") for n in ours.names() if n.endswith(".weight_packed")})
+    first_layer = min(layer_of(m) for m in modules if layer_of(m) is not None)
+    first_moe = min(layer_of(m) for m in modules if grammar.split_expert(m) and layer_of(m) is not None)
+    for module in modules:
+        split = grammar.split_expert(module)
+        if split and layer_of(module) == first_moe and split[1] in picked:
+            projections[split[2]].append(module)
+        elif not split and layer_of(module) == first_layer:
+            projections["other"].append(module)
     verdicts = []
     with CheckpointReader(fp4kit_dir) as ours, CheckpointReader(reference_dir) as theirs:
         for label, modules in projections.items():
             names = [f"{m}.{suffix}" for m in modules for suffix in CHECK_TENSOR_SUFFIXES]
             missing = [n for n in names if n not in ours or n not in theirs]
+            if not names:
+                continue
             if missing:
                 verdicts.append(f"{label}: missing {missing[0]}")
                 continue
@@ -353,6 +389,9 @@ def environment() -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the synthetic checkpoint")
+    parser.add_argument("--model", choices=MODELS, default=MODELS[0], help="whose layer shapes")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="routed experts per layer (0: the model's); every matrix keeps its real shape")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N], passed to every tool")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per tool (the median is reported)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench"))
@@ -367,16 +406,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_source(workdir: Path, layers: int) -> Path:
-    from fp4kit.testing.synthetic import write_synthetic_qwen3_moe
+def source_name(model: str, layers: int, experts: int = 0) -> str:
+    name = "qwen3-moe" if model == MODELS[0] else model
+    return f"{name}-{layers}L{f'-{experts}E' if experts else ''}-bf16"
 
-    src = workdir / f"qwen3-moe-{layers}L-bf16"
+
+def build_source(workdir: Path, layers: int, model: str = MODELS[0], experts: int = 0) -> Path:
+    from fp4kit.families import detect
+    from fp4kit.testing.synthetic import published_config, write_synthetic, write_synthetic_qwen3_moe
+
+    src = workdir / source_name(model, layers, experts)
     if (src / "config.json").exists():
         print(f"reusing {src}", flush=True)
         return src
     shutil.rmtree(src, ignore_errors=True)
     start = time.perf_counter()
-    write_synthetic_qwen3_moe(src, layers)
+    if model == MODELS[0]:
+        write_synthetic_qwen3_moe(src, layers, **({"num_experts": experts} if experts else {}))
+    else:
+        config = published_config(model, layers)
+        if experts:  # the family says which key counts the routed experts
+            text = config.get("text_config", config)
+            key = next(k for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in text)
+            config = published_config(model, layers, **{key: experts})
+            assert detect(config).num_experts(detect(config).text_config(config)) == experts
+        write_synthetic(src, config)
     print(f"built {src} in {time.perf_counter() - start:.1f} s", flush=True)
     return src
 
@@ -395,10 +449,10 @@ def main(argv: list[str] | None = None) -> None:
         run_child(args.child, args.src, args.dst, args.device)
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
-    src = build_source(args.workdir, args.layers)
+    src = build_source(args.workdir, args.layers, args.model, args.experts)
     input_bytes = checkpoint_bytes(src)
     ranks = f" under torchrun x{args.nproc}" if args.nproc else ""
-    print(f"source: {args.layers} layers, {input_bytes / 1e9:.2f} GB bf16; device {args.device}{ranks}; "
+    print(f"source: {src.name}, {input_bytes / 1e9:.2f} GB bf16; device {args.device}{ranks}; "
           f"median of {args.repeats}; source read into page cache before each run, nothing dropped; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     results = []
@@ -420,7 +474,7 @@ def main(argv: list[str] | None = None) -> None:
               "environment": environment(), "input_bytes": input_bytes, "identity": identity,
               "results": [asdict(r) for r in results]}
     suffix = f"-nproc{args.nproc}" if args.nproc else ""
-    out = args.workdir / f"results-{args.layers}L-{args.device}{suffix}.json"
+    out = args.workdir / f"results-{src.name}-{args.device}{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("\nfp4kit output bytes (experts 0, E/2, E-1 and attention of layer 0; packed, scales, global scale):")
     for ref, verdict in identity.items() or {"-": "not checked (needs fp4kit and a reference output)"}.items():

@@ -164,3 +164,43 @@ def test_calibration_streams_transformers_layers_and_measures_the_clamped_interm
                 assert abs(ours - inter.abs().amax().item()) <= 1e-5 * inter.abs().amax().item(), (i, e)
                 assert result.input_amax[f"model.layers.{i}.mlp.experts.{e}.gate_proj"] == pytest.approx(
                     hidden.abs().amax().item(), rel=1e-6)
+
+
+def test_layout_manifest_records_the_activation_and_the_biases(tiny, tmp_path, monkeypatch, capsys) -> None:
+    """A reader of `fp4kit_layout.json` without fp4kit learns what the kernel tensors leave out: the experts'
+    activation (kind, alpha, limit) and where the stored biases are and in which order. Computing the activation from
+    the manifest alone (plain JSON, the biases read by their recorded names from the layout's files) gives what
+    transformers' GptOssExperts computes on the source."""
+    import json
+
+    import transformers
+
+    src, out, lay = tiny("gpt_oss"), tmp_path / "out", tmp_path / "lay"
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4", samples=4, seq_len=16, batch_size=4))
+    code, _, err = run_cli(monkeypatch, capsys, "layout", out, lay, "--backend", "trtllm")
+    assert code == 0, err
+    document = json.loads((lay / "fp4kit_layout.json").read_text())
+    activation = document["activation"]
+    assert activation["kind"] == "swiglu_oai" and "sigmoid(alpha * g)" in activation["formula"]
+    config = json.loads((src / "config.json").read_text())
+    assert (activation["alpha"], activation["limit"]) == (1.702, float(config["swiglu_limit"]))
+    laid_out, source = _tensors(lay), _tensors(src)
+    model = transformers.GptOssForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for layer, entry in document["layers"].items():
+        biases = entry["biases"]
+        assert biases["w13"]["order"].startswith("gate and up interleaved along 2I (even = gate, odd = up)")
+        b13, b2 = laid_out[biases["w13"]["name"]], laid_out[biases["w2"]["name"]]
+        assert torch.equal(b13, source[biases["w13"]["name"]]) and torch.equal(b2, source[biases["w2"]["name"]])
+        assert list(b13.shape) == biases["w13"]["shape"] == [entry["num_experts"], 2 * entry["intermediate_size"]]
+        assert list(b2.shape) == biases["w2"]["shape"] == [entry["num_experts"], entry["hidden_size"]]
+        experts = model.model.layers[int(layer)].mlp.experts
+        x = 3 * torch.randn(5, entry["hidden_size"], generator=torch.Generator().manual_seed(int(layer)))
+        for e in (0, entry["num_experts"] - 1):
+            product = x @ experts.gate_up_proj[e].detach()  # what GEMM1 gives, before the bias
+            gate = product[:, 0::2] + b13[e, 0::2].float()
+            up = product[:, 1::2] + b13[e, 1::2].float()
+            g = gate.clamp(max=activation["limit"])
+            u = up.clamp(min=-activation["limit"], max=activation["limit"])
+            from_manifest = (u + 1) * g * torch.sigmoid(activation["alpha"] * g)
+            expected = experts._apply_gate(product + experts.gate_up_proj_bias[e].detach())
+            torch.testing.assert_close(from_manifest, expected, rtol=0, atol=1e-6)

@@ -55,6 +55,35 @@ def test_every_method_dialect_and_scheme(tiny, tmp_path, method, dialect, scheme
     assert written["model.layers.0.block_sparse_moe.e_score_correction_bias"].dtype == torch.float32
 
 
+@pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
+def test_mtp_layers_reach_dst_byte_for_byte(tiny, tmp_path, dialect) -> None:
+    """The MTP modules (config `num_mtp_modules`) are stored as `model.layers.{num_hidden_layers + i}.*`, the prefix
+    vLLM 0.33's and SGLang's minimax_m2.py skip when loading the main model: the fixture carries two, with routed
+    experts, and by default none of it is quantized, every tensor reaching DST as stored, named in the ignore list."""
+    import json
+
+    src, out = tiny("minimax_m2"), tmp_path / "out"
+    config = json.loads((src / "config.json").read_text())
+    mtp = tuple(f"model.layers.{config['num_hidden_layers'] + i}." for i in range(config["num_mtp_modules"]))
+    source = _tensors(src)
+    mtp_names = {n for n in source if n.startswith(mtp)}
+    assert {n.split(".")[2] for n in mtp_names} == {"2", "3"}
+    assert any(".block_sparse_moe.experts.7.w2." in n for n in mtp_names)
+    assert any(".eh_proj." in n for n in mtp_names)
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4", format=dialect, **CALIBRATION))
+    written = _tensors(out)
+    assert not [n for n in written if n.startswith(mtp) and n not in source]  # nothing of it quantized
+    for name in mtp_names:
+        assert written[name].dtype == source[name].dtype, name
+        assert torch.equal(written[name].view(torch.uint8), source[name].view(torch.uint8)), name
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    ignored = set(quant.get("ignore") or quant.get("exclude_modules") or [])
+    if dialect == "modelopt":
+        ignored = set(json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"])
+    assert f"{mtp[1]}block_sparse_moe.experts.0.w1" in ignored or any(
+        m.endswith("*") and f"{mtp[1]}block_sparse_moe.experts.0.w1".startswith(m[:-1]) for m in ignored), ignored
+
+
 def test_fp8_block_source_quantizes_and_verifies(tiny, tmp_path, monkeypatch, capsys) -> None:
     from fp4kit.testing.fixtures import write_fp8_block_source
 

@@ -62,9 +62,15 @@ def test_expert_tensors_fill_vllm_moe_parameters(monkeypatch, quantized, tiny, d
     params = dict(vllm_moe_parameters(monkeypatch, dialect, num_experts, hidden, inter).named_parameters())
     mapping = RoutedExperts.build_expert_params_mapping(*CKPT_NAMES, num_experts)
     mapper = minimax_m2.MiniMaxM2Model.hf_to_vllm_mapper
+    # MiniMaxM2Model.__init__ adds a drop of the MTP modules, `layers.{num_hidden_layers + i}.` for i below
+    # num_mtp_modules, under the model's own prefix: the same rule on the checkpoint's full names
+    first_mtp = config["num_hidden_layers"]
+    mtp_drop = minimax_m2.WeightsMapper(orig_to_new_prefix={
+        f"model.layers.{first_mtp + i}.": None for i in range(config["num_mtp_modules"])})
     tensors = _tensors(root)
+    assert any(n.startswith(f"model.layers.{first_mtp}.") for n in tensors)
     filled: dict[str, set] = {}
-    for name, tensor in mapper.apply(sorted(tensors.items())):
+    for name, tensor in mtp_drop.apply(mapper.apply(sorted(tensors.items()))):
         if ".experts." not in name:
             continue
         assert ".block_sparse_moe.experts." in name, name  # the attribute vLLM's decoder layer holds them under

@@ -15,9 +15,11 @@ Kept in BF16 by default: the router (vLLM's ``GateLinear``, built without a quan
 checkpoints do (nvidia/MiniMax-M2.5-NVFP4, ModelOpt's "nvfp4_experts_only" recipe; mconcat/MiniMax-M2.5-NVFP4;
 TheHouseOfTheDude/MiniMax-M2.5 in compressed-tensors), the attention projections: only the routed experts are
 quantized. vLLM would load a quantized ``qkv_proj`` / ``o_proj`` too (both take the quant config); ``--no-default-
-ignore`` with the user's own ``--ignore`` does that. The MTP modules (config ``num_mtp_modules``), should a
-checkpoint carry them: vLLM 0.33 drops ``layers.{num_hidden_layers + i}.`` (``MiniMaxM2Model``), msModelSlim's
-M2.5 recipe keeps ``mtp_modules`` / ``mtp_transition`` unquantized; both stay as stored.
+ignore`` with the user's own ``--ignore`` does that. The MTP modules (config ``num_mtp_modules``, 3 in the
+released M2.x configs) are stored as decoder layers past the last one, ``model.layers.{num_hidden_layers + i}.*``:
+vLLM 0.33's ``MiniMaxM2Model`` drops that prefix and SGLang's ``get_spec_layer_idx_from_weight_name``
+(``minimax_m2.py``) skips it for the main model; msModelSlim's M2.5 recipe keeps ``mtp_modules`` /
+``mtp_transition`` unquantized. All of them stay as stored.
 """
 
 import functools

@@ -14,6 +14,7 @@ import torch
 
 from fp4kit import __version__
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.activation import SILU
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.io.checkpoint import DTYPE_NAMES, PlannedTensor
 from fp4kit.io.safetensors_files import read_json
@@ -25,6 +26,12 @@ MANIFEST = "fp4kit_layout.json"
 SCALE_KEYS = ("w13_global_scale_div", "w2_global_scale_div", "input_scale_div13", "input_scale_div2")
 
 _VERSION_IN_KERNEL = re.compile(r"\((?:flashinfer-python|vLLM) (?P<version>[0-9][\w.]*)")
+# the gated activation between the two GEMMs, on GEMM1's output split into gate (rows 0..I-1 of w13) and up
+# (rows I..2I-1), each plus its expert bias where the layer has one (fp4kit.families.activation)
+ACTIVATION_FORMULAS = {
+    "silu": "silu(gate) * up",
+    "swiglu_oai": "g = min(gate, limit); u = min(max(up, -limit), limit); (u + 1) * g * sigmoid(alpha * g)",
+}
 FORMULA_NOTATION = ("per expert e: D_w13 = w13_global_scale_div[e], D_w2 = w2_global_scale_div[e], D_a13 = see "
                     "D_a13, D_a2 = input_scale_div2[e] (float64 divisors); fp32(x) rounds to nearest "
                     "fp32; then fp32 arithmetic, left to right; B = 119 for bfloat16, 7 for float16 activations")
@@ -63,10 +70,40 @@ def layer_entry(experts: str, planned: dict[str, PlannedTensor], meta: LayoutMet
     }
 
 
+def activation_record(ckpt: QuantizedCheckpoint) -> dict:
+    """The experts' activation: its kind, constants and formula (the family's, from config.json)."""
+    family = ckpt.family
+    activation = family.activation(family.text_config(ckpt.config)) if family is not None else SILU
+    record: dict[str, object] = {"kind": activation.kind, "formula": ACTIVATION_FORMULAS[activation.kind]}
+    if activation.kind != "silu":
+        record |= {"alpha": activation.alpha, "limit": activation.limit}
+    return record
+
+
+def biases_record(ckpt: QuantizedCheckpoint, experts: str) -> dict | None:
+    """The stored expert biases of a layer (gpt-oss's ``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, H]),
+    which the layout keeps under their own names, as stored; None for a layer without them."""
+    grammar, reader = ckpt.grammar, ckpt.reader
+    leaves = zip(("w13", "w2"), grammar.fused_tensors, strict=True)
+    names = {arg: grammar.fused_tensor(experts, f"{leaf}_bias") for arg, leaf in leaves}
+    if not all(name in reader for name in names.values()):
+        return None
+    order = ("gate and up interleaved along 2I (even = gate, odd = up), as the source stores them; the kernel "
+             "tensors hold gate rows, then up rows" if grammar.interleaved else "gate then up along 2I")
+    record = {}
+    for arg, name in names.items():
+        info = reader.info(name)
+        record[arg] = {"name": name, "dtype": DTYPE_NAMES[info.dtype], "shape": list(info.shape)}
+    record["w13"]["order"] = order
+    record["added_to"] = "w13: GEMM1's output before the activation; w2: GEMM2's output, before the routing weight"
+    return record
+
+
 def manifest(name: str, options: dict[str, object], act_dtype: torch.dtype, ckpt: QuantizedCheckpoint,
              layers: dict[str, dict]) -> dict:
     """The manifest of a layout by backend ``name`` with layout ``options`` (its ``layout_options``)."""
     kernel = backend(name).manifest_kernel(options)
+    layers = {key: {**entry, "biases": biases_record(ckpt, entry["module"])} for key, entry in layers.items()}
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -80,6 +117,7 @@ def manifest(name: str, options: dict[str, object], act_dtype: torch.dtype, ckpt
         "tensor_name": "<module>.<argument>",
         "scalar_formulas": {"notation": FORMULA_NOTATION, "D_a13": kernel["gate_up_input_divisor"],
                             **kernel["scalar_formulas"]},
+        "activation": activation_record(ckpt),
         "layers": dict(sorted(layers.items(), key=lambda item: int(item[0]))),
     }
 

@@ -1,8 +1,9 @@
 """Tiny checkpoints of every family, built offline with transformers from configs shipped in fp4kit/data.
 
 Weights are seeded random, never downloaded. They are saved the way each family's real checkpoints are: bf16,
-GLM's router weight and correction bias in fp32 (DeepSeek's bias; MLA_FIXTURES), and the MTP layer of GLM, DeepSeek
-and the MLA families (which transformers does not instantiate) added as extra tensors after the last decoder layer.
+GLM's router weight and correction bias in fp32 (DeepSeek's bias; MLA_FIXTURES), and the MTP layers of GLM, DeepSeek,
+the MLA families and MiniMax-M2 (which transformers does not instantiate) added as extra tensors after the last
+decoder layer.
 ``write_fp8_block_source`` and ``write_pack_quantized_source`` turn a fixture into the quantized sources those models
 are published as.
 """
@@ -125,7 +126,11 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
         tensors.update(_qwen_mtp_block(tensors, model.config.get_text_config(), seed))
         save_file(tensors, single, metadata={"format": "pt"})
     if name == "minimax_m2":
-        _minimax_correction_bias(path / "model.safetensors", seed)
+        single = path / "model.safetensors"
+        _minimax_correction_bias(single, seed)
+        tensors = load_file(single)
+        tensors.update(_glm_mtp_layer(tensors, model.config, seed, layers=model.config.num_mtp_modules))
+        save_file(tensors, single, metadata={"format": "pt"})
     if name == "deepseek_v4":
         _deepseek_v4_release(path / "model.safetensors", model.config, seed)
     return path
@@ -292,22 +297,26 @@ def write_deepseek_v4_release_source(src: str | Path, dst: str | Path) -> Path:
                                         "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}, config)
 
 
-def _glm_mtp_layer(tensors: dict[str, torch.Tensor], config, seed: int) -> dict[str, torch.Tensor]:
+def _glm_mtp_layer(tensors: dict[str, torch.Tensor], config, seed: int, layers: int = 1) -> dict[str, torch.Tensor]:
     """GLM-4.5 and DeepSeek-V3 checkpoints carry the MTP layer as `model.layers.{num_hidden_layers}.*`: a full MoE
-    decoder layer plus eh_proj / enorm / hnorm / shared_head. Build one from the last layer's shapes."""
-    last, mtp = config.num_hidden_layers - 1, config.num_hidden_layers
+    decoder layer plus eh_proj / enorm / hnorm / shared_head. Build one from the last layer's shapes (or ``layers`` of
+    them, numbered on: MiniMax-M2's `num_mtp_modules`, which vLLM's and SGLang's minimax_m2.py skip as
+    `model.layers.{num_hidden_layers + i}.*`)."""
+    last = config.num_hidden_layers - 1
     generator = torch.Generator().manual_seed(seed + 1)
     out = {}
-    for tname, t in tensors.items():
-        prefix = f"model.layers.{last}."
-        if tname.startswith(prefix):
-            noise = 0.05 * torch.randn(t.shape, generator=generator)
-            out[f"model.layers.{mtp}." + tname[len(prefix):]] = noise.to(t.dtype)
-    hidden = config.hidden_size
-    out[f"model.layers.{mtp}.eh_proj.weight"] = (0.05 * torch.randn(hidden, 2 * hidden, generator=generator)).bfloat16()
-    out[f"model.layers.{mtp}.enorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-    out[f"model.layers.{mtp}.hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
-    out[f"model.layers.{mtp}.shared_head.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    for mtp in range(config.num_hidden_layers, config.num_hidden_layers + layers):
+        for tname, t in tensors.items():
+            prefix = f"model.layers.{last}."
+            if tname.startswith(prefix):
+                noise = 0.05 * torch.randn(t.shape, generator=generator)
+                out[f"model.layers.{mtp}." + tname[len(prefix):]] = noise.to(t.dtype)
+        hidden = config.hidden_size
+        eh_proj = 0.05 * torch.randn(hidden, 2 * hidden, generator=generator)
+        out[f"model.layers.{mtp}.eh_proj.weight"] = eh_proj.bfloat16()
+        out[f"model.layers.{mtp}.enorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        out[f"model.layers.{mtp}.hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        out[f"model.layers.{mtp}.shared_head.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     return out
 
 

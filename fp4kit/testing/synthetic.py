@@ -1,10 +1,15 @@
-"""Synthetic Qwen3-MoE checkpoints with real layer shapes, for benchmarks (docs/BENCHMARKS.md).
+"""Synthetic checkpoints with real layer shapes, for benchmarks (docs/BENCHMARKS.md).
 
 The checkpoint is laid out like Qwen3-30B-A3B's: per-expert ``mlp.experts.E.{gate,up,down}_proj.weight`` in bf16,
 q/k/v/o with 32 heads, 4 KV heads and head_dim 128, q/k norms, the ``mlp.gate`` router, embeddings and lm_head,
 sharded with a ``model.safetensors.index.json``. Only the vocabulary is small, to keep the size down. Every name and
 shape is planned first, then each tensor is drawn from its own seeded generator and written at its offset, so the
 files stream to disk with a few tensors in memory, and the bytes do not depend on how many threads draw them.
+
+``write_synthetic`` does the same for any family from a config.json (``published_config`` holds the layer shapes of
+released models): the names, shapes and dtypes are what transformers' class of the family writes with
+``save_pretrained`` (its model built on the meta device, the checkpoint conversion reverted), so the release's on-disk
+layout comes from transformers, not from names spelled here.
 
 ``repeat_first_layer`` turns a (quantized) one-layer checkpoint into one of N identical layers, so that benchmarks
 and memory tests of the NVFP4 commands reach realistic sizes without quantizing every layer.
@@ -136,6 +141,108 @@ def _write_index_if_single(directory: Path, writer: ShardWriter) -> None:
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
+# Layer shapes of released models, from their published config.json (transformers 5.17's configuration classes of
+# these model types default to the same values). Only the vocabulary and the vision tower's depth are cut, to keep
+# the files small; ``published_config`` sets the layer count.
+PUBLISHED: dict[str, dict] = {
+    "qwen3.6-35b-a3b": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+            "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "full_attention_interval": 4, "mtp_num_hidden_layers": 1,
+            "rms_norm_eps": 1e-06, "vocab_size": 8192, "max_position_embeddings": 262144,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        },
+        "vision_config": {"depth": 1, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "num_position_embeddings": 2304},
+    },
+    # every layer MoE (the release's first 3 are dense): the shapes measured are the MoE layers'
+    "glm-5": {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        "tie_word_embeddings": False,
+        "hidden_size": 6144, "num_attention_heads": 64, "num_key_value_heads": 64, "q_lora_rank": 2048,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+        "index_n_heads": 32, "index_head_dim": 128, "index_topk": 2048, "n_routed_experts": 256,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "intermediate_size": 12288,
+        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+        "first_k_dense_replace": 0, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-05, "vocab_size": 8192,
+        "max_position_embeddings": 202752,
+    },
+}
+
+
+def published_config(model: str, num_layers: int, **text_overrides: object) -> dict:
+    """config.json of a ``PUBLISHED`` model with ``num_layers`` decoder layers (a Qwen hybrid's layer types in the
+    release's pattern, three linear-attention layers then one full-attention; with fewer than four layers, the last is
+    full attention, so both kinds are there) and any text-config key overridden (e.g. a smaller expert count)."""
+    config = json.loads(json.dumps(PUBLISHED[model]))
+    text = config.get("text_config", config)
+    text.update(text_overrides, num_hidden_layers=num_layers)
+    interval = text.pop("full_attention_interval", None)
+    if interval:
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+        if "full_attention" not in kinds:
+            kinds[-1] = "full_attention"
+        text["layer_types"] = kinds
+    if "first_k_dense_replace" in text:
+        first_dense = int(text["first_k_dense_replace"])
+        text["mlp_layer_types"] = ["dense" if i < first_dense else "sparse" for i in range(num_layers)]
+    return config
+
+
+def release_tensor_plan(config: dict) -> list[PlannedTensor]:
+    """Every tensor a checkpoint of ``config`` holds on disk, in name order: transformers' class of its first
+    architecture, built on the meta device in bf16 (what the class keeps in fp32 stays fp32), its state dict mapped
+    back to the checkpoint's names by the reverse of transformers' conversion mapping, as ``save_pretrained`` does
+    (per-expert tensors for the families whose releases store them so)."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    model_class = getattr(transformers, config["architectures"][0])
+    with torch.device("meta"):
+        model = model_class._from_config(hf_config, dtype=torch.bfloat16)
+    state = revert_weight_conversion(model, dict(model.state_dict()))
+    return [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in state.items()]
+
+
+def write_synthetic(path: str | os.PathLike, config: dict, seed: int = 0, max_shard_bytes: int = REAL_SHARD_BYTES,
+                    threads: int = 2) -> Path:
+    """Write a checkpoint of ``config`` (config.json, shards, index; the tensors of ``release_tensor_plan``, seeded
+    as ``random_tensor``) into ``path`` and return it."""
+    return _write_plan(Path(path), release_tensor_plan(config), config, seed, max_shard_bytes, threads)
+
+
+def _write_plan(directory: Path, plan: list[PlannedTensor], config: dict, seed: int, max_shard_bytes: int,
+                threads: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = ShardWriter(directory, plan, max_shard_bytes, metadata={"producer": "fp4kit.synthetic"})
+
+    def draw_and_write(index: int) -> None:
+        planned = plan[index]
+        writer.write(planned.name, random_tensor(planned, seed * 1_000_003 + index))
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for _ in pool.map(draw_and_write, range(len(plan))):
+                pass
+    except BaseException:
+        writer.abort()
+        raise
+    writer.finish()
+    _write_index_if_single(directory, writer)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
 def write_synthetic_qwen3_moe(
     path: str | os.PathLike,
     num_layers: int,
@@ -154,26 +261,8 @@ def write_synthetic_qwen3_moe(
     """Write a bf16 Qwen3-MoE checkpoint (config.json, shards, index) into ``path`` and return it."""
     dims = Qwen3MoeDims(num_layers, hidden, moe_intermediate, num_experts, top_k, num_heads, num_kv_heads,
                         head_dim, vocab_size)
-    directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
-    plan = qwen3_moe_tensor_plan(dims)
-    writer = ShardWriter(directory, plan, max_shard_bytes, metadata={"producer": "fp4kit.synthetic"})
-
-    def draw_and_write(index: int) -> None:
-        planned = plan[index]
-        writer.write(planned.name, random_tensor(planned, seed * 1_000_003 + index))
-
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            for _ in pool.map(draw_and_write, range(len(plan))):
-                pass
-    except BaseException:
-        writer.abort()
-        raise
-    writer.finish()
-    _write_index_if_single(directory, writer)
-    (directory / "config.json").write_text(json.dumps(qwen3_moe_config(dims), indent=2) + "\n")
-    return directory
+    return _write_plan(Path(path), qwen3_moe_tensor_plan(dims), qwen3_moe_config(dims), seed, max_shard_bytes,
+                       threads)
 
 
 _LAYER0 = re.compile(r"\blayers\.0\.")
