@@ -113,8 +113,15 @@ def quantize_cli(src: Path, dst: Path, *args: str) -> subprocess.CompletedProces
     return run
 
 
+@pytest.fixture(scope="module")
+def cast(released, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`fp4kit quantize SRC DST` of the release: compressed-tensors NVFP4A16, the default cast."""
+    dst = tmp_path_factory.mktemp("gpt-oss-cast") / "nvfp4"
+    return dst, quantize_cli(released[0], dst)
+
+
 @pytest.mark.pinned
-def test_quantize_casts_every_expert_value_exactly(released, tmp_path):
+def test_quantize_casts_every_expert_value_exactly(released, cast):
     """`fp4kit quantize` of the release (compressed-tensors NVFP4A16, the default cast): every expert Linear
     dequantized by compressed-tensors' NVFP4 decompressor equals transformers' decoding of the source's rows bit for
     bit (gate the even rows, up the odd ones), the codes are the source's bytes, every other tensor (expert biases,
@@ -123,8 +130,7 @@ def test_quantize_casts_every_expert_value_exactly(released, tmp_path):
     from fp4kit.tools.inspect_artifacts import inspect_path
 
     src, values = released
-    dst = tmp_path / "nvfp4"
-    run = quantize_cli(src, dst)
+    dst, run = cast
     blocks_per_layer = EXPERTS * (2 * INTER * HIDDEN + HIDDEN * INTER) // 16
     assert f"MXFP4 source: {LAYERS * blocks_per_layer} NVFP4 blocks cast exactly, 0 re-quantized" in run.stdout
     out = ct_dequantized(dst)
@@ -180,3 +186,75 @@ def test_partly_kept_experts_are_refused(released, tmp_path):
                           r"experts\.3\.up_proj"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and run.stderr.count("error:") == 1 and "Traceback" not in run.stderr
     assert "gate_up_proj_blocks" in run.stderr and not (tmp_path / "out").exists()
+
+
+def test_eval_reads_the_release_as_the_source(released, tmp_path):
+    """With only the experts quantized, `fp4kit eval` against the release finds KL 0: the cast keeps their values
+    (and eval streams the release's experts dequantized, as transformers' layers hold them)."""
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.tools.evaluate import evaluate
+
+    src, _ = released
+    experts_only = tmp_path / "experts"
+    quantize_checkpoint(src, experts_only, QuantizeOptions(targets=[r"experts\."]))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    result = evaluate(src, experts_only, tokens)
+    assert result.kl <= 1e-6 and result.top1 == 1.0
+    assert evaluate(src.parent / "bf16", experts_only, tokens).kl > 1e-6  # the BF16 model it was rounded from
+
+
+@pytest.mark.slow
+def test_verify_reads_the_release_as_the_source(released, cast, tmp_path):
+    """`verify --source` with the release finds error 0 where the BF16 model the fixture was rounded from differs
+    (so the source's experts are really read from their MXFP4 blocks)."""
+    src, _ = released
+    errors = {}
+    for reference in (src, src.parent / "bf16"):
+        report = tmp_path / f"{reference.name}.json"
+        run = subprocess.run([sys.executable, "-m", "fp4kit", "verify", str(cast[0]), "--source", str(reference),
+                              "--json", str(report)], capture_output=True, text=True, timeout=600)
+        assert run.returncode in (0, 1), run.stderr
+        results = json.loads(report.read_text())["results"]
+        errors[reference.name] = max(r["error"] for r in results if r["check"] in ("source", "source-expert"))
+        assert {r["check"] for r in results} >= {"source", "source-expert"}
+    assert errors["src"] == 0 < errors["bf16"]
+
+
+def test_w4a4_calibrates_on_the_release(released, tmp_path):
+    """W4A4: the layer-streaming calibration runs transformers' decoder layers on the release's dequantized experts
+    (read as [E, K, N], the BF16 form's) and the weights are still cast exactly."""
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+    from fp4kit.tools.inspect_artifacts import inspect_path
+
+    src, _ = released
+    report = quantize_checkpoint(src, tmp_path / "w4a4", QuantizeOptions(scheme="nvfp4", samples=2, seq_len=16))
+    assert report.mxfp4_cast["requantized"] == 0 and report.mxfp4_cast["exact"] > 0
+    assert inspect_path(tmp_path / "w4a4").clean
+
+
+def test_vllm_dequantizes_the_experts_to_the_release_s_values(released, cast, tiny, tmp_path):
+    """vLLM 0.33's own NVFP4 dequantization (nvfp4_emulation_utils.dequantize_to_dtype) of every expert Linear gives
+    the release's values, and the output holds exactly the tensors (names, dtypes, shapes) that quantizing the BF16
+    form writes, which is what vLLM 0.33's gpt-oss loader is run on in tests/test_vllm_gpt_oss.py (and what
+    docs/serving.md says it cannot load yet)."""
+    from _vllm_oracle import vllm_module
+
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    emulation = vllm_module("model_executor.layers.quantization.utils.nvfp4_emulation_utils")
+    src, values = released
+    out = load_file(cast[0] / "model.safetensors")
+    checked = 0
+    for name in [n for n in out if ".experts." in n and n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        experts, e, proj = module.rsplit(".", 2)
+        fused = values[f"{experts}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"][int(e)]
+        expected = {"gate_proj": fused[:, 0::2], "up_proj": fused[:, 1::2], "down_proj": fused}[proj].t()
+        got = emulation.dequantize_to_dtype(out[name], out[f"{module}.weight_scale"],
+                                            1.0 / out[f"{module}.weight_global_scale"], torch.float32, swizzle=False)
+        assert torch.equal(bits(got), bits(expected.contiguous())), module
+        checked += 1
+    assert checked == LAYERS * EXPERTS * 3
+    quantize_checkpoint(src.parent / "bf16", tmp_path / "from-bf16", QuantizeOptions())
+    from_bf16 = load_file(tmp_path / "from-bf16" / "model.safetensors")
+    assert {n: (t.dtype, t.shape) for n, t in out.items()} == {n: (t.dtype, t.shape) for n, t in from_bf16.items()}
