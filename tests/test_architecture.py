@@ -35,7 +35,10 @@ def _grammar_patterns() -> list[re.Pattern[str]]:
     routers: set[str] = set()
     for family in FAMILIES:
         g = family.grammar
-        words.update([*g.projections, *g.fused_tensors, g.router_bias.rsplit(".", 1)[-1], *g.shared_experts])
+        bias_leaf = g.router_bias.rsplit(".", 1)[-1]
+        # a bias that is the router Linear's own parameter (DeepSeek-V4's `gate.bias`) is spelled with its module
+        words.update([*g.projections, *g.fused_tensors, *g.shared_experts,
+                      g.router_bias if bias_leaf == "bias" else bias_leaf])
         containers.add(g.experts)
         routers.update(g.routers)
     # the fused-MoE kernels' own argument names (fp4kit's w13 / w2, families.grammar.W13 and W2; vLLM's and

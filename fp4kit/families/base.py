@@ -75,12 +75,17 @@ class Family:
     moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
+    # transformers' decoder layers of the family load one at a time from the checkpoint's names
+    # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
+    streams_layers: bool = True
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
         """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after
         them, num_hidden_layers + N, as vLLM's drafters number them (qwen3_next_mtp.py: mtp_start_layer_idx)."""
         if self.mtp_prefix is not None and name.startswith(self.mtp_prefix):
-            layer = layer_of(name[len(self.mtp_prefix):])
+            # the block's layers as `layers.N.` (the Qwen hybrids' `mtp.layers.0.`) or `N.` (DeepSeek-V4's `mtp.0.`)
+            rest = name[len(self.mtp_prefix):]
+            layer = layer_of(rest) if not rest[:1].isdigit() else layer_of("layers." + rest)
             return None if layer is None else int(text_config["num_hidden_layers"]) + layer
         return layer_of(name)
 
@@ -90,7 +95,8 @@ class Family:
         kept = [*COMMON_IGNORE, *self.ignore(config)]
         if self.mtp_prefix is not None:
             block = "^" + re.escape(self.mtp_prefix)
-            kept.append(block if mtp == "keep" else block + r"(?!layers\.\d+\.mlp\.experts\.\d+\.)")
+            routed = rf"(?!(layers\.)?\d+\.\w+\.{re.escape(self.grammar.experts)}\.\d+\.)"  # its layers' experts
+            kept.append(block if mtp == "keep" else block + routed)
         elif mtp != "keep":
             raise Fp4kitError(f"--mtp {mtp}: {self.name} has no MTP block outside its decoder layers (its MTP layers, "
                               "if any, are `layers.N` past num_hidden_layers: choose them with --ignore)")

@@ -17,7 +17,7 @@ from fp4kit.io.sources import (
     SourceFormat,
     dequantize,
     model_dtype,
-    mxfp4_bytes,
+    stored_mxfp4_bytes,
     read_source,
     stored_bytes,
     stored_fp8_block,
@@ -288,7 +288,7 @@ def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weig
     """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
     enc = linear.encoding
     assert isinstance(enc, Mxfp4)
-    return Mxfp4Weight(*mxfp4_bytes(reader, enc))
+    return Mxfp4Weight(*stored_mxfp4_bytes(reader, enc))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,
