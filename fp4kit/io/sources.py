@@ -176,7 +176,8 @@ def detect_source(config: dict, tensors: dict[str, tuple[torch.dtype, tuple[int,
         source = _fused_mxfp4_source(tensors, dtype)
     else:
         raise Fp4kitError(f"{where}.quant_method: {method!r}; fp4kit reads unquantized sources, fp8 (block-scaled), "
-                          "compressed-tensors (pack-quantized, float-quantized, mxfp4-pack-quantized) and mxfp4 (gpt-oss)")
+                          "compressed-tensors (pack-quantized, float-quantized, mxfp4-pack-quantized) and mxfp4 "
+                          "(gpt-oss)")
     if source.nvfp4 is None:
         _refuse_unread(tensors, source.consumed(), f"the {source.name} source's config does not say how")
     return source

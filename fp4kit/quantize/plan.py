@@ -17,10 +17,10 @@ from fp4kit.io.sources import (
     SourceFormat,
     dequantize,
     model_dtype,
-    stored_mxfp4_bytes,
     read_source,
     stored_bytes,
     stored_fp8_block,
+    stored_mxfp4_bytes,
 )
 from fp4kit.native.nvfp4_cpu import Fp8BlockWeight
 from fp4kit.nvfp4 import BLOCK, Mxfp4Weight
