@@ -11,6 +11,7 @@ for the source's values, compressed-tensors' NVFP4 decompressor for the output's
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -258,3 +259,28 @@ def test_vllm_dequantizes_the_experts_to_the_release_s_values(released, cast, ti
     quantize_checkpoint(src.parent / "bf16", tmp_path / "from-bf16", QuantizeOptions())
     from_bf16 = load_file(tmp_path / "from-bf16" / "model.safetensors")
     assert {n: (t.dtype, t.shape) for n, t in out.items()} == {n: (t.dtype, t.shape) for n, t in from_bf16.items()}
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda h: h.pop("model.layers.0.mlp.experts.down_proj_scales"), "down_proj_scales is missing"),
+    (lambda h: h.update({"model.layers.1.mlp.experts.gate_up_proj_scales": (torch.uint8, (8, 128, 3))}),
+     "gate_up_proj_scales: torch.uint8[8, 128, 3]"),
+    (lambda h: h.update({"model.layers.1.mlp.experts.down_proj_blocks": (torch.uint8, (8, 64, 2, 8))}),
+     "MXFP4 blocks are uint8 [E, N, K/32, 16]"),
+    (lambda h: h.update({"model.layers.0.mlp.experts.down_proj": (torch.bfloat16, (8, 64, 64))}),
+     "stored beside its MXFP4 blocks"),
+    (lambda h: [h.pop(n) for n in list(h) if n.endswith(("_blocks", "_scales"))], "without any *_blocks"),
+])
+def test_release_headers_that_disagree_are_refused(released, change, needle):
+    from fp4kit.errors import Fp4kitError
+    from fp4kit.io.checkpoint import CheckpointReader
+    from fp4kit.io.sources import detect_source
+
+    src, _ = released
+    with CheckpointReader(src) as reader:
+        headers = {n: (i.dtype, tuple(i.shape)) for n, i in reader.tensors.items()}
+    config = json.loads((src / "config.json").read_text())
+    assert detect_source(config, dict(headers)).name == "mxfp4 (gpt-oss)"
+    change(headers)
+    with pytest.raises(Fp4kitError, match=re.escape(needle)):
+        detect_source(config, headers)
