@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 import torch
-from _verify_sources import text_forward
+from helpers import text_forward
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
@@ -39,13 +39,7 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second OpenMP thread only adds waiting on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -299,6 +293,7 @@ def synthetic_checkpoint(path, num_layers: int) -> int:
     return sum(t.nbytes for n, t in tensors.items() if n.startswith("model.layers.0."))
 
 
+@pytest.mark.slow  # two child processes calibrating 2- and 8-layer checkpoints of 25 MB layers
 def test_peak_memory_does_not_grow_with_layer_count(tmp_path, tiny):
     """Peak RSS, and its growth during calibration (after a warm-up run, peak reset), are the same for 2 and 8
     layers: one layer's weights at a time, not the model."""

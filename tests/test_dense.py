@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from _verify_sources import run_cli, text_forward
+from helpers import run_cli, text_forward
 
 from fp4kit.io.checkpoint import CheckpointReader
 from fp4kit.io.sources import QUANTIZATION_TENSOR

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from _verify_sources import run_cli, text_forward
+from helpers import run_cli, text_forward
 
 from fp4kit.testing.fixtures import FIXTURES, fixture_spec, streams_layers
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_convert import EXPERT0, rewrite, run_cli, with_input_scales
+from helpers import EXPERT0, rewrite, run_cli, with_input_scales
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.nvfp4 import quantize_group
@@ -113,15 +113,15 @@ def test_backend_constraints_count_only_when_asked(tiny_nvfp4a16):
 
 
 def test_cli_exit_codes_and_json(monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_path):
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(tiny_nvfp4a16("glm4_moe")))
-    assert code == 0 and "no problems found" in out
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", tiny_nvfp4a16("glm4_moe"))
+    assert code == 0 and "no problems found" in out + err
     bad = rewrite(tiny_nvfp4a16("qwen3_moe"), tmp_path / "bad", scale_up(f"{EXPERT0}.up_proj.weight_global_scale", 3))
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(bad), "--json")
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", bad, "--json")
     report = json.loads(out)
     assert code == 1 and not report["clean"] and report["problems"][0]["check"] == "fused_scale_mismatch"
     assert report["layers"][1]["experts"] == 8
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(tiny("qwen3_moe")))  # a source: its precision, exit 0
-    assert code == 0 and "bfloat16 source, family qwen3_moe" in out
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", tiny("qwen3_moe"))  # a source: its precision, exit 0
+    assert code == 0 and "bfloat16 source, family qwen3_moe" in out + err
 
 
 @pytest.mark.pinned
@@ -140,7 +140,7 @@ def test_llm_compressor_model_free_ptq_defects_are_found(tiny, tmp_path):
 def test_backend_table_says_what_layout_does(hidden, intermediate, monkeypatch, capsys, tmp_path_factory):
     """Every backend row of inspect's table against `fp4kit layout --backend` on the same checkpoint: weight-only and
     W4A4, sizes every backend runs and sizes only TRT-LLM (which pads) runs."""
-    from _layout_sources import shared_source
+    from helpers import shared_source
 
     from fp4kit.tools.inspect import BACKENDS
 

@@ -1,6 +1,6 @@
 """SGLang 0.5.23's own quantization-config parsers on fp4kit's outputs (both dialects, W4A16 and W4A4), and
 `fp4kit inspect --engine sglang` agreeing with them: what SGLang's ModelOpt exclude rules build unquantized, what
-its compressed-tensors config ignores, and the scheme it picks. SGLang is the oracle (tests/_sglang_oracle.py)."""
+its compressed-tensors config ignores, and the scheme it picks. SGLang is the oracle (`helpers.sglang_module`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-from _sglang_oracle import sglang_module
-from test_convert import EXPERT0, rewrite, run_cli, with_input_scales
+from helpers import EXPERT0, rewrite, run_cli, sglang_module, with_input_scales
 
 from fp4kit.formats.detect import open_checkpoint
 from fp4kit.tools.convert import convert_checkpoint
@@ -138,16 +137,16 @@ def test_gate_up_global_scale_is_caught(dialect, outputs, tmp_path):
 
 def test_cli_text_says_which_engine_was_checked(monkeypatch, capsys, outputs, tmp_path):
     ckpt = outputs("qwen3_moe", "nvfp4a16", "modelopt")
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(ckpt), "--engine", "sglang")
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", str(ckpt), "--engine", "sglang")
     assert code == 0 and "engine sglang 0.5.23: 3 load-contract checks, none found a problem" in out
     assert "--moe-runner-backend marlin" in out  # W4A16 experts: the backend note
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(ckpt), "--engine", "vllm")
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", str(ckpt), "--engine", "vllm")
     assert code == 0 and "engine vllm 0.33.0: " in out and "none found a problem" in out
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(ckpt))
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", str(ckpt))
     assert code == 0 and "engine " not in out
     bad = rewrite(outputs("qwen3_moe", "nvfp4", "compressed-tensors"), tmp_path / "bad", lambda t: t.update(
         {f"{EXPERT0}.up_proj.weight_global_scale": t[f"{EXPERT0}.up_proj.weight_global_scale"] * 2}))
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(bad), "--engine", "sglang")
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", str(bad), "--engine", "sglang")
     assert code == 1 and "engine sglang 0.5.23: 3 load-contract checks, 1 problem (below)" in out
     assert "compressed_tensors_w4a4_nvfp4_moe.py" in out
 
