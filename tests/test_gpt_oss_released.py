@@ -238,7 +238,7 @@ def test_vllm_dequantizes_the_experts_to_the_release_s_values(released, cast, ti
     the release's values, and the output holds exactly the tensors (names, dtypes, shapes) that quantizing the BF16
     form writes, which is what vLLM 0.33's gpt-oss loader is run on in tests/test_vllm_gpt_oss.py (and what
     docs/serving.md says it cannot load yet)."""
-    from _vllm_oracle import vllm_module
+    from helpers import vllm_module
 
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 
