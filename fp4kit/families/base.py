@@ -26,6 +26,9 @@ T = TypeVar("T")
 # gate/up (the grammar's w13), and MLA's q_a_proj and kv_a_proj_with_mqa, vLLM's fused_qkv_a_proj
 # (vllm/model_executor/models/deepseek_v2.py).
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), DEFAULT.w13, ("q_a_proj", "kv_a_proj_with_mqa"))
+# fused siblings that vLLM serves as one Linear of another name, which its packed_modules_mapping does not list (so
+# a per-module quantization config must name it itself): MLA's fused_qkv_a_proj (deepseek_v2.py)
+ENGINE_FUSED_NAMES = {("q_a_proj", "kv_a_proj_with_mqa"): "fused_qkv_a_proj"}
 FUSED_EXPERT_TENSORS = DEFAULT.fused_tensors
 EXPERT_PROJS = DEFAULT.projections  # a routed expert's Linears, in w13 (gate, up) then w2 order
 # a router or gate module, wherever it is (routers and Qwen's shared-expert gate), which engines keep unquantized
@@ -413,3 +416,12 @@ def fused_groups(selected: list[Candidate], grammar: ExpertGrammar = DEFAULT) ->
 
 def sub_config(config: dict, key: str = "text_config") -> dict:
     return config.get(key) or config
+
+
+def engine_fused_name(modules: list[str]) -> str | None:
+    """The name an engine serves fused siblings ``modules`` under where no packed-module mapping gives it
+    (``ENGINE_FUSED_NAMES``), e.g. ``model.layers.0.self_attn.fused_qkv_a_proj``; None for any other group."""
+    parents = {m.rsplit(".", 1)[0] for m in modules}
+    leaves = tuple(m.rsplit(".", 1)[-1] for m in modules)
+    fused = ENGINE_FUSED_NAMES.get(leaves)
+    return f"{parents.pop()}.{fused}" if fused and len(parents) == 1 else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -70,6 +71,12 @@ class ModelPlan:
     ignored_modules: list[str]  # Linears left unquantized, for the config's ignore list
     jobs: list[QuantGroup | str] = field(default_factory=list)  # execution (and output) order
     source: SourceFormat | None = None  # how SRC stores its Linears (None: unquantized)
+    # the scheme of each quantized module where --scheme-for rules give one (fp4kit.quantize.schemes); empty: every
+    # module has the default scheme
+    schemes: dict[str, str] = field(default_factory=dict)
+
+    def scheme_of(self, group: QuantGroup, default: str) -> str:
+        return self.schemes.get(group.members[0].linear.module, default)
 
 
 class DequantizedWeight(str):
@@ -96,13 +103,15 @@ def build_plan(
     modelopt_layout: bool = False,
     dequant_dtype: str = "fp32",
     mtp: str = "keep",
+    keep: Collection[str] = (),
 ) -> ModelPlan:
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
     on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down).
 
     A source that stores Linears quantized (fp4kit.io.sources) plans them as their dequantized [N, K] weights:
     ``dequant_dtype`` fp32 (one rounding) or bf16 (the peers' bf16 intermediate); their scale tensors are consumed,
-    and those left unquantized are written dequantized in the model's dtype."""
+    and those left unquantized are written dequantized in the model's dtype. ``keep``: module names left unquantized
+    like ignored ones (those a scheme rule keeps in bf16)."""
     family = detect(config)
     source, shapes = source_view(reader, config, dequant_dtype)
     consumed_by_source = source.consumed()
@@ -114,7 +123,7 @@ def build_plan(
 
     def selected(c: Candidate) -> bool:
         module = c.linear.module
-        if any(r.search(module) for r in ignore_res):
+        if module in keep or any(r.search(module) for r in ignore_res):
             return False
         return not target_res or any(r.search(module) for r in target_res)
 
