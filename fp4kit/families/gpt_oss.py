@@ -1,7 +1,8 @@
-"""gpt-oss (``model_type: gpt_oss``; gpt-oss-20b / -120b as BF16 checkpoints, e.g. transformers' own dequantized
-save): every layer MoE, no shared expert, a router Linear with a bias, top-k of its logits then softmax over the k,
-experts with biases and a clamped SwiGLU, attention with biases and per-head sinks. (As released, the experts are
-MXFP4: fp4kit does not read that source.)
+"""gpt-oss (``model_type: gpt_oss``; gpt-oss-20b / -120b as released, experts MXFP4, or as BF16 checkpoints, e.g.
+transformers' own dequantized save): every layer MoE, no shared expert, a router Linear with a bias, top-k of its
+logits then softmax over the k, experts with biases and a clamped SwiGLU, attention with biases and per-head sinks.
+The release's ``gate_up_proj_blocks`` / ``_scales`` [E, 2I, H/32, 16] / [E, 2I, H/32] (and ``down_proj``'s) read as
+the fused tensors below (fp4kit.io.sources ``FusedMxfp4``; docs/sources.md), and the cast keeps their values.
 
 Names on disk (transformers 5.17 ``GptOssExperts``, no conversion mapping: what ``save_pretrained`` writes is what
 the model holds): ``mlp.experts.gate_up_proj`` [E, H, 2I] K-major with gate and up *interleaved* along the output

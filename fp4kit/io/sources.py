@@ -13,6 +13,8 @@ Detected from config.json ``quantization_config`` (docs/sources.md has every for
   ``float-quantized`` FP8 (FP8_DYNAMIC and FP8 releases): ``<m>.weight`` F8_E4M3 [N, K], ``<m>.weight_scale`` per
   channel [N, 1], per tensor [1] or per block; read as FP8 blocks of (1, K), (N, K) or the block structure.
   ``mxfp4-pack-quantized``: ``<m>.weight_packed`` U8 [N, K/2] E2M1 codes, ``<m>.weight_scale`` U8 [N, K/32] E8M0.
+- gpt-oss as released (``quant_method: mxfp4``): fused expert tensors ``<t>_blocks`` U8 [E, N, K/32, 16] and
+  ``<t>_scales`` U8 [E, N, K/32], read as ``<t>`` [E, K, N] (``FusedMxfp4``), sliced per expert by the planner.
 
 Everything else quantized is refused with one line (``detect_source``): another method, format or ModelOpt
 algorithm, NVFP4 checkpoints (as sources: ``refuse_nvfp4``), and quantization tensors that the read format does not
@@ -67,8 +69,35 @@ class Mxfp4:
     """MXFP4 weight: E2M1 codes packed two per byte along K (element 2j in the low nibble) [N, K/2] and one E8M0
     exponent byte per 32 inputs [N, ceil(K/32)], the block's multiplier 2^(byte - 127) (255: NaN)."""
 
-    weight: str  # <m>.weight_packed
+    weight: str  # <m>.weight_packed, or a fused [E, N, K/32, 16] tensor (gpt-oss's ``*_blocks``)
     scale: str
+    expert: int | None = None  # of a fused tensor: this expert's [N, K/32, 16] ...
+    rows: tuple[int, int, int] | None = None  # ... and of its N rows these (start, stop, step); None: all
+
+
+@dataclass(frozen=True)
+class FusedMxfp4:
+    """gpt-oss's MXFP4 experts (``quant_method: mxfp4``): ``<t>_blocks`` U8 [E, N, K/32, 16], the E2M1 code bytes of
+    each 32-block (the byte layout of ``Mxfp4``), and ``<t>_scales`` U8 [E, N, K/32] E8M0 exponents. Read as ``<t>``
+    [E, K, N], what transformers' ``convert_moe_packed_tensors`` returns and the BF16 form of the family stores."""
+
+    tensor: str  # <t>: the fused tensor as the model holds it
+    blocks: str
+    scales: str
+    experts: int
+    rows: int  # N, output features
+    cols: int  # K, input features
+    dtype: torch.dtype  # what dequantize returns
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """As the model holds it: [E, K, N]."""
+        return (self.experts, self.cols, self.rows)
+
+    def linear(self, module: str, expert: int, rows: tuple[int, int, int] | None) -> QuantizedLinear:
+        """One expert's Linear (its rows ``(start, stop, step)`` of the N, e.g. gate's of an interleaved gate/up)."""
+        count = self.rows if rows is None else len(range(*rows))
+        return QuantizedLinear(module, Mxfp4(self.blocks, self.scales, expert, rows), count, self.cols, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -98,13 +127,15 @@ class SourceFormat:
     linears: dict[str, QuantizedLinear] = field(default_factory=dict)  # by module name
     nvfp4: str | None = None  # an NVFP4 checkpoint: its dialect, in words (no Linears read)
     dropped: tuple[str, ...] = ()  # tensors of the source's quantization that the output does not need
+    fused: dict[str, FusedMxfp4] = field(default_factory=dict)  # by the fused tensor's name as the model holds it
 
     @property
     def quantized(self) -> bool:
-        return bool(self.linears)
+        return bool(self.linears or self.fused)
 
     def consumed(self) -> set[str]:
-        return {name for linear in self.linears.values() for name in linear.tensors} | set(self.dropped)
+        return ({name for linear in self.linears.values() for name in linear.tensors} | set(self.dropped)
+                | {name for f in self.fused.values() for name in (f.blocks, f.scales)})
 
 
 def dequant_dtype_of(name: str) -> torch.dtype:
@@ -141,13 +172,12 @@ def detect_source(config: dict, tensors: dict[str, tuple[torch.dtype, tuple[int,
         source = _compressed_tensors_source(qc, tensors, dtype)
     elif method == "modelopt":
         return _nvfp4_or_refuse(qc.get("quant_algo"), f"{where}.quant_algo", tensors)
-    elif method == "mxfp4" and any(n.endswith(MXFP4_BLOCKS_SUFFIX) for n in tensors):
-        raise Fp4kitError(f"{where}.quant_method: mxfp4 with *{MXFP4_BLOCKS_SUFFIX} tensors: gpt-oss's MXFP4 experts; "
-                          "fp4kit reads their values (fp4kit.io.sources.dequantize_mxfp4) but does not quantize from "
-                          "that release yet; start from a BF16 copy (the gpt_oss family reads it)")
+    elif method == "mxfp4":
+        source = _fused_mxfp4_source(tensors, dtype)
     else:
-        raise Fp4kitError(f"{where}.quant_method: {method!r}; fp4kit reads unquantized sources, fp8 (block-scaled) "
-                          "and compressed-tensors (pack-quantized, float-quantized, mxfp4-pack-quantized)")
+        raise Fp4kitError(f"{where}.quant_method: {method!r}; fp4kit reads unquantized sources, fp8 (block-scaled), "
+                          "compressed-tensors (pack-quantized, float-quantized, mxfp4-pack-quantized) and mxfp4 "
+                          "(gpt-oss)")
     if source.nvfp4 is None:
         _refuse_unread(tensors, source.consumed(), f"the {source.name} source's config does not say how")
     return source
@@ -159,7 +189,7 @@ QUANTIZATION_TENSOR = re.compile(
     r"\.(weight_packed|weight_scale|weight_scale_inv|weight_scale_2|weight_shape|weight_zero_point|weight_global_scale"
     r"|input_global_scale|input_scale|input_zero_point|output_scale|k_scale|v_scale|qweight|qzeros|scales|biases"
     r"|g_idx)$|_(blocks|scales)$")
-MXFP4_BLOCKS_SUFFIX = "_blocks"
+MXFP4_BLOCKS_SUFFIX, MXFP4_SCALES_SUFFIX = "_blocks", "_scales"
 ONE_BYTE = (torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -412,6 +442,33 @@ def _mxfp4_linears(groups, tensors, dtype):
     return linears
 
 
+def _fused_mxfp4_source(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], dtype: torch.dtype) -> SourceFormat:
+    """gpt-oss as released (``quant_method: mxfp4``; transformers' ``integrations/mxfp4.py``, vLLM 0.33's
+    ``gpt_oss.py`` ``_load_weights_mxfp4``): every ``<t>_blocks`` with its ``<t>_scales`` is a fused tensor
+    ``FusedMxfp4``; which Linears it holds is the family's grammar (fp4kit.quantize.plan splits it)."""
+    fused: dict[str, FusedMxfp4] = {}
+    for name, (bdtype, bshape) in tensors.items():
+        if not name.endswith(MXFP4_BLOCKS_SUFFIX):
+            continue
+        tensor = name[: -len(MXFP4_BLOCKS_SUFFIX)]
+        scales = tensor + MXFP4_SCALES_SUFFIX
+        if scales not in tensors:
+            raise Fp4kitError(f"{name}: {scales} is missing")
+        if bdtype != torch.uint8 or len(bshape) != 4 or bshape[3] != 16:
+            raise Fp4kitError(f"{name}: {bdtype}{list(bshape)}; MXFP4 blocks are uint8 [E, N, K/32, 16]")
+        sdtype, sshape = tensors[scales]
+        if sdtype != torch.uint8 or tuple(sshape) != tuple(bshape[:3]):
+            raise Fp4kitError(f"{scales}: {sdtype}{list(sshape)}, the {name} {list(bshape)} blocks need uint8 "
+                              f"{list(bshape[:3])} (one E8M0 exponent per 32 inputs)")
+        if tensor in tensors:
+            raise Fp4kitError(f"{tensor}: stored beside its MXFP4 blocks {name}")
+        fused[tensor] = FusedMxfp4(tensor, name, scales, bshape[0], bshape[1], bshape[2] * 32, dtype)
+    if not fused:
+        raise Fp4kitError(f"config.json: quantization_config.quant_method: mxfp4 without any *{MXFP4_BLOCKS_SUFFIX} "
+                          "tensor (gpt-oss's MXFP4 experts)")
+    return SourceFormat("mxfp4 (gpt-oss)", fused=fused)
+
+
 @dataclass(frozen=True)
 class _PackScheme:
     targets: tuple[str, ...]
@@ -610,6 +667,37 @@ def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor, dtype: torch
     return values.mul_(scale).to(dtype)
 
 
+def stored_mxfp4_bytes(reader, enc: Mxfp4) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 Linear's stored code bytes [N, K/2] and exponent bytes [N, K/32] (``mxfp4_bytes``); of a fused
+    tensor, only its expert's are read, and its rows are a strided view (gate's or up's of interleaved rows)."""
+    if enc.expert is None:
+        return mxfp4_bytes(reader.read(enc.weight)), mxfp4_bytes(reader.read(enc.scale))
+    packed = reader.read_rows(enc.weight, enc.expert, enc.expert + 1, check_finite=False)[0].flatten(-2)
+    exponents = reader.read_rows(enc.scale, enc.expert, enc.expert + 1, check_finite=False)[0]
+    if enc.rows is not None:
+        start, stop, step = enc.rows
+        packed, exponents = packed[start:stop:step], exponents[start:stop:step]
+    return mxfp4_bytes(packed), mxfp4_bytes(exponents)
+
+
+def stored_bytes(reader, linear: QuantizedLinear) -> int:
+    """Bytes of SRC that the Linear reads (its share of a fused tensor)."""
+    enc = linear.encoding
+    if isinstance(enc, Mxfp4) and enc.expert is not None:
+        infos = (reader.info(enc.weight), reader.info(enc.scale))
+        return sum(info.nbytes // (info.shape[0] * info.shape[1]) * linear.out_features for info in infos)
+    return sum(reader.info(t).nbytes for t in linear.tensors)
+
+
+def dequantize_fused(reader, fused: FusedMxfp4, dtype: torch.dtype) -> torch.Tensor:
+    """A fused MXFP4 tensor as the model holds it, [E, K, N] in ``dtype``, dequantized one expert at a time."""
+    out = torch.empty(fused.shape, dtype=dtype)
+    for expert in range(fused.experts):
+        packed, exponents = stored_mxfp4_bytes(reader, Mxfp4(fused.blocks, fused.scales, expert))
+        out[expert] = dequantize_mxfp4(packed, exponents).t()
+    return out
+
+
 def stored_fp8_block(reader, linear: QuantizedLinear) -> nvfp4_cpu.Fp8BlockWeight | None:
     """An FP8-block Linear planned in fp32 as its stored codes and block multipliers, for the C loop to quantize
     (fp4kit.nvfp4.quantize_group with native: the bytes of quantizing its fp32 dequantization, which is never made), or
@@ -639,7 +727,10 @@ def dequantize(reader, linear: QuantizedLinear, dtype: torch.dtype | None = None
     if isinstance(enc, Fp8Block):
         return dequantize_fp8_block(read(enc.weight), _block_multipliers(read(enc.scale), linear), enc.block, dtype)
     if isinstance(enc, Mxfp4):
-        return dequantize_mxfp4(read(enc.weight), read(enc.scale), dtype)
+        packed, exponents = stored_mxfp4_bytes(reader, enc)
+        if device is not None:
+            packed, exponents = packed.to(device, non_blocking=True), exponents.to(device, non_blocking=True)
+        return dequantize_mxfp4(packed, exponents, dtype)
     shape = tuple(int(v) for v in reader.read(enc.shape).tolist())
     if shape != (linear.out_features, linear.in_features):
         raise Fp4kitError(f"{enc.shape}: {list(shape)}, but {enc.weight} and {enc.scale} hold "
@@ -659,18 +750,32 @@ class DequantizedView:
         self.weights = {f"{m}.weight": linear for m, linear in source.linears.items()}
         self.stored = {t: linear for linear in source.linears.values() for t in linear.tensors}
         self.dropped = set(source.dropped)
+        self.fused = source.fused
+        self.fused_stored = {t: f for f in source.fused.values() for t in (f.blocks, f.scales)}
 
     def names(self) -> list[str]:
-        return [name if name not in self.stored else f"{self.stored[name].module}.weight"
-                for name in self.reader.names() if name not in self.dropped
-                and (name not in self.stored or name == self.stored[name].tensor)]
+        names = []
+        for name in self.reader.names():
+            if name in self.fused_stored:
+                if name == self.fused_stored[name].blocks:
+                    names.append(self.fused_stored[name].tensor)
+            elif name in self.stored:
+                if name == self.stored[name].tensor:
+                    names.append(f"{self.stored[name].module}.weight")
+            elif name not in self.dropped:
+                names.append(name)
+        return names
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weights or (name in self.reader and name not in self.stored and name not in self.dropped)
+        return name in self.weights or name in self.fused or (
+            name in self.reader and name not in self.stored and name not in self.dropped
+            and name not in self.fused_stored)
 
     def info(self, name: str):
         from fp4kit.io.checkpoint import PlannedTensor
 
+        if name in self.fused:
+            return PlannedTensor(name, self.dtype, self.fused[name].shape)
         linear = self.weights.get(name)
         if linear is None:
             return self.reader.info(name)
@@ -679,14 +784,20 @@ class DequantizedView:
     def read(self, name: str, check_finite: bool | None = None) -> torch.Tensor:
         from fp4kit.io.checkpoint import require_finite
 
+        fused = self.fused.get(name)
         linear = self.weights.get(name)
-        if linear is None:
-            if name in self.stored or name in self.dropped:
+        if linear is None and fused is None:
+            if name in self.stored or name in self.dropped or name in self.fused_stored:
                 raise KeyError(name)
             return self.reader.read(name, check_finite=check_finite)
-        weight = dequantize(self.reader, linear, self.dtype, self.device)  # fp32 product, then dtype
+        if fused is not None:
+            weight = dequantize_fused(self.reader, fused, self.dtype)
+            weight = weight if self.device is None else weight.to(self.device)
+        else:
+            weight = dequantize(self.reader, linear, self.dtype, self.device)  # fp32 product, then dtype
         if self.reader.check_finite if check_finite is None else check_finite:
-            require_finite(name, weight, self.reader.info(linear.tensor).file)
+            stored = fused.blocks if fused is not None else linear.tensor
+            require_finite(name, weight, self.reader.info(stored).file)
         return weight
 
 

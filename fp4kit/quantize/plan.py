@@ -18,9 +18,10 @@ from fp4kit.io.sources import (
     SourceFormat,
     dequantize,
     model_dtype,
-    mxfp4_bytes,
     read_source,
+    stored_bytes,
     stored_fp8_block,
+    stored_mxfp4_bytes,
 )
 from fp4kit.native.nvfp4_cpu import Fp8BlockWeight
 from fp4kit.nvfp4 import BLOCK, Mxfp4Weight
@@ -147,6 +148,7 @@ def build_plan(
     consumed = {c.linear.source.tensor for c in chosen}
     ignored_modules = sorted({_ignore_name(c) for c in candidates if c.linear.source.tensor not in consumed})
     consumed |= {t for c in chosen if c.linear.source.quantized for t in c.linear.source.quantized.tensors}
+    _refuse_partly_kept_fused(source, candidates, chosen)
     passthrough: list[str] = []
     kept_dtype = model_dtype(config)
     for name in reader.names():
@@ -175,6 +177,7 @@ def source_view(reader: CheckpointReader, config: dict,
     consumed = source.consumed()
     shapes = {name: info.shape for name, info in reader.tensors.items() if name not in consumed}
     shapes.update({f"{m}.weight": (q.out_features, q.in_features) for m, q in source.linears.items()})
+    shapes.update({name: fused.shape for name, fused in source.fused.items()})
     return source, shapes
 
 
@@ -197,10 +200,28 @@ def read_linear_weight(reader: CheckpointReader, source: SourceFormat | None, mo
 
 
 def _with_source(c: Candidate, source: SourceFormat) -> Candidate:
+    fused = source.fused.get(c.linear.source.tensor)
+    if fused is not None and c.linear.source.expert is not None:  # gpt-oss's MXFP4 experts: this expert's rows
+        ref = c.linear.source
+        rows = None if ref.span is None else (ref.span[0], ref.span[1], ref.step)
+        return replace(c, linear=replace(c.linear, source=replace(
+            ref, tensor=fused.blocks, quantized=fused.linear(c.linear.module, ref.expert, rows))))
     quantized = source.linears.get(c.linear.module)
     if quantized is None or c.linear.source.tensor != f"{c.linear.module}.weight":
         return c
     return replace(c, linear=replace(c.linear, source=SourceRef(quantized.tensor, quantized=quantized)))
+
+
+def _refuse_partly_kept_fused(source: SourceFormat, candidates: list[Candidate], chosen: list[Candidate]) -> None:
+    """A fused MXFP4 tensor is quantized whole: keeping some of its Linears would need them written back in a form
+    the engines load beside NVFP4 experts, which fp4kit does not write."""
+    if not source.fused:
+        return
+    picked = {c.linear.module for c in chosen}
+    for c in candidates:
+        if c.linear.source.tensor in {f.blocks for f in source.fused.values()} and c.linear.module not in picked:
+            raise Fp4kitError(f"{c.linear.source.tensor}: {c.linear.module} is left unquantized (--ignore / "
+                              "--targets); fp4kit quantizes gpt-oss's MXFP4 experts whole")
 
 
 def _merge_fused_experts(groups: list[list[Candidate]]) -> list[list[Candidate]]:
@@ -257,7 +278,7 @@ def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
         for c in job.members:
             src = c.linear.source
             if src.quantized is not None:
-                total += sum(reader.info(t).nbytes for t in src.quantized.tensors)
+                total += stored_bytes(reader, src.quantized)
             else:
                 total += c.linear.out_features * c.linear.in_features * reader.info(src.tensor).dtype.itemsize
         return total
@@ -276,7 +297,7 @@ def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weig
     """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
     enc = linear.encoding
     assert isinstance(enc, Mxfp4)
-    return Mxfp4Weight(mxfp4_bytes(reader.read(enc.weight)), mxfp4_bytes(reader.read(enc.scale)))
+    return Mxfp4Weight(*stored_mxfp4_bytes(reader, enc))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,
