@@ -42,6 +42,9 @@ def quantize(
         show_default=False)] = None,
     seq_len: Annotated[int, typer.Option(help="tokens per calibration sample")] = 512,
     batch_size: Annotated[int, typer.Option(help="calibration batch size")] = 8,
+    dtype: Annotated[Literal["auto", "bf16", "fp32"], typer.Option(
+        help="compute dtype of the calibration forward: auto (the checkpoint's on a GPU or a CPU with bf16 "
+             "instructions, AVX512-BF16 or AMX; else fp32), bf16 or fp32")] = "auto",
     moe_input_scales: Annotated[
         Literal["shared", "per-expert"],
         typer.Option(help="shared: one input scale per layer and projection for all experts (EP-invariant); "
@@ -93,7 +96,8 @@ def quantize(
         scheme=scheme, format=format, device=device, ignore=ignore or [], targets=targets or [],
         default_ignore=not no_default_ignore, max_shard_bytes=parse_size(max_shard_size), overwrite=overwrite,
         exact_fp32_global_scale=exact_fp32_global_scale, native_cpu=native, calib=calib, samples=samples,
-        seq_len=seq_len, batch_size=batch_size, moe_input_scales=moe_input_scales, dequant_dtype=dequant_dtype,
+        seq_len=seq_len, batch_size=batch_size, dtype=dtype, moe_input_scales=moe_input_scales,
+        dequant_dtype=dequant_dtype,
         method=method or "rtn", cast_mxfp4=method is None, gptq_damp=gptq_damp, gptq_min_tokens=gptq_min_tokens,
         gptq_scales=gptq_scales, input_scales_from=input_scales_from, mtp=mtp, mse_range=mse_range, mse_norm=mse_norm,
         command=command_line(src, dst),
