@@ -9,12 +9,13 @@ from typing import Annotated, Literal
 
 import typer
 
-from fp4kit.commands._common import INVOKED_ARGS, human_bytes, with_progress
+from fp4kit.commands._common import INVOKED_ARGS, Download, Revision, human_bytes, source_directory, with_progress
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES
 
 
 def quantize(
-    src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors)")],
+    src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors), or its Hub id in the local "
+                                             "Hugging Face cache")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
     scheme: Annotated[Literal["nvfp4a16", "nvfp4"], typer.Option(
         help="nvfp4a16 (weight-only) or nvfp4 (W4A4)")] = "nvfp4a16",
@@ -82,6 +83,8 @@ def quantize(
     mtp: Annotated[Literal["keep", "quantize"], typer.Option(
         help="an MTP block outside the decoder layers (Qwen3-Next, Qwen3.5/3.6-MoE `mtp.*`): keep it as stored (as "
              "published NVFP4 checkpoints do) or quantize its routed experts (weight-only)")] = "keep",
+    revision: Revision = None,
+    download: Download = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -103,7 +106,8 @@ def quantize(
         command=command_line(src, dst),
     )
     # warnings even with -q (they say what an option did not do), on rank 0 only
-    report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",
+    src_dir = source_directory(src, revision, download)
+    report = with_progress(lambda progress: quantize_checkpoint(src_dir, dst, options, progress), quiet, "quantize",
                            "quantizing", warnings=main)
     if not quiet:
         if report.fallback_modules:

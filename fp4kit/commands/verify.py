@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import typer
 
+from fp4kit.commands._common import Download, Revision, source_directory
+
 
 def _ints(text: str | None, what: str) -> list[int] | None:
     from fp4kit.errors import Fp4kitError
@@ -55,7 +57,9 @@ def verify_progress(quiet: bool) -> Iterator[tuple[Callable[[int, int], None] | 
 
 def verify(
     ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint (compressed-tensors, ModelOpt or `fp4kit layout`)")],
-    source: Annotated[Path | None, typer.Option(help="the BF16 checkpoint CKPT was made from")] = None,
+    source: Annotated[Path | None, typer.Option(
+        help="the BF16 checkpoint CKPT was made from (a directory, or a Hub id in the local Hugging Face cache)")
+    ] = None,
     layers: Annotated[str | None, typer.Option(
         metavar="N,N,...", help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
     tokens: Annotated[str, typer.Option(
@@ -80,6 +84,8 @@ def verify(
         help="quantized vs BF16 source, relative error (default 0.25 for w4a16, 0.35 for w4a4)")] = None,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="no progress and no table: the exit code (and `--json -`) say pass or fail")] = False,
+    revision: Revision = None,
+    download: Download = False,
 ) -> None:
     """Check that CKPT's MoE layers compute what the source model computes: kernels vs reference, quantized vs
     BF16, layout outputs, EP splits, NaN/Inf routing rows. Exit 0 pass, 1 fail, 2 unusable input."""
@@ -91,6 +97,12 @@ def verify(
 
     if plot is not None:
         check_plot_available()
+    if source is not None:
+        source = source_directory(source, revision, download, "--source")
+    elif revision is not None or download:
+        from fp4kit.errors import Fp4kitError
+
+        raise Fp4kitError(f"{'--revision' if revision is not None else '--download'}: applies to --source, not given")
     options = VerifyOptions(
         source=source, layers=_ints(layers, "--layers"), tokens=_ints(tokens, "--tokens") or [], backend=backend,
         ep_shards=ep_shards, layouts=list(layout or []), mode=mode,
