@@ -72,21 +72,18 @@ VARIANTS = {
     # the same with 64-row N tiles at decode: twice the weight bytes per thread per K step over the same activation
     # fragments, scale loads and loop overhead (SASS per byte 8.1 / 7.4 for GEMM2 / GEMM1 against 9.9 / 8.2)
     "shuffled-folded-n64": lambda cfg: replace(cfg, **_n64(cfg)),
-    # 4 K slices per GEMM at decode: 4x the programs, for the one-token case where most SMs idle (partial sums in a
-    # different order: `same bits` False)
-    "shuffled-folded-split4": lambda cfg: replace(cfg, split_k=4 if cfg.block_m == DECODE_CONFIG.block_m else 1),
     "default": lambda cfg: cfg,
 }
 
 
 _CONFIG_KEYS = {"i": "slice_i", "g": "grouping", "c": "fused_combine", "m": "block_m", "n1": "block_n1",
-                "n": "block_n2", "k": "block_k", "w": "num_warps", "s": "num_stages", "sk": "split_k"}  # fmt: skip
+                "n": "block_n2", "k": "block_k", "w": "num_warps", "s": "num_stages"}  # fmt: skip
 
 
 def variant_config(name: str, cfg: KernelConfig) -> KernelConfig:
     """A named variant, or `cfg:key=value,...` on top of the default config (keys: i slice_i, g grouping
     (align, pair), c fused_combine (0/1), m block_m, n1 block_n1, n block_n2, k block_k, w num_warps,
-    s num_stages, sk split_k), e.g. `cfg:i=0,g=pair,c=1,sk=4`."""
+    s num_stages), e.g. `cfg:i=0,g=pair,c=1`."""
     if not name.startswith("cfg:"):
         return VARIANTS[name](cfg)
     fields = {}

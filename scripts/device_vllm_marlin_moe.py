@@ -1,7 +1,7 @@
 """vLLM's Marlin NVFP4 MoE kernel on fp4kit's checkpoints, on a GPU without vLLM's wheel (docs/verify.md).
 
     python scripts/device_vllm_marlin_moe.py (--ops LIB.so | --src VLLM_SRC --build-out DIR) [--json OUT]
-        [--families qwen3_moe,...] [--tokens 1,16,256] [--skip-matrix] [--skip-bench]
+        [--families qwen3_moe,...] [--tokens 1,16,256] [--skip-matrix] [--skip-bench] [--bench-families [F,...]]
 
 1. Loads the ops `scripts/device_build_vllm_marlin_moe.py` builds from vLLM 0.33's source (building them first
    with ``--src``), through ``FP4KIT_VLLM_MARLIN_OPS`` as `fp4kit verify` does.
@@ -12,6 +12,8 @@
 3. Planted defects (gate/up swapped, w2's global scale off by 2, the expert map shifted by one): each must fail.
 4. Tokens/s of Marlin and fp4kit's Triton kernel on the same weights at 1, 16, 256 tokens (CUDA-event medians of
    ``triton.testing.do_bench``): a fixture layer and a Qwen3-30B-A3B-sized layer (E 128, H 2048, I 768, top-8).
+5. ``--bench-families``: the same per family, on one MoE layer of the family's published model's shapes (experts,
+   hidden, expert intermediate, top-k, routing and activation from the family's own code, random NVFP4 weights).
 Prints a table per part; exit 1 when a check fails or a planted defect passes.
 """
 
@@ -267,6 +269,144 @@ def bench(root: Path, tokens: list[int]) -> list[dict]:
     return rows
 
 
+# One MoE layer of each family's published model (the recipes' headers): text-config keys as the family reads them.
+PUBLISHED_LAYERS = {
+    "qwen3_moe": ("Qwen3-30B-A3B", {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+                                    "num_experts_per_tok": 8}),
+    "qwen3_vl_moe": ("Qwen3-VL-235B-A22B", {"hidden_size": 4096, "moe_intermediate_size": 1536, "num_experts": 128,
+                                            "num_experts_per_tok": 8}),
+    "glm4_moe": ("GLM-4.5-Air", {"hidden_size": 4096, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+                                 "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1}),
+    "glm4v_moe": ("GLM-4.5V", {"hidden_size": 4096, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+                               "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1}),
+    "llama4": ("Llama-4-Scout", {"hidden_size": 5120, "intermediate_size": 8192, "num_local_experts": 16,
+                                 "num_experts_per_tok": 1}),
+    "llama4_text": ("Llama-4-Scout", {"hidden_size": 5120, "intermediate_size": 8192, "num_local_experts": 16,
+                                      "num_experts_per_tok": 1}),
+    "deepseek_v3": ("DeepSeek-V3", {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                                    "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                                    "routed_scaling_factor": 2.5}),
+    "deepseek_v32": ("DeepSeek-V3.2", {"hidden_size": 7168, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                                       "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+                                       "routed_scaling_factor": 2.5}),
+    "glm4_moe_lite": ("GLM-4.7-Flash", {"hidden_size": 2048, "moe_intermediate_size": 1536, "n_routed_experts": 64,
+                                        "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1,
+                                        "routed_scaling_factor": 1.8}),
+    "glm_moe_dsa": ("GLM-5.1", {"hidden_size": 6144, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                                "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+                                "routed_scaling_factor": 2.5}),
+    "qwen3_next": ("Qwen3-Next-80B-A3B", {"hidden_size": 2048, "moe_intermediate_size": 512, "num_experts": 512,
+                                          "num_experts_per_tok": 10}),
+    "qwen3_5_moe": ("Qwen3.6-35B-A3B", {"hidden_size": 2048, "moe_intermediate_size": 512, "num_experts": 256,
+                                        "num_experts_per_tok": 8}),
+    "qwen3_5_moe_text": ("Qwen3.6-35B-A3B", {"hidden_size": 2048, "moe_intermediate_size": 512, "num_experts": 256,
+                                             "num_experts_per_tok": 8}),
+    "minimax_m2": ("MiniMax-M2.5", {"hidden_size": 3072, "intermediate_size": 1536, "num_local_experts": 256,
+                                    "num_experts_per_tok": 8}),
+    "gpt_oss": ("gpt-oss-120b", {"hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 128,
+                                 "num_experts_per_tok": 4}),
+}
+
+
+def random_nvfp4(experts: int, rows: int, cols: int, generator: torch.Generator):
+    """Random E2M1 codes and FP8 block scales in [0.25, 1.75) on the GPU: a real-sized layer without quantizing."""
+    from fp4kit.nvfp4 import NVFP4Tensor
+
+    packed = torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=generator)
+    scale = torch.rand(experts, rows, cols // 16, device="cuda", generator=generator) * 1.5 + 0.25
+    divisor = torch.full((experts,), 64.0, dtype=torch.float64, device="cuda")
+    return NVFP4Tensor(packed, scale.to(torch.float8_e4m3fn), divisor)
+
+
+def dequantize_per_expert(stack) -> torch.Tensor:
+    """fp32 [E, N, K], one expert at a time: a DeepSeek-sized layer's whole-stack dequantization would need twice
+    its 45 GB in temporaries."""
+    from fp4kit.nvfp4 import NVFP4Tensor
+
+    dense = torch.empty(stack.shape, dtype=torch.float32, device=stack.packed.device)
+    for e in range(stack.shape[0]):
+        dense[e] = NVFP4Tensor(stack.packed[e], stack.block_scale[e], stack.global_scale_div[e]).dequantize()
+    return dense
+
+
+def bench_families(families: list[str], tokens: list[int]) -> list[dict]:
+    """Marlin and Triton per family on one layer of the published model's shapes: errors against the fp32 reference
+    on the same weights, CUDA-graph replay times (the GPU's time per call, as vLLM serves decode batches)."""
+    import transformers
+
+    from fp4kit.families import detect
+    from fp4kit.families.routing import route
+    from fp4kit.layouts import StackedExperts
+    from fp4kit.nvfp4 import NVFP4Tensor
+    from fp4kit.testing.fixtures import fixture_spec
+    from fp4kit.verify.backends import BACKENDS
+    from fp4kit.verify.checks import relative_error
+    from fp4kit.verify.moe_layer import QuantizedMoe, Router
+    from fp4kit.verify.reference import moe_reference
+
+    device = torch.device("cuda")
+    rows = []
+    for name in families:
+        model, sizes = PUBLISHED_LAYERS[name]
+        fixture = fixture_spec(name)
+        config = getattr(transformers, fixture["config_class"])(**fixture["config"]).to_dict()
+        family = detect(config)
+        text_config = {**family.text_config(config), **sizes}
+        spec, activation = family.routing(text_config), family.activation(text_config)
+        experts, hidden = family.num_experts(text_config), int(text_config["hidden_size"])
+        inter = family.moe_intermediate(text_config)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        w13, w2 = random_nvfp4(experts, 2 * inter, hidden, generator), random_nvfp4(experts, hidden, inter, generator)
+        biases = None
+        if activation.kind != "silu":  # gpt-oss: the experts' biases are part of the layer
+            biases = (0.1 * torch.randn(experts, 2 * inter, device="cuda", generator=generator),
+                      0.1 * torch.randn(experts, hidden, device="cuda", generator=generator))
+        router = Router(torch.zeros(experts, hidden), None)  # routing is given below
+        dense = (dequantize_per_expert(w13), dequantize_per_expert(w2))
+        w13, w2 = (NVFP4Tensor(t.packed.cpu(), t.block_scale.cpu(), t.global_scale_div.cpu()) for t in (w13, w2))
+        moe = QuantizedMoe(1, "bench", StackedExperts(w13, w2, None, None), router, None, biases, activation)  # as read
+        row_base = {"family": name, "model": model, "experts": experts, "hidden": hidden, "inter": inter,
+                    "top_k": spec.top_k, "routing": spec.kind, "activation": activation.kind}
+        runners, skipped = {}, {}
+        for backend in ("marlin", "triton"):
+            ok, why = BACKENDS[backend].available(device)
+            fits, reason = BACKENDS[backend].fits(device, max(tokens), moe, spec) if ok else (False, why)
+            try:
+                if fits:
+                    runners[backend] = BACKENDS[backend].prepare(moe, spec, None, device)
+                else:
+                    skipped[backend] = reason
+            except Exception as exc:  # one family's failure is reported in its row, not the end of the run
+                skipped[backend] = f"failed to prepare: {exc!r}"[:300]
+        for count in tokens:
+            hidden_states = torch.randn(count, hidden, device="cuda", generator=generator).to(torch.bfloat16).float()
+            logits = torch.randn(count, experts, device="cuda", generator=generator)
+            weights, ids = route(logits, spec)
+            expected = moe_reference(hidden_states, weights, ids, *dense, spec, activation=activation, biases=biases)
+            row = row_base | {"tokens": count, "skipped": skipped}
+            batch = (hidden_states, weights, ids, logits)
+            for backend, run in runners.items():
+                try:
+                    row[backend] = {"error": relative_error(run(*batch), expected), "graph_ms": graph_ms(run, batch)}
+                except Exception as exc:
+                    row["skipped"] = {**row["skipped"], backend: f"failed: {exc!r}"[:300]}
+            rows.append(row)
+            print(json.dumps(row, default=str), flush=True)
+        del runners, dense, moe, w13, w2
+        torch.cuda.empty_cache()
+    print("\n| family | layer (E, H, I, top-k) | tokens | Marlin tokens/s (ms) | Triton tokens/s (ms) | "
+          "Marlin / Triton | Marlin err | Triton err |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        m, t, count = r.get("marlin"), r.get("triton"), r["tokens"]
+        marlin = _rate(count, m["graph_ms"]) if m else f"skipped: {r['skipped'].get('marlin')}"
+        triton = _rate(count, t["graph_ms"]) if t else f"skipped: {r['skipped'].get('triton')}"
+        ratio = _ratio(t["graph_ms"], m["graph_ms"]) if m and t else "-"
+        print(f"| {r['family']} | {r['model']} ({r['experts']}, {r['hidden']}, {r['inter']}, {r['top_k']}) | {count} "
+              f"| {marlin} | {triton} | {ratio} | {_e(m and m['error'])} | {_e(t and t['error'])} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", type=Path, help="the library device_build_vllm_marlin_moe.py built")
@@ -277,6 +417,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,16,256")
     parser.add_argument("--skip-matrix", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--bench-families", nargs="?", const="", default=None,
+                        help="per-family timings on published layer shapes (comma-separated; empty: every family)")
     args = parser.parse_args()
     if args.ops is None and args.src is None:
         parser.error("give --ops or --src")
@@ -298,6 +440,9 @@ def main() -> None:
             if args.skip_matrix:
                 matrix(["qwen3_moe"], [16], root)
             out["bench"] = bench(root, tokens)
+        if args.bench_families is not None:
+            out["bench_families"] = bench_families(args.bench_families.split(",") if args.bench_families
+                                                   else list(PUBLISHED_LAYERS), tokens)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=str))
     print(f"\n{'FAIL' if failures else 'PASS'}: {failures} failed checks or missed defects")

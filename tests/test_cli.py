@@ -32,8 +32,8 @@ ENTRY_POINTS = {"script": [str(SCRIPT)], "python -m": [sys.executable, "-m", "fp
 
 # argv -> what the one line must contain; none of these gets as far as importing torch
 USAGE_ERRORS = {
-    "no command": ([], "fp4kit: missing command: one of convert, demo, eval, inspect, layout, quantize, run, shard, "
-                       "verify"),
+    "no command": ([], "fp4kit: missing command: one of convert, demo, eval, inspect, layout, quantize, recipe, run, "
+                       "shard, verify"),
     "unknown command": (["quantise", "A", "B"], "fp4kit: no such command 'quantise'"),
     "missing option": (["convert", "A", "B"], "fp4kit convert: missing option '--to'"),
     "missing argument": (["shard", "A", "--ep", "2"], "fp4kit shard: missing argument 'dst'"),

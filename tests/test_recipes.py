@@ -182,7 +182,7 @@ def test_every_problem_is_reported_in_file_order(tmp_path, monkeypatch, capsys):
     text = BASE + "shard:\n  epp: 4\n  placment: x\nquantize:\n  scheme: nvfp5\n  samples: 0\nname: [1, 2]\n"
     expected = ["r.yaml:4: shard.epp: unknown key; did you mean 'ep'?",
                 "r.yaml:5: shard.placment: unknown key; did you mean 'placement'?",
-                "r.yaml:7: quantize.scheme: Input should be 'nvfp4' or 'nvfp4a16', got 'nvfp5'",
+                "r.yaml:7: quantize.scheme: Input should be 'nvfp4a16' or 'nvfp4', got 'nvfp5'",
                 "r.yaml:8: quantize.samples: Input should be greater than or equal to 1, got 0",
                 "r.yaml:9: name: Input should be a valid string, got [1, 2]",
                 "--set verify.seed=x: verify.seed: Input should be a valid integer, got 'x'"]

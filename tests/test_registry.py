@@ -149,8 +149,7 @@ ALLOWED: dict[str, tuple[set[str] | None, str]] = {
     "testing/fixtures.py": (None, "test fixtures"),
     "testing/synthetic.py": (None, "test fixtures"),
     "verify/backends.py": ({"marlin"}, "verify's kernel runners (a Marlin runner), not layout backends"),
-    "pipeline/recipe.py": ({"marlin"}, "verify's kernel runners (VerifyStep.backend)"),
-    "commands/verify.py": ({"marlin"}, "verify's kernel runners"),
+    "options.py": ({"marlin"}, "verify's kernel runners (verify --backend, the recipe's verify.backend)"),
 }
 
 

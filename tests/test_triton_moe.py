@@ -315,39 +315,6 @@ def test_shuffled_weights_are_bit_identical(w4a4: bool) -> None:
         assert moe_weights.shuffled_packed() is moe_weights.shuffled_packed()
 
 
-@pytest.mark.slow  # split_k is 1 in every configuration default_config picks: kept for the bench's variants
-@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
-def test_split_k_matches_reference(w4a4: bool) -> None:
-    """`KernelConfig.split_k`: K slices summed after the GEMMs (GEMM1's SwiGLU in `splitk_swiglu_kernel`, W4A16 only)
-    or by the last slice of each tile (fused_combine, W4A4 too), with more slices than K tiles (empty slices), with
-    the shuffled and folded decode, and with an expert mask."""
-    from dataclasses import replace
-
-    spec = RoutingSpec("softmax_topk", 8, 2)
-    w13, w2, hidden, logits = _setup(23, 5, 8, 96, 48)
-    weights, ids = route(logits, spec)
-    divisors = _activation_divisors(spec.num_experts, 7) if w4a4 else None
-    expected = moe_reference(
-        hidden, weights, ids, dequantize_experts(w13), dequantize_experts(w2), spec, activation_global_div=divisors
-    )
-    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE)
-    args = (hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec)
-    config = replace(CONFIG, block_k=32, num_warps=2)
-    plain = fused_moe(*args, config=config).cpu()
-    for fused in (False, True):
-        for split_k, shuffled in ((2, False), (3, True), (8, True)):
-            variant = replace(config, split_k=split_k, shuffled=shuffled, fast_scales=shuffled, fold_bias=shuffled,
-                              fused_combine=fused)  # fmt: skip
-            got = fused_moe(*args, config=variant).cpu()
-            assert _relative_error(got, expected) < (1e-4 if w4a4 else 6e-3)
-            # W4A4 with GEMM1 split: another fp32 order of the gate and up sums can flip an intermediate's rounding
-            assert _relative_error(got, plain) < (1e-4 if w4a4 and fused else 1e-5)
-        owner = torch.arange(8, device=DEVICE) % 2
-        variant = replace(config, split_k=3, fused_combine=fused)
-        per_rank = [fused_moe(*args, owner == rank, variant) for rank in range(2)]
-        torch.testing.assert_close(sum(per_rank).cpu(), fused_moe(*args, config=variant).cpu(), rtol=1e-5, atol=1e-6)
-
-
 SLICED = KernelConfig(block_n2=32, block_k=64, num_warps=2, slice_i=32)
 
 
@@ -436,8 +403,8 @@ def test_two_gemms_groupings_and_fused_combine(w4a4: bool) -> None:
 
 
 def test_fused_combine_leaves_its_counters_at_zero() -> None:
-    """fused_combine with split-K on 40 tokens (3 aligned blocks per expert, 320 pairs): the counters of both GEMMs
-    are zero again after a call, so a second call (here on other tokens) is right too."""
+    """fused_combine on 40 tokens (3 aligned blocks per expert, 320 pairs): GEMM2's counters are zero again after a
+    call, so a second call (here on other tokens) is right too."""
     from dataclasses import replace
 
     spec = RoutingSpec("softmax_topk", 8, 8)
@@ -445,22 +412,20 @@ def test_fused_combine_leaves_its_counters_at_zero() -> None:
     weights, ids = route(logits, spec)
     moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, device=DEVICE)
     dense13, dense2 = dequantize_experts(w13), dequantize_experts(w2)
-    config = replace(CONFIG, num_warps=2, block_k=32, block_n1=32, block_n2=16, split_k=2, fused_combine=True)
+    config = replace(CONFIG, num_warps=2, block_k=32, block_n1=32, block_n2=16, fused_combine=True)
     for flip in (False, True):
         tokens = hidden.flip(0) if flip else hidden
         got = fused_moe(tokens.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec, config=config)
         expected = moe_reference(tokens, weights, ids, dense13, dense2, spec)
         assert _relative_error(got.cpu(), expected) < 6e-3
     counters = {k[1]: v for k, v in moe_weights._cache.items() if k[0] == "counters"}
-    assert sorted(counters) == ["gemm1", "gemm2"] and not any(bool(v.any()) for v in counters.values())
+    assert sorted(counters) == ["gemm2"] and not any(bool(v.any()) for v in counters.values())
 
 
 GPT_OSS_CONFIGS = {
     "two-gemms": CONFIG,
     "sliced": KernelConfig(block_n2=64, block_k=64, slice_i=32, grouping="pair"),
-    "split-k": KernelConfig(block_m=16, block_n1=32, block_n2=64, block_k=32, num_warps=4, split_k=2),
-    "split-k-fused": KernelConfig(block_m=16, block_n1=32, block_n2=64, block_k=32, num_warps=4, split_k=2,
-                                  fused_combine=True),
+    "fused-combine": KernelConfig(block_m=16, block_n1=32, block_n2=64, block_k=32, num_warps=4, fused_combine=True),
 }
 
 

@@ -9,7 +9,8 @@ import typer
 
 
 def run(
-    recipe: Annotated[Path, typer.Argument(help="recipe YAML (see recipes/ and docs/pipelines.md)")],
+    recipe: Annotated[Path, typer.Argument(
+        help="recipe YAML (see recipes/ and docs/pipelines.md), or an llm-compressor recipe (with --set model=DIR)")],
     set_: Annotated[list[str] | None, typer.Option(
         "--set", metavar="KEY=VALUE",
         help="override a recipe key, e.g. --set model=/models/qwen3 --set shard.ep=4 (repeatable)")] = None,
@@ -23,6 +24,8 @@ def run(
     from fp4kit.pipeline.recipe import load_recipe
 
     loaded = load_recipe(recipe, set_ or [])  # before torch's import: a bad recipe is refused at once
+    for note in loaded.notes:  # even with -q: what an llm-compressor recipe asked for and will not get
+        typer.echo(f"note: {note}", err=True)
 
     from rich.console import Console
 

@@ -3,40 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any
 
 import typer
 
 from fp4kit.commands._common import human_bytes, with_progress
+from fp4kit.options import SHARD, derive_command, library_kwargs
 
 
+@derive_command(SHARD)
 def shard(
     src: Annotated[Path, typer.Argument(help="NVFP4 checkpoint directory (as `fp4kit quantize` writes it)")],
     dst: Annotated[Path, typer.Argument(help="output directory: one rank-NNNNN/ per rank (created atomically)")],
-    ep: Annotated[int, typer.Option("--ep", help="expert-parallel size N (TRT-LLM-gen and FlashInfer CUTLASS MoE need "
-                                                 "N to divide the expert count)")],
-    placement: Annotated[Literal["linear", "round-robin", "balanced"], typer.Option(
-        help="linear (vLLM's), round-robin or balanced (by routing statistics)")] = "linear",
-    stats: Annotated[
-        Path | None, typer.Option(help="routing statistics JSON: per-layer token counts per expert (default for "
-                                       "balanced: the fp4kit_routing_stats.json of a calibrated quantize in SRC)")
-    ] = None,
-    max_shard_size: Annotated[str, typer.Option(metavar="SIZE", help="safetensors file size, e.g. 5GB")] = "5GB",
+    *,
+    values: dict[str, Any],
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Split a checkpoint into per-rank expert-parallel checkpoints, each loadable on its own."""
     from fp4kit.ep.shard import ShardOptions, shard_checkpoint
-    from fp4kit.io.shard_io import parse_size
 
-    options = ShardOptions(ep=ep, placement=placement, stats=stats, max_shard_bytes=parse_size(max_shard_size),
-                           overwrite=overwrite)
+    options = ShardOptions(**library_kwargs(SHARD, values), overwrite=overwrite)
     report = with_progress(lambda progress: shard_checkpoint(src, dst, options, progress), quiet, "shard", "sharding")
     for warning in report.warnings:  # even with -q: the split works, but not with every serving kernel
         typer.echo(f"warning: {warning}", err=True)
     if quiet:
         return
-    if stats is None and report.stats is not None:
+    if values["stats"] is None and report.stats is not None:
         typer.echo(f"routing statistics: {report.stats} (found in SRC; --stats FILE uses another)")
     counts = sorted(set(report.experts_per_rank))
     typer.echo(

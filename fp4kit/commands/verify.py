@@ -7,23 +7,12 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any
 
 import typer
 
 from fp4kit.commands._common import Download, Revision, source_directory
-
-
-def _ints(text: str | None, what: str) -> list[int] | None:
-    from fp4kit.errors import Fp4kitError
-
-    if text is None:
-        return None
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise Fp4kitError(f"{what} must be comma-separated integers, got {text!r}") from None
-
+from fp4kit.options import VERIFY, derive_command, library_kwargs
 
 STDOUT = Path("-")
 
@@ -55,33 +44,23 @@ def verify_progress(quiet: bool) -> Iterator[tuple[Callable[[int, int], None] | 
         yield (lambda done, total: bar.update(task, completed=done, total=total)), notify
 
 
+@derive_command(VERIFY)
 def verify(
     ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint (compressed-tensors, ModelOpt or `fp4kit layout`)")],
+    *,
+    values: dict[str, Any],
     source: Annotated[Path | None, typer.Option(
         help="the BF16 checkpoint CKPT was made from (a directory, or a Hub id in the local Hugging Face cache)")
     ] = None,
-    layers: Annotated[str | None, typer.Option(
-        metavar="N,N,...", help="MoE layers to check, e.g. 0,3 (default: all)")] = None,
-    tokens: Annotated[str, typer.Option(
-        metavar="N,N,...", help="batch sizes of random hidden states")] = "1,16,256,4096",
-    backend: Annotated[Literal["auto", "reference", "triton", "flashinfer-cutlass", "flashinfer-trtllm", "marlin"],
-                       typer.Option(help="the MoE kernel to check against the reference")] = "auto",
     ep_shards: Annotated[Path | None, typer.Option(help="output of `fp4kit shard` made from CKPT")] = None,
     layout: Annotated[list[Path] | None, typer.Option(
         metavar="DIR", help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")
     ] = None,
-    mode: Annotated[Literal["w4a16", "w4a4"] | None, typer.Option(
-        help="default: w4a4 when CKPT has activation scales")] = None,
     json_path: Annotated[Path | None, typer.Option(
         "--json", help="write the JSON report to this file (`--json -`: print it on stdout, instead of the table)")
     ] = None,
     plot: Annotated[Path | None, typer.Option(
         help="write a per-layer error plot (PNG; needs matplotlib: pip install 'fp4kit[plot]')")] = None,
-    device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="default: cuda when available")] = None,
-    seed: Annotated[int, typer.Option(help="seed of the random hidden states")] = 0,
-    tol_kernel: Annotated[float, typer.Option(help="kernel vs reference, relative error")] = 1e-2,
-    tol_source: Annotated[float | None, typer.Option(
-        help="quantized vs BF16 source, relative error (default 0.25 for w4a16, 0.35 for w4a4)")] = None,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="no progress and no table: the exit code (and `--json -`) say pass or fail")] = False,
     revision: Revision = None,
@@ -103,12 +82,9 @@ def verify(
         from fp4kit.errors import Fp4kitError
 
         raise Fp4kitError(f"{'--revision' if revision is not None else '--download'}: applies to --source, not given")
-    options = VerifyOptions(
-        source=source, layers=_ints(layers, "--layers"), tokens=_ints(tokens, "--tokens") or [], backend=backend,
-        ep_shards=ep_shards, layouts=list(layout or []), mode=mode,
-        device=device or ("cuda" if torch.cuda.is_available() else "cpu"), seed=seed, tol_kernel=tol_kernel,
-        tol_source=tol_source,
-    )
+    options = VerifyOptions(**library_kwargs(VERIFY, values), source=source, ep_shards=ep_shards,
+                            layouts=list(layout or []))
+    options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     with verify_progress(quiet) as (progress, notify):
         report = verify_checkpoint(ckpt, options, progress, notify)
     if json_path == STDOUT:

@@ -16,17 +16,17 @@ import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, model_validator
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.registry import BACKEND_NAMES, DEFAULT_DIALECT, DIALECT_NAMES
+from fp4kit.options import recipe_fields
+from fp4kit.pipeline.llm_compressor import is_llm_compressor_recipe, translate
+from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES
 
 STEP_ORDER = ("quantize", "repair", "layout", "shard", "verify")
-CALIBRATION_OPTIONS = ("calib", "samples", "seq_len", "batch_size", "moe_input_scales", "method", "gptq_damp",
-                       "gptq_min_tokens", "gptq_scales", "input_scales_from")
 KeyPath = tuple[str | int, ...]
 # A recipe is a few dozen keys. YAML aliases may repeat a value, not multiply the recipe: a few hundred bytes of
 # nested anchors would otherwise expand to billions of values before any check could look at them.
@@ -48,29 +48,11 @@ def _runs_w4a4(backend: str) -> bool:
     return registered_backend(backend).W4A4
 
 
-class QuantizeStep(_Options):
-    """fp4kit.quantize.checkpoint.QuantizeOptions, plus the calibration options of W4A4 (scheme nvfp4)."""
-
-    scheme: Literal["nvfp4", "nvfp4a16"] = "nvfp4"
-    format: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
-    device: str = "cpu"
-    ignore: list[str] = Field(default_factory=list)
-    targets: list[str] = Field(default_factory=list)
-    default_ignore: bool = True
-    exact_fp32_global_scale: bool = False
-    native: bool = True
-    max_shard_size: str = "5GB"
-    calib: str | None = None  # calibration file (.jsonl/.txt/.parquet); None: the built-in English set
-    samples: int | None = Field(default=None, ge=1)  # None: fp4kit quantize's default
-    seq_len: int | None = Field(default=None, ge=1)
-    batch_size: int | None = Field(default=None, ge=1)
-    moe_input_scales: Literal["shared", "per-expert"] | None = None
-    method: Literal["rtn", "mse", "gptq"] | None = None  # None: fp4kit quantize's default (rtn)
-    gptq_damp: float | None = Field(default=None, gt=0)
-    gptq_min_tokens: int | None = Field(default=None, ge=1)
-    gptq_scales: Literal["mse", "rtn"] | None = None
-    input_scales_from: Literal["auto", "source", "quantized"] | None = None
-    mtp: Literal["keep", "quantize"] = "keep"  # fp4kit quantize --mtp
+# the steps that run a command take its options, as fp4kit/options.py declares them (recipe keys are option names)
+QuantizeStep = create_model("QuantizeStep", __base__=_Options, __module__=__name__, **recipe_fields("quantize"))
+LayoutStep = create_model("LayoutStep", __base__=_Options, __module__=__name__, **recipe_fields("layout"))
+ShardStep = create_model("ShardStep", __base__=_Options, __module__=__name__, **recipe_fields("shard"))
+VerifyStep = create_model("VerifyStep", __base__=_Options, __module__=__name__, **recipe_fields("verify"))
 
 
 class RepairStep(_Options):
@@ -80,35 +62,6 @@ class RepairStep(_Options):
     to: Literal[DIALECT_NAMES] = DEFAULT_DIALECT  # type: ignore[valid-type]
     fix: bool = True
     max_shard_size: str = "5GB"
-
-
-class LayoutStep(_Options):
-    backend: Literal[BACKEND_NAMES]  # type: ignore[valid-type]
-    act_dtype: Literal["bf16", "fp16"] = "bf16"
-    cutlass_flavor: Literal["flashinfer", "vllm"] = "flashinfer"
-    max_shard_size: str = "5GB"
-
-
-class ShardStep(_Options):
-    ep: int = Field(ge=1)
-    placement: Literal["linear", "round-robin", "balanced"] = "linear"
-    stats: str | None = None  # routing statistics JSON for placement balanced; None: the calibration's counts
-    max_shard_size: str = "5GB"
-
-
-class VerifyStep(_Options):
-    """fp4kit.verify.checks.VerifyOptions; the pipeline fills in the checkpoint, source, layout and shards."""
-
-    source: bool = True  # compare with the BF16 model when the recipe quantizes it
-    layers: list[int] | None = None  # MoE layers to check; None: all
-    tokens: list[int] = Field(default_factory=lambda: [1, 16, 256, 4096])  # batch sizes of random hidden states
-    backend: Literal["auto", "reference", "triton", "flashinfer-cutlass", "flashinfer-trtllm", "marlin"] = "auto"
-    mode: Literal["w4a16", "w4a4"] | None = None  # None: w4a4 when the checkpoint has activation scales
-    device: str | None = None  # None: cuda when available
-    seed: int = 0
-    tol_kernel: Annotated[float, Field(strict=False, gt=0)] = 1e-2
-    tol_source: Annotated[float | None, Field(strict=False, gt=0)] = None
-    fail_run: bool = True  # a failed check makes `fp4kit run` exit 1 (after writing the summary)
 
 
 class Recipe(_Options):
@@ -209,6 +162,8 @@ class LoadedRecipe:
     recipe: Recipe
     origins: Origins
     path: Path
+    notes: list[str] = field(default_factory=list)  # what an llm-compressor recipe asked and fp4kit does not do
+    from_llm_compressor: bool = False
 
 
 def _key_lines(node: yaml.Node, origins: Origins, prefix: KeyPath = ()) -> None:
@@ -378,18 +333,57 @@ def _section_model(key: KeyPath) -> type[BaseModel] | None:
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> LoadedRecipe:
-    """Read, override and validate a recipe (schema and cross-field rules; no file besides the recipe is read)."""
+    """Read, override and validate a recipe (schema and cross-field rules; no file besides the recipe is read, but
+    an llm-compressor recipe's model config.json, for its family)."""
     path = Path(path)
     origins = Origins(str(path))
     data = _read_yaml(path, origins)
+    notes: list[str] = []
+    llm_compressor = is_llm_compressor_recipe(data)
+    if llm_compressor:
+        translation = translate(data, origins.lines, str(path), set(Recipe.model_fields))
+        data, origins.lines, notes = translation.data, translation.lines, translation.notes
     data.setdefault("name", path.stem)
     apply_overrides(data, overrides, origins)
+    if llm_compressor:
+        _complete_llm_compressor(data, path)
     _normalize_steps(data)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(_problems(exc, origins)) from None
-    return LoadedRecipe(recipe, origins, path)
+    return LoadedRecipe(recipe, origins, path, notes, llm_compressor)
+
+
+def _complete_llm_compressor(data: dict, path: Path) -> None:
+    """An llm-compressor recipe names no model: --set model=DIR gives it; the family is the model's."""
+    if "model" not in data:
+        raise Fp4kitError(f"{path}: an llm-compressor recipe names no model: add --set model=DIR (the BF16 "
+                          f"checkpoint directory)")
+    if "family" not in data and isinstance(data["model"], str):
+        from fp4kit.families import detect
+        from fp4kit.io.shard_io import read_config
+
+        config = Path(data["model"]) / "config.json"
+        if not config.is_file():
+            raise Fp4kitError(f"--set model={data['model']}: no config.json there, to find the model's family "
+                              f"(or add --set family=NAME)")
+        data["family"] = detect(read_config(config.parent)).name
+
+
+def write_recipe(loaded: LoadedRecipe, out: Path, header: Sequence[str] = ()) -> None:
+    """The recipe as an fp4kit recipe file: the keys it sets (defaults left out), ``header`` lines as comments;
+    written whole or not at all."""
+    import os
+
+    document = loaded.recipe.model_dump(mode="json", exclude_unset=True)
+    for step in STEP_ORDER:
+        if getattr(loaded.recipe, step) is not None and document.get(step) is None:
+            document[step] = {}
+    text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(document, sort_keys=False)
+    partial = out.with_name(f".{out.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, out)
 
 
 def check_against_model(loaded: LoadedRecipe) -> None:

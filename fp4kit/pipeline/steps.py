@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp4kit.pipeline.recipe import CALIBRATION_OPTIONS, Recipe
+from fp4kit.options import LAYOUT, SHARD, VERIFY, library_kwargs, quantize_kwargs
+from fp4kit.pipeline.recipe import Recipe
 
 Progress = Callable[[int, int], None] | None
 SOURCE = "model"  # the upstream name of the recipe's model directory
@@ -59,25 +60,12 @@ def report_dict(report: object) -> dict:
 
 
 def run_quantize(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.io.checkpoint import parse_size
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 
     section = ctx.recipe.quantize
     assert section is not None
-    kwargs: dict[str, object] = {
-        "scheme": section.scheme, "format": section.format, "device": section.device, "ignore": section.ignore,
-        "targets": section.targets, "default_ignore": section.default_ignore,
-        "exact_fp32_global_scale": section.exact_fp32_global_scale, "native_cpu": section.native,
-        "max_shard_bytes": parse_size(section.max_shard_size), "overwrite": True, "mtp": section.mtp,
-    }
-    # Calibration options (W4A4): passed only when set, so QuantizeOptions' own defaults apply otherwise.
-    for name in CALIBRATION_OPTIONS:
-        value = getattr(section, name)
-        if value is not None:
-            kwargs[name] = Path(value) if name == "calib" else value
-    if section.method is not None:  # as `fp4kit quantize --method`: an MXFP4 source re-quantized, not cast
-        kwargs["cast_mxfp4"] = False
-    return report_dict(quantize_checkpoint(ctx.outputs[SOURCE], dst, QuantizeOptions(**kwargs), ctx.progress))
+    options = QuantizeOptions(**quantize_kwargs(section.model_dump()), overwrite=True)
+    return report_dict(quantize_checkpoint(ctx.outputs[SOURCE], dst, options, ctx.progress))
 
 
 def run_repair(ctx: StepContext, dst: Path) -> dict:
@@ -94,29 +82,24 @@ def run_repair(ctx: StepContext, dst: Path) -> dict:
 
 
 def run_layout(ctx: StepContext, dst: Path) -> dict:
-    from fp4kit.io.checkpoint import parse_size
     from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 
     section = ctx.recipe.layout
     assert section is not None
-    options = LayoutOptions(backend=section.backend, act_dtype=section.act_dtype, cutlass_flavor=section.cutlass_flavor,
-                            max_shard_bytes=parse_size(section.max_shard_size), overwrite=True)
+    options = LayoutOptions(**library_kwargs(LAYOUT, section.model_dump()), overwrite=True)
     return report_dict(layout_checkpoint(ctx.checkpoint(), dst, options, ctx.progress))
 
 
 def run_shard(ctx: StepContext, dst: Path) -> dict:
     from fp4kit.ep.shard import ShardOptions, shard_checkpoint
-    from fp4kit.io.checkpoint import parse_size
 
     section = ctx.recipe.shard
     assert section is not None
-    stats = Path(section.stats) if section.stats else None
-    if stats is None and section.placement == "balanced":
+    options = ShardOptions(**library_kwargs(SHARD, section.model_dump()), overwrite=True)
+    if options.stats is None and options.placement == "balanced":
         from fp4kit.quantize.input_scales import ROUTING_STATS_NAME
 
-        stats = ctx.outputs["quantize"] / ROUTING_STATS_NAME  # written by the calibrated quantize step
-    options = ShardOptions(ep=section.ep, placement=section.placement, stats=stats,
-                           max_shard_bytes=parse_size(section.max_shard_size), overwrite=True)
+        options.stats = ctx.outputs["quantize"] / ROUTING_STATS_NAME  # written by the calibrated quantize step
     return report_dict(shard_checkpoint(ctx.checkpoint(), dst, options, ctx.progress))
 
 
@@ -157,11 +140,11 @@ def run_verify(ctx: StepContext, dst: Path) -> dict:
     assert section is not None and device is not None
     backend, notes = _backend(section.backend, device)
     options = VerifyOptions(
-        source=ctx.outputs[SOURCE] if section.source and recipe.quantize else None, layers=section.layers,
-        tokens=section.tokens, backend=backend, ep_shards=ctx.outputs.get("shard"),
-        layouts=[ctx.outputs["layout"]] if "layout" in ctx.outputs else [], mode=section.mode, device=device,
-        seed=section.seed, tol_kernel=section.tol_kernel, tol_source=section.tol_source,
+        **library_kwargs(VERIFY, section.model_dump()), ep_shards=ctx.outputs.get("shard"),
+        source=ctx.outputs[SOURCE] if section.source and recipe.quantize else None,
+        layouts=[ctx.outputs["layout"]] if "layout" in ctx.outputs else [],
     )
+    options.backend, options.device = backend, device
     report = verify_checkpoint(ctx.checkpoint(), options, ctx.progress, ctx.notify)
     report.notes.extend(notes)
     with atomic_directory(dst) as work:

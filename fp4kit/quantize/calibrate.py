@@ -318,11 +318,6 @@ def _no_routed_output(hidden_states: torch.Tensor, *args: object, **kwargs: obje
     return torch.zeros_like(hidden_states)
 
 
-# The statistics forward's output is dropped (the quantized layer's forward gives the next layer its inputs) and the
-# recorder computes each expert's products itself, so transformers' routed-expert computation is skipped there.
-SKIP_ROUTED_EXPERTS = True
-
-
 class _SecondMomentRecorder(_LayerHooks):
     """Accumulates LayerStatistics over the batches of one layer's forward (hooks removed and the routed experts'
     computation restored by ``close``). The layer's output during that forward is not its real output."""
@@ -333,10 +328,15 @@ class _SecondMomentRecorder(_LayerHooks):
         self.stats = LayerStatistics(self.layer_prefix)
         self.last_input: tuple[torch.Tensor, str] | None = None  # the input of the last hooked Linear
         self.stubbed: list[nn.Module] = []  # experts whose forward returns zeros until close
-        if SKIP_ROUTED_EXPERTS:
-            for experts in self.moe_experts:
-                experts.forward = _no_routed_output
-                self.stubbed.append(experts)
+        self._skip_routed_experts()
+
+    def _skip_routed_experts(self) -> None:
+        """The statistics forward's output is dropped (the quantized layer's forward gives the next layer its inputs)
+        and the hooks compute each expert's products themselves, so transformers' routed-expert computation is
+        skipped."""
+        for experts in self.moe_experts:
+            experts.forward = _no_routed_output
+            self.stubbed.append(experts)
 
     def _add(self, names: list[str], x: torch.Tensor) -> None:
         """Add rows x [T, K] to the statistics that ``names`` share (created on first use)."""

@@ -57,10 +57,6 @@ class KernelConfig:
     # With shuffled: the decode's 2^126 multiply folded into the block scales (s · 2^119) and alpha (· 2^7): one
     # bf16x2 multiply per output register instead of two; outputs equal unless fp32 partial sums fall below 2^-119
     fold_bias: bool = True
-    # K slices per GEMM (more programs when few tokens leave most SMs idle): partial fp32 sums, added in a small
-    # SwiGLU kernel after GEMM1 (W4A16 only) and in the final sum after GEMM2; sums in a different order. Measured
-    # no faster on the H200 at one token (docs/verify_kernel_notes.md), so off.
-    split_k: int = 1
     # > 0: both GEMMs in one launch (`fused_slice_kernel`), each program owning this many intermediate columns of
     # its pairs; the per-slice shares of the output are summed after. For few tokens: no intermediate tensor, one
     # launch instead of two, and H / BLOCK_N2 times fewer GEMM2 programs that each stream a long run of w2.
@@ -69,8 +65,7 @@ class KernelConfig:
     # "pair" (one pair per program, no grouping launch: for batches whose pairs rarely share an expert, e.g. one token)
     grouping: str = "align"
     # Two-GEMM path: the reductions in the GEMM launches, by the last program to finish a tile (`_arrive`): the sum over
-    # each token's k slots (and K slices) in GEMM2's (not with an expert mask), and with split_k the K slices' sum and
-    # SwiGLU in GEMM1's; no torch reduction, no `splitk_swiglu_kernel` (and split-K works in W4A4 too)
+    # each token's k slots in GEMM2's (not with an expert mask); no torch reduction
     fused_combine: bool = False
 
 
@@ -428,58 +423,40 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     shuffled = _shuffled(cfg)
     w13_packed, w2_packed = moe_weights.shuffled_packed() if shuffled else (moe_weights.w13_packed,
                                                                             moe_weights.w2_packed)  # fmt: skip
-    # Split-K, at most one slice per K tile; in GEMM1 W4A4 needs the fused SwiGLU (the epilogue quantizes the
-    # intermediate, so `splitk_swiglu_kernel` cannot end it)
-    split1 = max(1, min(cfg.split_k, _cdiv(hidden_size, block_k1)))
-    if moe_weights.w4a4 and not cfg.fused_combine:
-        split1 = 1
-    alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
-    partial, counts1 = inter, flat_ids  # never touched unless split
+    partial, counts1 = inter, flat_ids  # the kernels' split-K operands, never touched with one K slice
     num_tiles1 = _cdiv(inter_size, block_n1)
-    if split1 > 1:
-        partial = alloc(split1, num_pairs, 2 * inter_size, dtype=torch.float32, device=device)
-        if cfg.fused_combine:
-            counts1 = moe_weights.counters("gemm1", max_blocks, num_tiles1, device)
-    fused_swiglu = split1 > 1 and cfg.fused_combine
     (bias13, bias2, act_alpha, act_limit), epilogue_flags = moe_weights.epilogue_arguments()
-    kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1, split1)](
+    kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1, 1)](
         x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
         inter, partial, counts1, bias13, act_alpha, act_limit, num_pairs, top_k, hidden_size, inter_size, num_experts,
         **epilogue_flags,
-        **grouping, SWIGLU_WHEN_LAST=fused_swiglu, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input,
+        **grouping, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input,
         W4A4=moe_weights.w4a4,
         EVEN_K=hidden_size % block_k1 == 0, ALIGNED_SCALES=cfg.fast_scales and hidden_size % block_k1 == 0,
-        SPLIT_K=split1, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if split1 > 1 and not fused_swiglu:
-        kernels.splitk_swiglu_kernel[(num_pairs, _cdiv(inter_size, 256))](
-            partial, flat_ids, moe_weights.alpha13, inter, bias13, act_alpha, act_limit, num_pairs, inter_size,
-            SPLIT_K=split1, BLOCK_I=256, EMULATE_BF16=emulate_bf16, **epilogue_flags, num_warps=2,
-        )  # fmt: skip
     block_n2 = _clamp_block(cfg.block_n2, hidden_size, 16)
     block_k2 = _clamp_block(cfg.block_k, inter_size, 32)
-    split2 = max(1, min(cfg.split_k, _cdiv(inter_size, block_k2)))
-    pair_out = alloc(split2, num_pairs, hidden_size, dtype=torch.float32, device=device)
+    alloc = torch.zeros if expert_mask is not None else torch.empty  # rows of other ranks' pairs are not written
+    pair_out = alloc(num_pairs, hidden_size, dtype=torch.float32, device=device)
     num_tiles2 = _cdiv(hidden_size, block_n2)
     combine = cfg.fused_combine and expert_mask is None
     out, counts = pair_out, flat_ids  # never touched unless combine
     if combine:
         out = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
         counts = moe_weights.counters("gemm2", num_tokens, num_tiles2, device)
-    kernels.gemm2_combine_kernel[(max_blocks, num_tiles2, split2)](
+    kernels.gemm2_combine_kernel[(max_blocks, num_tiles2, 1)](
         inter, flat_weights, *owners, w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out, out, counts,
         bias2, num_pairs, top_k, hidden_size, inter_size, num_experts, HAS_BIAS=epilogue_flags["HAS_BIAS"],
         **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
         EVEN_K=inter_size % block_k2 == 0, ALIGNED_SCALES=cfg.fast_scales and inter_size % block_k2 == 0,
-        SPLIT_K=split2, COMBINE=combine, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps,
+        COMBINE=combine, **_decode_flags(cfg, emulate_bf16), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if combine:
         return out
-    if split2 == 1:
-        return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
-    return pair_out.view(split2, num_tokens, top_k, hidden_size).sum(dim=(0, 2))
+    return pair_out.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
 def _cdiv(a: int, b: int) -> int:
