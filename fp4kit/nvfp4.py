@@ -307,10 +307,17 @@ class CastResult:
     requantized_blocks: int  # 16-blocks whose scale the E4M3 range left by the global scale cannot hold
 
 
+def _check_mxfp4(weight: Mxfp4Weight) -> None:
+    if weight.packed.dim() != 2 or weight.packed.shape[1] % (BLOCK // 2):
+        raise ValueError(f"MXFP4 code bytes {list(weight.packed.shape)}: [N, K/2] with K a multiple of {BLOCK}")
+    rows, cols = weight.shape
+    if tuple(weight.exponents.shape) != (rows, -(-cols // MX_BLOCK)):
+        raise ValueError(f"MXFP4 exponents {list(weight.exponents.shape)} for a weight {[rows, cols]}: one per "
+                         f"{MX_BLOCK} inputs")
+
+
 def _mx_block_exponents(weight: Mxfp4Weight) -> tuple[torch.Tensor, torch.Tensor]:
     """(the exponent k of each MXFP4 32-block [N, ceil(K/32)] as int32, whether the block holds a nonzero code)."""
-    if weight.packed.dim() != 2 or weight.packed.shape[-1] % (BLOCK // 2):
-        raise ValueError(f"MXFP4 weight of shape {list(weight.shape)}: [N, K] with K a multiple of {BLOCK}")
     if bool((weight.exponents == E8M0_NAN).any()):
         raise NonFiniteError("MXFP4 exponent 255 (NaN)")
     k = weight.exponents.to(torch.int32) - E8M0_BIAS
@@ -328,17 +335,22 @@ def _block16_nonzero(weight: Mxfp4Weight) -> torch.Tensor:
     return (weight.packed.contiguous().view(torch.int64) & _MAGNITUDE_BITS).ne(0)
 
 
+def _global_exponent(top: int | None) -> int:
+    """The m of the global multiplier 2^m when the largest nonzero block's exponent is k = ``top`` (None: no nonzero
+    block): that block gets the scale 2^8, so no block is above E4M3's range (that one would saturate at 448 and
+    clip), and every block within 17 binades of it is exact; smaller ones are re-quantized as RTN would."""
+    if top is None:
+        return 0
+    return max(GLOBAL_POW2_MIN, min(GLOBAL_POW2_MAX, E4M3_POW2_MAX - top))
+
+
 def mxfp4_global_exponent(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """The m of the global multiplier 2^m for blocks of exponents k (``parts``: each member's k and which of its
-    blocks are nonzero): the largest nonzero block gets the scale 2^8, so no block is above E4M3's range (that one
-    would saturate at 448 and clip), and every block within 17 binades of it is exact; smaller ones are re-quantized
-    as RTN would."""
+    blocks are nonzero; ``_global_exponent``)."""
     lowest = torch.iinfo(torch.int32).min
     tops = [int(torch.where(nonzero, k, lowest).max()) for k, nonzero in parts if k.numel()]
     top = max(tops, default=lowest)
-    if top == lowest:  # no nonzero block
-        return 0
-    return max(GLOBAL_POW2_MIN, min(GLOBAL_POW2_MAX, E4M3_POW2_MAX - top))
+    return _global_exponent(None if top == lowest else top)
 
 
 def _e4m3_pow2_bytes(j: torch.Tensor) -> torch.Tensor:
@@ -350,12 +362,27 @@ def _e4m3_pow2_bytes(j: torch.Tensor) -> torch.Tensor:
 def _per_16(per_32: torch.Tensor, blocks: int) -> torch.Tensor:
     """[N, G] per 32-block -> [N, blocks] per 16-block (each value twice; a last half block once)."""
     rows = per_32.shape[0]
-    return per_32.unsqueeze(-1).expand(rows, per_32.shape[1], MX_BLOCK // BLOCK).reshape(rows, -1)[:, :blocks]
+    pairs = per_32.unsqueeze(-1).expand(rows, per_32.shape[1], MX_BLOCK // BLOCK)
+    return pairs.reshape(rows, per_32.shape[1] * (MX_BLOCK // BLOCK))[:, :blocks]
+
+
+def _requantize(weight: Mxfp4Weight, scale: torch.Tensor, redo: torch.Tensor, global_mul: torch.Tensor,
+                divisor: torch.Tensor) -> NVFP4Tensor:
+    """The cast weight with its 16-blocks ``redo`` re-quantized by RTN from their exact values; ``scale``: the cast's
+    E4M3 block-scale bytes [N, K/16]."""
+    count = int(redo.sum())
+    packed = weight.packed.clone()
+    values = weight.dequantize().unflatten(-1, (-1, BLOCK))[redo]  # [count, 16], exact
+    redo_scale = rtn_block_scale(values.abs().amax(-1), global_mul)
+    packed.unflatten(-1, (-1, BLOCK // 2))[redo] = encode_blocks(values, redo_scale / global_mul).view(count, -1)
+    scale = scale.clone()
+    scale[redo] = redo_scale.to(torch.float8_e4m3fn).view(torch.uint8)
+    return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), divisor)
 
 
 def _cast_one(weight: Mxfp4Weight, k: torch.Tensor, nonzero: torch.Tensor, m: int,
               global_mul: torch.Tensor) -> tuple[NVFP4Tensor, int]:
-    """One member of cast_mxfp4_group: its NVFP4 tensor and how many 16-blocks were re-quantized."""
+    """One member of cast_mxfp4_group with torch ops: its NVFP4 tensor and how many 16-blocks were re-quantized."""
     blocks = weight.shape[-1] // BLOCK
     divisor = torch.tensor(2.0**-m, dtype=torch.float64)
     j = k + m
@@ -364,30 +391,46 @@ def _cast_one(weight: Mxfp4Weight, k: torch.Tensor, nonzero: torch.Tensor, m: in
     if not bool((nonzero & outside).any()):  # every block exact: the codes as stored, powers of two as scales
         return NVFP4Tensor(weight.packed, scale.view(torch.float8_e4m3fn), divisor), 0
     redo = _block16_nonzero(weight) & _per_16(outside, blocks)
-    count = int(redo.sum())
-    packed = weight.packed.clone()
-    values = weight.dequantize().unflatten(-1, (-1, BLOCK))[redo]  # [count, 16], exact
-    redo_scale = rtn_block_scale(values.abs().amax(-1), global_mul)
-    packed.unflatten(-1, (-1, BLOCK // 2))[redo] = encode_blocks(values, redo_scale / global_mul).view(count, -1)
-    scale = scale.clone()
-    scale[redo] = redo_scale.to(torch.float8_e4m3fn).view(torch.uint8)
-    return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), divisor), count
+    return _requantize(weight, scale, redo, global_mul, divisor), int(redo.sum())
 
 
-def cast_mxfp4_group(weights: list[Mxfp4Weight]) -> CastResult:
+def _cast_native(weights: list[Mxfp4Weight]) -> list[tuple[NVFP4Tensor, int]]:
+    """cast_mxfp4_group's tensors through fp4kit's C loop: the same bytes, the codes read only where their being
+    zero decides something (the blocks at the largest exponents, and blocks below E4M3's range)."""
+    tops = [nvfp4_cpu.mxfp4_top(w.packed, w.exponents) for w in weights]
+    if -2 in tops:
+        raise NonFiniteError("MXFP4 exponent 255 (NaN)")
+    m = _global_exponent(max(tops) - E8M0_BIAS if max(tops, default=-1) >= 0 else None)
+    global_mul = torch.tensor(2.0**m, dtype=torch.float32)
+    divisor = torch.tensor(2.0**-m, dtype=torch.float64)
+    out = []
+    for weight in weights:
+        scale, redo, count = nvfp4_cpu.mxfp4_cast_scales(weight.packed, weight.exponents, m)
+        if count:
+            out.append((_requantize(weight, scale, redo, global_mul, divisor), count))
+        else:  # the codes as stored, powers of two as scales
+            out.append((NVFP4Tensor(weight.packed, scale.view(torch.float8_e4m3fn), divisor), 0))
+    return out
+
+
+def cast_mxfp4_group(weights: list[Mxfp4Weight], native: bool = False) -> CastResult:
     """NVFP4 of MXFP4 tensors a kernel fuses, under one power-of-two global scale 2^-m (multiplier 2^m): each 32-block
     of codes x 2^k becomes two 16-blocks with the same code bytes and block scale 2^(k + m), which dequantize to
     exactly the source's values wherever 2^(k + m) is an E4M3 power of two (2^-9 .. 2^8; the largest block at 2^8).
     Any other 16-block holding a nonzero code is re-quantized (RTN under the same global scale) from its exact
     values, and counted; an all-zero block keeps its codes under the nearest such scale. No arithmetic touches the
-    codes: they are the source's bytes."""
-    parts = [_mx_block_exponents(w) for w in weights]
-    m = mxfp4_global_exponent(parts)
-    global_mul = torch.tensor(2.0**m, dtype=torch.float32)
-    tensors, exact, requantized = [], 0, 0
-    for weight, (k, nonzero) in zip(weights, parts, strict=True):
-        tensor, count = _cast_one(weight, k, nonzero, m, global_mul)
-        tensors.append(tensor)
-        exact += tensor.block_scale.numel() - count
-        requantized += count
+    codes: they are the source's bytes. ``native``: through fp4kit's C loop where it reads the weights (on the CPU),
+    the same bytes."""
+    for weight in weights:
+        _check_mxfp4(weight)
+    if native and weights and all(nvfp4_cpu.handles_mxfp4(w.packed, w.exponents) for w in weights):
+        results = _cast_native(weights)
+    else:
+        parts = [_mx_block_exponents(w) for w in weights]
+        m = mxfp4_global_exponent(parts)
+        global_mul = torch.tensor(2.0**m, dtype=torch.float32)
+        results = [_cast_one(w, k, nonzero, m, global_mul) for w, (k, nonzero) in zip(weights, parts, strict=True)]
+    tensors = [tensor for tensor, _ in results]
+    requantized = sum(count for _, count in results)
+    exact = sum(tensor.block_scale.numel() for tensor in tensors) - requantized
     return CastResult(tensors, exact, requantized)

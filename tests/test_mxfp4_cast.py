@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fp4kit.native import nvfp4_cpu
 from fp4kit.nvfp4 import Mxfp4Weight, NonFiniteError, cast_mxfp4_group, quantize_group
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -79,6 +80,82 @@ def test_all_zero_blocks_and_nan_exponent():
     weight.exponents[1, 1] = 255
     with pytest.raises(NonFiniteError):
         cast_mxfp4_group([weight])
+
+
+def assert_native_casts_alike(weights: list[Mxfp4Weight]) -> None:
+    """fp4kit's C loop (nvfp4_cpu.mxfp4_top / mxfp4_cast_scales) gives the torch path's bytes and counts."""
+    assert all(nvfp4_cpu.handles_mxfp4(w.packed, w.exponents) for w in weights)
+    torch_cast, native_cast = cast_mxfp4_group(weights), cast_mxfp4_group(weights, native=True)
+    assert (native_cast.exact_blocks, native_cast.requantized_blocks) == (torch_cast.exact_blocks,
+                                                                          torch_cast.requantized_blocks)
+    for a, b in zip(torch_cast.tensors, native_cast.tensors, strict=True):
+        assert torch.equal(a.packed, b.packed)
+        assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+        assert torch.equal(a.global_scale_div, b.global_scale_div)
+
+
+def every_code_under_every_exponent(cols: int = 512) -> Mxfp4Weight:
+    """Row e: exponent byte e (0 .. 254) on every block, and every code byte (so every code in both nibbles) along
+    the row, rotated by e."""
+    codes = torch.arange(256, dtype=torch.int32)
+    packed = torch.stack([codes.roll(e) for e in range(255)]).to(torch.uint8)[:, : cols // 2]
+    exponents = torch.arange(255, dtype=torch.uint8).unsqueeze(1).expand(255, -(-cols // 32)).contiguous()
+    return Mxfp4Weight(packed, exponents)
+
+
+def test_the_c_loop_builds_here():
+    """CI machines have a C compiler: the native cast must really run there, not fall back silently."""
+    assert nvfp4_cpu.available()
+
+
+def test_the_c_loop_gives_the_same_bytes_on_every_code_and_exponent():
+    """Every code under every finite E8M0 exponent (0 .. 254, spanning 255 binades: most blocks re-quantized, each
+    one's exponent the largest in turn as rows are dropped), alone and fused, K a multiple of 32 or not."""
+    weight = every_code_under_every_exponent()
+    assert_native_casts_alike([weight])
+    for top in (0, 8, 17, 18, 127, 200, 254):
+        assert_native_casts_alike([Mxfp4Weight(weight.packed[: top + 1], weight.exponents[: top + 1])])
+    half = every_code_under_every_exponent(48)
+    assert_native_casts_alike([half])
+    assert_native_casts_alike([weight, Mxfp4Weight(weight.packed[100:], weight.exponents[100:])])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_c_loop_gives_the_same_bytes_on_random_weights(seed):
+    """Random spans at both ends of E8M0, zero blocks (-0 included) at the largest exponent and below, strided rows (a
+    fused tensor's interleaved gate / up rows, read in place), a last half block, an all-zero weight."""
+    generator = torch.Generator().manual_seed(seed)
+    low = int(torch.randint(0, 240, (), generator=generator))
+    span = int(torch.randint(0, 40, (), generator=generator))
+    cols = 32 * int(torch.randint(1, 6, (), generator=generator)) + 16 * (seed % 2)
+    pair = [mxfp4(24, cols, low, min(254, low + span), seed * 2 + i) for i in range(2)]
+    zero = torch.rand(pair[0].packed.shape[0], pair[0].packed.shape[1] // 8, generator=generator) < 0.3
+    for w in pair:
+        w.packed.view(w.packed.shape[0], -1, 8)[zero] = torch.tensor([0x00, 0x08, 0x80, 0x88], dtype=torch.uint8)[
+            torch.randint(0, 4, (8,), generator=generator)]
+    for row, group in (pair[0].exponents == pair[0].exponents.max()).nonzero().tolist():
+        pair[0].packed[row, group * 16: group * 16 + 16] = 0  # zero blocks at the largest exponent
+    assert_native_casts_alike(pair)
+    fused = mxfp4(48, cols, low, min(254, low + span), seed + 100)
+    gate, up = (Mxfp4Weight(fused.packed[i::2], fused.exponents[i::2]) for i in (0, 1))
+    assert gate.packed.stride(0) == 2 * gate.packed.shape[1]
+    assert_native_casts_alike([gate, up])
+    zeros = Mxfp4Weight(torch.zeros_like(pair[0].packed), pair[0].exponents)
+    assert_native_casts_alike([zeros])
+    assert cast_mxfp4_group([zeros], native=True).tensors[0].global_scale_div == 1.0
+
+
+def test_the_c_loop_refuses_a_nan_exponent_and_bad_shapes():
+    weight = every_code_under_every_exponent()
+    nan = Mxfp4Weight(weight.packed.clone(), weight.exponents.clone())
+    nan.exponents[3, 5] = 255
+    for native in (False, True):
+        with pytest.raises(NonFiniteError):
+            cast_mxfp4_group([weight, nan], native=native)
+        with pytest.raises(ValueError, match="exponents"):
+            cast_mxfp4_group([Mxfp4Weight(weight.packed, weight.exponents[:, :-1])], native=native)
+    empty = Mxfp4Weight(torch.zeros(0, 16, dtype=torch.uint8), torch.zeros(0, 1, dtype=torch.uint8))
+    assert_native_casts_alike([empty])
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 /* NVFP4 quantization of bf16 (and fp32) weights on the CPU: the same bytes as fp4kit.nvfp4.quantize (compressed-tensors'
  * math), in one pass per 16-block instead of a dozen whole-tensor torch ops.
+ * Also the exact MXFP4 -> NVFP4 cast's block scales (fp4kit.nvfp4.cast_mxfp4_group), at the end of the file.
  *
  * Every step is an IEEE fp32 operation in the order torch performs it, so the result is bit-identical provided the
  * compiler neither contracts to FMA nor flushes denormals (built with -ffp-contract=off, without -ffast-math). */
@@ -508,4 +509,105 @@ VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax
     free(wide);
     free(t);
     return 0;
+}
+
+/* MXFP4 -> NVFP4 without rounding (fp4kit.nvfp4.cast_mxfp4_group): the codes stay as stored; per 32-block of E8M0
+ * exponent byte e only the two E4M3 block-scale bytes of 2^(e - 127 + m) are written. A weight is [rows] rows of
+ * `half` code bytes (K/2, a multiple of 8) at `packed_stride` bytes apart and ceil(K/32) exponent bytes at
+ * `exps_stride`: row slices of a fused tensor are read in place. Whether a block holds a nonzero code (its nibbles'
+ * magnitude bits, -0 is zero) is read only where it decides something: for the largest exponents, and for blocks
+ * whose scale E4M3 cannot hold. */
+
+#define MAGNITUDE_BITS 0x7777777777777777ull
+
+static inline int nonzero16(const uint8_t *codes) { /* the 8 code bytes of a 16-block */
+    uint64_t word;
+    memcpy(&word, codes, sizeof word);
+    return (word & MAGNITUDE_BITS) != 0;
+}
+
+static inline int nonzero32(const uint8_t *codes, int64_t bytes) { /* 16 bytes, or 8 for a last half block */
+    return nonzero16(codes) || (bytes > 8 && nonzero16(codes + 8));
+}
+
+/* The largest exponent byte of a 32-block holding a nonzero code; -1 where every code is zero; -2 where any
+ * exponent byte is 255 (NaN). */
+VECTOR_CLONES int fp4kit_mxfp4_top(const uint8_t *exps, int64_t exps_stride, const uint8_t *packed,
+                                   int64_t packed_stride, int64_t rows, int64_t half) {
+    int64_t groups = (half + 15) / 16;
+    uint8_t largest = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *e = exps + r * exps_stride;
+        for (int64_t g = 0; g < groups; g++) largest = e[g] > largest ? e[g] : largest;
+    }
+    if (rows == 0 || groups == 0) return -1;
+    if (largest == 255) return -2;
+    /* the blocks at the largest exponent first: in any quantizer's output one of them holds a nonzero code */
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *e = exps + r * exps_stride, *codes = packed + r * packed_stride;
+        for (int64_t g = 0; g < groups; g++)
+            if (e[g] == largest && nonzero32(codes + g * 16, half - g * 16)) return largest;
+    }
+    int top = -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *e = exps + r * exps_stride, *codes = packed + r * packed_stride;
+        for (int64_t g = 0; g < groups; g++)
+            if ((int)e[g] > top && nonzero32(codes + g * 16, half - g * 16)) top = e[g];
+    }
+    return top;
+}
+
+/* E4M3 byte of 2^j clamped to 2^-9 .. 2^8: exponent field j + 7 for the normals (j >= -6), mantissa bit j + 9
+ * below (1, 2, 4); no branches, so that the loops below vectorize */
+static inline uint8_t e4m3_pow2(int16_t j) {
+    int16_t c = j < -9 ? -9 : j;
+    c = c > 8 ? 8 : c;
+    int16_t normal = (int16_t)((c + 7) * 8), subnormal = (int16_t)(1 + (c > -9) + 2 * (c > -8));
+    return (uint8_t)(c >= -6 ? normal : subnormal);
+}
+
+/* Scale bytes of n 32-blocks of exponents e into s[2n]; whether any was clamped. */
+static inline uint8_t pow2_pairs(const uint8_t *e, int64_t n, int16_t offset, uint8_t *s) {
+    uint8_t outside = 0;
+    for (int64_t g = 0; g < n; g++) {
+        int16_t j = (int16_t)(e[g] + offset);
+        uint8_t byte = e4m3_pow2(j);
+        s[2 * g] = byte;
+        s[2 * g + 1] = byte;
+        outside |= (uint8_t)((j < -9) | (j > 8));
+    }
+    return outside;
+}
+
+/* Block-scale bytes [rows, half / 8] of E4M3 2^(e - 127 + m), clamped to 2^-9 .. 2^8. A 16-block holding a nonzero
+ * code whose scale was clamped is counted and, where redo is not NULL, marked 1 there (redo arrives zeroed). Returns
+ * how many. */
+VECTOR_CLONES int64_t fp4kit_mxfp4_cast_scales(const uint8_t *exps, int64_t exps_stride, const uint8_t *packed,
+                                               int64_t packed_stride, int64_t rows, int64_t half, int m,
+                                               uint8_t *scale, uint8_t *redo) {
+    int64_t blocks = half / 8, count = 0;
+    int16_t offset = (int16_t)(m - 127);
+    /* exponents without gaps and whole 32-blocks: one loop over all rows, the rows' own loops only if needed */
+    if (blocks % 2 == 0 && exps_stride == blocks / 2 && !pow2_pairs(exps, rows * (blocks / 2), offset, scale))
+        return 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *e = exps + r * exps_stride;
+        uint8_t *s = scale + r * blocks;
+        uint8_t outside = pow2_pairs(e, blocks / 2, offset, s);
+        if (blocks % 2) { /* a last 32-block of 16 inputs */
+            int16_t j = (int16_t)(e[blocks / 2] + offset);
+            s[blocks - 1] = e4m3_pow2(j);
+            outside |= (uint8_t)((j < -9) | (j > 8));
+        }
+        if (!outside) continue;
+        const uint8_t *codes = packed + r * packed_stride;
+        for (int64_t b = 0; b < blocks; b++) {
+            int16_t j = (int16_t)(e[b / 2] + offset);
+            if ((j < -9 || j > 8) && nonzero16(codes + b * 8)) {
+                if (redo != NULL) redo[r * blocks + b] = 1;
+                count++;
+            }
+        }
+    }
+    return count;
 }

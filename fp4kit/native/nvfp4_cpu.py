@@ -1,5 +1,6 @@
 """NVFP4 quantization of bf16 and fp32 weights on the CPU through a small C loop (nvfp4_cpu.c), built on first use;
-also of FP8-block weights straight from their stored e4m3 codes (``Fp8BlockWeight``: the bytes of their fp32 values).
+also of FP8-block weights straight from their stored e4m3 codes (``Fp8BlockWeight``: the bytes of their fp32 values),
+and the block scales of the exact MXFP4 cast (``mxfp4_top``, ``mxfp4_cast_scales``: fp4kit.nvfp4.cast_mxfp4_group).
 
 The C file is compiled with the system C compiler into a per-user cache (like inductor or triton do) and loaded
 with ctypes; the call releases the GIL, so the reader and writer threads keep going while a group is encoded. Where
@@ -149,6 +150,16 @@ def _load() -> ctypes.CDLL | None:
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
                         ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                     ]
+                    library.fp4kit_mxfp4_top.restype = ctypes.c_int
+                    library.fp4kit_mxfp4_top.argtypes = [
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                        ctypes.c_int64,
+                    ]
+                    library.fp4kit_mxfp4_cast_scales.restype = ctypes.c_int64
+                    library.fp4kit_mxfp4_cast_scales.argtypes = [
+                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                        ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                    ]
                     _library = library
         return _library or None
 
@@ -269,6 +280,45 @@ def dequantize_fp8_block(codes: torch.Tensor, scale_inv: torch.Tensor, block: tu
     _load().fp4kit_dequant_fp8_block(codes.data_ptr(), rows, cols, scale_inv.data_ptr(), block[0], block[1],
                                      table.data_ptr(), out.data_ptr())
     return out
+
+
+MX_BLOCK = 32
+
+
+def handles_mxfp4(packed: torch.Tensor, exponents: torch.Tensor) -> bool:
+    """Whether mxfp4_top and mxfp4_cast_scales read this MXFP4 weight in place: uint8 code bytes [N, K/2] (K a
+    multiple of 16) and exponent bytes [N, ceil(K/32)] on the CPU, each row's bytes contiguous (rows may be strided,
+    as a fused tensor's row slices are), and the library built."""
+    return (packed.device.type == "cpu" and exponents.device.type == "cpu" and packed.dtype == torch.uint8
+            and exponents.dtype == torch.uint8 and packed.dim() == 2 and exponents.dim() == 2
+            and packed.shape[1] % (BLOCK // 2) == 0
+            and tuple(exponents.shape) == (packed.shape[0], -(-packed.shape[1] * 2 // MX_BLOCK))
+            and (packed.shape[1] <= 1 or packed.stride(1) == 1)
+            and (exponents.shape[1] <= 1 or exponents.stride(1) == 1)
+            and available())
+
+
+def mxfp4_top(packed: torch.Tensor, exponents: torch.Tensor) -> int:
+    """The largest exponent byte of a 32-block holding a nonzero code (-1: every code is zero; -2: an exponent byte
+    is 255, NaN) of a weight ``handles_mxfp4`` takes."""
+    return _load().fp4kit_mxfp4_top(exponents.data_ptr(), exponents.stride(0), packed.data_ptr(), packed.stride(0),
+                                    packed.shape[0], packed.shape[1])
+
+
+def mxfp4_cast_scales(packed: torch.Tensor, exponents: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(E4M3 block-scale bytes uint8 [N, K/16] of 2^(e - 127 + m) clamped to 2^-9 .. 2^8, the 16-blocks holding a
+    nonzero code whose scale was clamped as bool [N, K/16], how many) of a weight ``handles_mxfp4`` takes."""
+    rows, blocks = packed.shape[0], packed.shape[1] // (BLOCK // 2)
+    scale = torch.empty((rows, blocks), dtype=torch.uint8)
+    redo = torch.zeros((0, blocks), dtype=torch.bool)
+    for _ in range(2):  # the mask only where some block needs it (rare): a second pass then
+        count = _load().fp4kit_mxfp4_cast_scales(exponents.data_ptr(), exponents.stride(0), packed.data_ptr(),
+                                                 packed.stride(0), rows, packed.shape[1], m, scale.data_ptr(),
+                                                 redo.data_ptr() if redo.numel() else None)
+        if not count or redo.numel():
+            break
+        redo = torch.zeros((rows, blocks), dtype=torch.bool)
+    return scale, redo, int(count)
 
 
 # the mse search costs ~10x the RTN encode per weight: large tensors are split by rows over a few threads (the C

@@ -269,7 +269,7 @@ def quantize_tensors(
     device = torch.device(options.device)
     if weights and all(isinstance(w, Mxfp4Weight) for w in weights):
         try:
-            cast = cast_mxfp4_group(weights)  # type: ignore[arg-type]
+            cast = cast_mxfp4_group(weights, native=options.native_cpu)  # type: ignore[arg-type]
         except NonFiniteError:
             raise Fp4kitError(f"{group.members[0].linear.source.quantized.encoding.scale}: an E8M0 exponent 255 "  # type: ignore[union-attr]
                               "(NaN) in a weight to be quantized") from None
