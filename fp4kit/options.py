@@ -113,6 +113,9 @@ QUANTIZE: tuple[Option, ...] = (
     Option("mtp", Literal["keep", "quantize"], "keep",
            "an MTP block outside the decoder layers (Qwen3-Next, Qwen3.5/3.6-MoE `mtp.*`): keep it as stored (as "
            "published NVFP4 checkpoints do) or quantize its routed experts (weight-only)"),
+    Option("scheme_for", list[str], (),
+           "give modules matching REGEX another scheme: nvfp4, nvfp4a16, fp8-dynamic, fp8-block, fp8-static or bf16 "
+           "(kept); the first matching rule wins, the rest get --scheme (repeatable)", metavar="REGEX=SCHEME"),
 )
 # where a recipe's default differs from the command's: a recipe is usually the whole job, calibrated W4A4
 RECIPE_DEFAULTS = {("quantize", "scheme"): "nvfp4"}

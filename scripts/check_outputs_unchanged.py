@@ -58,6 +58,10 @@ def commands(family: str) -> list[tuple[str, list[str]]]:
                                            "modelopt", "--method", "mse", "-q", *CALIBRATION]))
     cmds.append(("quantize-ct-nvfp4-gptq", ["quantize", src, f"{q}-ct-nvfp4-gptq", "--scheme", "nvfp4", "--method",
                                             "gptq", "--gptq-min-tokens", "1", "-q", *CALIBRATION]))
+    # per-module schemes: FP8 attention beside NVFP4 experts, in both dialects
+    for dialect, short, fp8 in (("compressed-tensors", "ct", "fp8-dynamic"), ("modelopt", "mo", "fp8-block")):
+        cmds.append((f"quantize-{short}-mixed", ["quantize", src, f"{q}-{short}-mixed", "--format", dialect,
+                                                 "--scheme-for", rf"self_attn\.={fp8}", "-q"]))
     ct4, mo4, ct16, mo16 = f"{q}-ct-nvfp4", f"{q}-mo-nvfp4", f"{q}-ct-nvfp4a16", f"{q}-mo-nvfp4a16"
     cmds += [
         ("convert-ct-to-mo-nvfp4", ["convert", ct4, f"{out}/convert-ct-to-mo-nvfp4", "--to", "modelopt"]),

@@ -65,7 +65,7 @@ def matrix(families: list[str], tokens: list[int], root: Path) -> tuple[list[dic
     from fp4kit.ep.shard import ShardOptions, shard_checkpoint
     from fp4kit.errors import Fp4kitError
     from fp4kit.quantize.checkpoint import QuantizeOptions, quantize_checkpoint
-    from fp4kit.testing.fixtures import build_fixture
+    from fp4kit.testing.fixtures import build_fixture, streams_layers
     from fp4kit.verify.checks import VerifyOptions
     from fp4kit.verify.runner import verify_checkpoint
 
@@ -73,7 +73,8 @@ def matrix(families: list[str], tokens: list[int], root: Path) -> tuple[list[dic
     for family in families:
         bf16 = build_fixture(family, root / f"{family}-bf16", overrides=stand_in(family))
         for dialect in ("compressed-tensors", "modelopt"):
-            for scheme in ("nvfp4a16", "nvfp4"):
+            # W4A4 calibrates through the family's streamed decoder layers
+            for scheme in ("nvfp4a16", "nvfp4") if streams_layers(family) else ("nvfp4a16",):
                 start = time.perf_counter()
                 ckpt = root / f"{family}-{dialect}-{scheme}"
                 quantize_checkpoint(bf16, ckpt, QuantizeOptions(scheme=scheme, format=dialect, device="cuda",
@@ -305,6 +306,8 @@ PUBLISHED_LAYERS = {
                                     "num_experts_per_tok": 8}),
     "gpt_oss": ("gpt-oss-120b", {"hidden_size": 2880, "intermediate_size": 2880, "num_local_experts": 128,
                                  "num_experts_per_tok": 4}),
+    "deepseek_v4": ("DeepSeek-V4-Flash", {"hidden_size": 4096, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                                          "num_experts_per_tok": 6, "routed_scaling_factor": 1.5}),
 }
 
 
@@ -358,7 +361,7 @@ def bench_families(families: list[str], tokens: list[int]) -> list[dict]:
         generator = torch.Generator(device="cuda").manual_seed(0)
         w13, w2 = random_nvfp4(experts, 2 * inter, hidden, generator), random_nvfp4(experts, hidden, inter, generator)
         biases = None
-        if activation.kind != "silu":  # gpt-oss: the experts' biases are part of the layer
+        if activation.kind == "swiglu_oai":  # gpt-oss: the experts' biases are part of the layer
             biases = (0.1 * torch.randn(experts, 2 * inter, device="cuda", generator=generator),
                       0.1 * torch.randn(experts, hidden, device="cuda", generator=generator))
         router = Router(torch.zeros(experts, hidden), None)  # routing is given below

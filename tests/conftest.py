@@ -38,6 +38,31 @@ def tiny_nvfp4a16(tiny, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def square_moe(tmp_path_factory) -> dict[str, Path]:
+    """A Qwen3-MoE with H = I = 128: bf16, NVFP4A16, W4A4, and the layouts and EP split of the W4A4 one."""
+    from helpers import SQUARE, add_input_scales
+
+    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
+    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
+    from fp4kit.quantize.checkpoint import quantize_checkpoint
+    from fp4kit.testing.fixtures import build_fixture
+
+    root = tmp_path_factory.mktemp("verify-square")
+    paths = {"bf16": build_fixture("qwen3_moe", root / "bf16", overrides=SQUARE)}
+    quantize_checkpoint(paths["bf16"], root / "nvfp4a16")
+    paths["nvfp4a16"] = root / "nvfp4a16"
+    paths["nvfp4"] = add_input_scales(paths["nvfp4a16"], root / "nvfp4")
+    for backend in ("trtllm", "cutlass"):
+        layout_checkpoint(paths["nvfp4"], root / backend, LayoutOptions(backend=backend))
+        paths[backend] = root / backend
+    layout_checkpoint(paths["nvfp4a16"], root / "marlin", LayoutOptions(backend="marlin"))
+    paths["marlin"] = root / "marlin"
+    shard_checkpoint(paths["nvfp4"], root / "ep4", ShardOptions(ep=4))
+    paths["ep4"] = root / "ep4"
+    return paths
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny tensors: torch's thread pool costs more than it saves, badly so on a busy 2-core runner. Modules opt in

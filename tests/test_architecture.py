@@ -35,7 +35,10 @@ def _grammar_patterns() -> list[re.Pattern[str]]:
     routers: set[str] = set()
     for family in FAMILIES:
         g = family.grammar
-        words.update([*g.projections, *g.fused_tensors, g.router_bias.rsplit(".", 1)[-1], *g.shared_experts])
+        bias_leaf = g.router_bias.rsplit(".", 1)[-1]
+        # a bias that is the router Linear's own parameter (DeepSeek-V4's `gate.bias`) is spelled with its module
+        words.update([*g.projections, *g.fused_tensors, *g.shared_experts,
+                      g.router_bias if bias_leaf == "bias" else bias_leaf])
         containers.add(g.experts)
         routers.update(g.routers)
     # the fused-MoE kernels' own argument names (fp4kit's w13 / w2, families.grammar.W13 and W2; vLLM's and
@@ -222,3 +225,48 @@ def test_every_package_folder_is_in_the_layer_table():
         if path.is_dir() and not (path / "__init__.py").exists():
             continue
         assert path.name.removesuffix(".py") in layers, f"{path.name} is in no layer of docs/ARCHITECTURE.md"
+
+
+TESTS = Path(__file__).resolve().parent
+TEST_HELPERS = "helpers"  # tests/helpers.py: what test files share; fixtures live in conftest.py
+
+
+def imports_of_test_modules(source: str, test_modules: set[str]) -> list[tuple[int, str]]:
+    """(line, module) of each import in ``source`` of a module of tests/ other than the helpers, or of the ``tests``
+    package itself, wherever the import stands (module level or inside a function)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.ImportFrom):  # a relative import: the tests are no package
+            names = ["." * node.level + (node.module or "")]
+        else:
+            continue
+        found += [(node.lineno, name) for name in names
+                  if name.startswith(".") or name.split(".")[0] == "tests"
+                  or (name.split(".")[0] in test_modules and name.split(".")[0] != TEST_HELPERS)]
+    return found
+
+
+def test_no_test_module_imports_another():
+    """Test files share code through tests/helpers.py only: a test module imported by another runs its module-level
+    code (oracle imports, fixtures) twice over and ties the two files' edits together."""
+    test_modules = {path.stem for path in TESTS.glob("*.py")}
+    imported = [f"tests/{path.name}:{line}: {name}" for path in sorted(TESTS.glob("*.py"))
+                for line, name in imports_of_test_modules(path.read_text(), test_modules)]
+    assert not imported, "test modules importing other test modules (move what they share to tests/helpers.py):\n" + (
+        "\n".join(imported))
+
+
+@pytest.mark.parametrize("snippet", ["from test_cli import choices", "import test_verify",
+                                     "def f():\n    from test_verify import square", "from tests.helpers import x",
+                                     "import conftest", "from . import helpers"])
+def test_the_test_import_check_finds_one(snippet):
+    assert imports_of_test_modules(snippet, {"test_cli", "test_verify", "conftest", "helpers"})
+
+
+def test_the_test_import_check_allows_the_helpers_and_libraries():
+    source = "from helpers import run_cli\nimport helpers\nfrom fp4kit import cli\nimport pytest\n"
+    assert imports_of_test_modules(source, {"helpers", "test_cli"}) == []

@@ -20,14 +20,14 @@ import textwrap
 
 import pytest
 import torch
-from _verify_sources import text_forward
+from helpers import text_forward
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.quantize.calibrate import calibrate
 from fp4kit.quantize.plan import build_plan, read_group_weights
-from fp4kit.testing.fixtures import FIXTURES, build_fixture, fixture_spec
+from fp4kit.testing.fixtures import FIXTURES, build_fixture, fixture_spec, streams_layers
 
 BF16_STEP = 2.0**-7  # relative spacing of bf16 values: "within one bf16 rounding step"
 # tiny_glm4v_moe.json's mrope_section [2, 2, 4] does not fit its rotary dim (16 * 0.5 / 2 = 4), so the full model
@@ -39,13 +39,7 @@ OVERRIDES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: a second OpenMP thread only adds waiting on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +157,7 @@ def assert_close_amax(ours: dict[str, float], reference: dict[str, float], names
         assert abs(ours[name] - reference[name]) <= rel * reference[name], (name, ours[name], reference[name])
 
 
-@pytest.mark.parametrize("name", FIXTURES)
+@pytest.mark.parametrize("name", [f for f in FIXTURES if streams_layers(f)])
 def test_streaming_forward_and_statistics_equal_the_full_model(name, checkpoint):
     path = checkpoint(name)
     ids = token_ids()
@@ -299,6 +293,7 @@ def synthetic_checkpoint(path, num_layers: int) -> int:
     return sum(t.nbytes for n, t in tensors.items() if n.startswith("model.layers.0."))
 
 
+@pytest.mark.slow  # two child processes calibrating 2- and 8-layer checkpoints of 25 MB layers
 def test_peak_memory_does_not_grow_with_layer_count(tmp_path, tiny):
     """Peak RSS, and its growth during calibration (after a warm-up run, peak reset), are the same for 2 and 8
     layers: one layer's weights at a time, not the model."""

@@ -14,13 +14,11 @@ import signal
 import subprocess
 import sys
 import time
-import typing
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import typer
-from _signals import ignored_in_parent, reaching_children
+from helpers import choices, cli_commands, ignored_in_parent, reaching_children
 
 from fp4kit import cli
 from fp4kit.errors import Fp4kitError
@@ -194,24 +192,12 @@ def test_interrupt_and_command_exit_codes(monkeypatch, capsys) -> None:
 
 # ---- help ----------------------------------------------------------------------------------------------------------
 
-def commands() -> dict[str, typer.core.TyperCommand]:
-    cli._register_commands()
-    return typer.main.get_command(cli.app).commands
-
-
 def test_every_option_has_help_and_no_doubled_negation() -> None:
-    for name, command in commands().items():
+    for name, command in cli_commands().items():
         for param in command.params:
             if param.param_type_name == "option":
                 assert param.help, f"fp4kit {name} {param.opts[0]}: no help text"
                 assert not any(opt.startswith("--no-no-") for opt in param.opts + param.secondary_opts), param.opts
-
-
-def choices(command: str, option: str) -> set[str]:
-    hints = typing.get_type_hints(commands()[command].callback, include_extras=True)
-    annotation = typing.get_args(hints[option])[0]
-    literal = next(a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is typing.Literal)
-    return set(typing.get_args(literal))
 
 
 def test_choices_are_the_librarys() -> None:
@@ -251,7 +237,7 @@ def normalized(text: str) -> str:
     return re.sub(r"-\s+", "-", re.sub(r"\s+", " ", text))
 
 
-@pytest.mark.parametrize("name", sorted(commands()))
+@pytest.mark.parametrize("name", sorted(cli_commands()))
 def test_help_at_80_columns_shows_every_text_whole(name, capsys, monkeypatch) -> None:
     """At 80 columns: no line wider, every option name unbroken, every help text as written (brackets included:
     `pip install 'fp4kit[plot]'` is not markup), no `<bool>` metavar or "Choose from" list."""
@@ -261,7 +247,7 @@ def test_help_at_80_columns_shows_every_text_whole(name, capsys, monkeypatch) ->
     assert max(len(line) for line in text.splitlines()) <= 80, text
     assert "<bool>" not in text and "Choose from" not in text and "…" not in text
     words = set(re.findall(r"--?[\w-]+", text))
-    for param in commands()[name].params:
+    for param in cli_commands()[name].params:
         for opt in (*param.opts, *param.secondary_opts) if param.param_type_name == "option" else ():
             assert opt in words, f"fp4kit {name}: {opt} not shown whole"
         if param.help:
@@ -276,7 +262,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT
 def test_docs_name_only_commands_that_exist() -> None:
     """Every `fp4kit WORD` the docs and recipe headers show, and every command the exit-code lists name, is a
     command (an `fp4kit audit` the docs listed never existed: the audit is `inspect --source`)."""
-    names = set(commands())
+    names = set(cli_commands())
     for path in DOCS:
         text = path.read_text()
         code = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.DOTALL))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _verify_sources import run_cli
+from helpers import run_cli
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.quantize.calibrate import compute_dtype, fast_bf16

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import EXPERT0, rewrite, run_cli, with_input_scales
 
-from fp4kit.formats import compressed_tensors as ct
 from fp4kit.formats.compressed_tensors import NAME as CT
 from fp4kit.formats.detect import open_checkpoint, stored_scale
 from fp4kit.formats.modelopt import NAME as MO
@@ -23,36 +21,6 @@ def tensor_bytes(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], by
     reader = CheckpointReader(path)
     return {n: (i.dtype, i.shape, reader.read(n).reshape(-1).view(torch.uint8).numpy().tobytes())
             for n, i in reader.tensors.items()}
-
-
-def rewrite(src: Path, dst: Path, edit, config_edit=None) -> Path:
-    """Copy checkpoint ``src`` to ``dst`` with ``edit(tensors)`` applied to its tensors (and to its config)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    edit(tensors)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    if config_edit:
-        config = json.loads((dst / "config.json").read_text())
-        config_edit(config)
-        (dst / "config.json").write_text(json.dumps(config))
-    return dst
-
-
-def with_input_scales(src: Path, dst: Path, seed: int = 0) -> Path:
-    """fp4kit's NVFP4A16 output made W4A4: a bf16-valued input multiplier per module, different per expert."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def add(tensors: dict) -> None:
-        for name in [n for n in tensors if n.endswith(".weight_packed")]:
-            value = (100 + 400 * torch.rand(1, generator=generator)).bfloat16().float()
-            tensors[name.replace(".weight_packed", ".input_global_scale")] = value
-
-    def config(cfg: dict) -> None:
-        cfg["quantization_config"] = ct.quantization_config("nvfp4", cfg["quantization_config"]["ignore"])
-
-    return rewrite(src, dst, add, config)
 
 
 @pytest.mark.parametrize("family", FIXTURES)
@@ -148,23 +116,10 @@ def test_llm_compressor_checkpoints_convert_to_equal_weights(producer, llm_compr
         assert ours[name] == (dtype, shape, data), name
 
 
-def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    from fp4kit import cli
-
-    monkeypatch.setattr(sys, "argv", ["fp4kit", *args])
-    code = 0
-    try:
-        cli.main()
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
 def test_cli_converts(monkeypatch, capsys, tiny_nvfp4a16, tmp_path):
-    code, out = run_cli(monkeypatch, capsys, "convert", str(tiny_nvfp4a16("qwen3_moe")), str(tmp_path / "o"),
-                        "--to", "modelopt")
-    assert code == 0 and "compressed-tensors -> modelopt" in out
+    code, out, err = run_cli(monkeypatch, capsys, "convert", tiny_nvfp4a16("qwen3_moe"), tmp_path / "o", "--to",
+                             "modelopt")
+    assert code == 0 and "compressed-tensors -> modelopt" in out + err
     assert (tmp_path / "o" / "hf_quant_config.json").exists()
 
 
@@ -177,9 +132,6 @@ def retype(name: str, dtype: torch.dtype):
         tensors[name] = tensors[name].view(torch.uint8).to(dtype) if dtype != torch.uint8 else \
             tensors[name].view(torch.uint8)
     return edit
-
-
-EXPERT0 = "model.layers.0.mlp.experts.0"
 
 
 @pytest.mark.parametrize(("case", "message"), [
@@ -205,9 +157,9 @@ def test_bad_input_exits_2_with_one_line(case, message, monkeypatch, capsys, tin
         "other_format": lambda: rewrite(good, tmp_path / "bad", lambda t: None,
                                         lambda c: c["quantization_config"].update(format="float-quantized")),
     }[case]()
-    code, out = run_cli(monkeypatch, capsys, "convert", str(src), str(tmp_path / "out"), "--to", "modelopt")
-    assert code == 2, out
-    assert message in out and out.startswith("error: ") and out.count("\n") == 1
+    code, out, err = run_cli(monkeypatch, capsys, "convert", src, tmp_path / "out", "--to", "modelopt")
+    assert code == 2 and not out, out + err
+    assert message in err and err.startswith("error: ") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
 
 

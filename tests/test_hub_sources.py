@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _verify_sources import run_cli
+from helpers import run_cli
 
 from fp4kit.io.hub import resolve_source
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from test_convert import EXPERT0, rewrite, run_cli, with_input_scales
+from helpers import EXPERT0, rewrite, run_cli, with_input_scales
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.nvfp4 import quantize_group
@@ -106,21 +106,22 @@ def test_each_defect_is_found(case, tiny_nvfp4a16, tmp_path):
 def test_backend_constraints_count_only_when_asked(tiny_nvfp4a16):
     src = tiny_nvfp4a16("qwen3_moe")  # H 64, I 32, E 8
     report = inspect_checkpoint(src)
-    assert report.clean and report.backends["cutlass"].startswith("I=32") and report.even_ep_sizes == [2, 4, 8]
+    assert report.clean and report.backends["cutlass"].startswith("intermediate size I = 32")
+    assert report.even_ep_sizes == [2, 4, 8]
     asked = inspect_checkpoint(src, backends=["cutlass", "marlin", "trtllm"], ep=3)
-    assert {p.module for p in asked.problems} == {"cutlass", "marlin", "ep=3"}
+    assert {p.module for p in asked.problems} == {"cutlass", "marlin", "trtllm", "ep=3"}  # trtllm: weight-only
 
 
 def test_cli_exit_codes_and_json(monkeypatch, capsys, tiny, tiny_nvfp4a16, tmp_path):
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(tiny_nvfp4a16("glm4_moe")))
-    assert code == 0 and "no problems found" in out
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", tiny_nvfp4a16("glm4_moe"))
+    assert code == 0 and "no problems found" in out + err
     bad = rewrite(tiny_nvfp4a16("qwen3_moe"), tmp_path / "bad", scale_up(f"{EXPERT0}.up_proj.weight_global_scale", 3))
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(bad), "--json")
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", bad, "--json")
     report = json.loads(out)
     assert code == 1 and not report["clean"] and report["problems"][0]["check"] == "fused_scale_mismatch"
     assert report["layers"][1]["experts"] == 8
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(tiny("qwen3_moe")))  # a source: its precision, exit 0
-    assert code == 0 and "bfloat16 source, family qwen3_moe" in out
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", tiny("qwen3_moe"))  # a source: its precision, exit 0
+    assert code == 0 and "bfloat16 source, family qwen3_moe" in out + err
 
 
 @pytest.mark.pinned
@@ -133,3 +134,23 @@ def test_llm_compressor_model_free_ptq_defects_are_found(tiny, tmp_path):
     model_free_ptq(tiny("qwen3_moe"), tmp_path / "mfp", scheme="NVFP4A16", ignore=["lm_head", "re:.*mlp.gate$"])
     checks = {p.check for p in inspect_checkpoint(tmp_path / "mfp").problems}
     assert {"fused_scale_mismatch", "quantized_embedding"} <= checks
+
+
+@pytest.mark.parametrize("hidden, intermediate", [(128, 64), (64, 32)])
+def test_backend_table_says_what_layout_does(hidden, intermediate, monkeypatch, capsys, tmp_path_factory):
+    """Every backend row of inspect's table against `fp4kit layout --backend` on the same checkpoint: weight-only and
+    W4A4, sizes every backend runs and sizes only TRT-LLM (which pads) runs."""
+    from helpers import shared_source
+
+    from fp4kit.tools.inspect import BACKENDS
+
+    w4a4 = shared_source(tmp_path_factory, hidden, intermediate)
+    for ckpt in (w4a4, w4a4.parent / "nvfp4a16"):
+        table = inspect_checkpoint(ckpt).backends
+        for backend in BACKENDS:
+            out_dir = tmp_path_factory.mktemp(f"layout-{backend}") / "out"
+            code, out = run_cli(monkeypatch, capsys, "layout", str(ckpt), str(out_dir), "--backend", backend, "-q")
+            assert (code == 0) == (table[backend] == "ok"), (ckpt.name, backend, table[backend], out)
+            if code:
+                assert code == 2 and table[backend] in out, (table[backend], out)
+    assert "weight-only" in inspect_checkpoint(w4a4.parent / "nvfp4a16").backends["trtllm"]

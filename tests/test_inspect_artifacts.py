@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from _verify_sources import run_cli
+from helpers import run_cli
 
 from fp4kit.ep.shard import EXPERT_MAP, MANIFEST, ShardOptions, rank_dir_name, shard_checkpoint
 from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint

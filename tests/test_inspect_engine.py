@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_convert import EXPERT0, rewrite, run_cli
+from helpers import EXPERT0, rewrite, run_cli
 
 from fp4kit.formats import compressed_tensors as ct
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
@@ -128,18 +128,18 @@ def test_mtp_layer_missing_or_quantized_is_flagged(tiny, tiny_nvfp4a16, tmp_path
 
 
 def test_cli_engine_exit_code_json_and_sources(monkeypatch, capsys, w4a4, tmp_path):
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(w4a4), "--engine", "vllm")
-    assert code == 0 and "no problems found" in out
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", w4a4, "--engine", "vllm")
+    assert code == 0 and "no problems found" in out + err
     bad = rewrite(w4a4, tmp_path / "bad", per_expert_input)
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(bad), "--engine", "vllm", "--json")
+    code, out, _ = run_cli(monkeypatch, capsys, "inspect", bad, "--engine", "vllm", "--json")
     report = json.loads(out)
     assert code == 1 and report["engine"] == "vllm" and not report["clean"]
     assert {p["check"] for p in report["problems"]} >= {"vllm_per_expert_input_scale"}
     assert all(p["source"] for p in report["problems"] if p["check"].startswith("vllm_"))
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(bad), "--engine", "vllm")
-    assert code == 1 and "flashinfer_fp4_moe.py" in out
-    code, out = run_cli(monkeypatch, capsys, "inspect", str(w4a4), "--engine", "tgi")
-    assert code == 2 and out.startswith("error:")
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", bad, "--engine", "vllm")
+    assert code == 1 and "flashinfer_fp4_moe.py" in out + err
+    code, out, err = run_cli(monkeypatch, capsys, "inspect", w4a4, "--engine", "tgi")
+    assert code == 2 and not out and err.startswith("error:")
 
 
 def test_inspect_reports_the_scales_marlin_zeroes(w4a4, tmp_path):

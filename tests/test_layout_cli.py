@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _layout_sources import random_moe_only_source, shared_source
+from helpers import random_moe_only_source, shared_source
 from safetensors.torch import load_file, save_file
 
 from fp4kit.io.checkpoint import DTYPES, CheckpointReader

@@ -120,7 +120,7 @@ def test_convert_writes_the_recipe_run_runs(tmp_path, tiny, capsys) -> None:
     assert cli.run(["recipe", "convert", str(src), str(dst), "--set", f"model={model}", "--set", "shard.ep=2"]) == 0
     captured = capsys.readouterr()
     assert "note:" in captured.err and f"wrote {dst}" in captured.out
-    assert "# not honoured: " in dst.read_text()
+    assert "# note: " in dst.read_text()
     converted, direct = load_recipe(dst), load_recipe(src, [f"model={model}", "shard.ep=2"])
     assert not converted.from_llm_compressor and converted.recipe == direct.recipe
     assert cli.run(["recipe", "convert", str(src), str(dst), "--set", f"model={model}"]) == 2  # DST exists
@@ -141,3 +141,11 @@ def test_run_of_an_llm_compressor_recipe_writes_what_quantize_writes(tmp_path, t
     assert ran and ran == sorted(p.name for p in (tmp_path / "direct").glob("*.safetensors"))
     for name in ran:
         assert (work / "quantize" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
+
+
+def test_fp4kit_keys_beside_the_stages_win(tmp_path, tiny) -> None:
+    """fp4kit's own keys in the same file: its quantize keys over the translation's, its other steps as written."""
+    text = EXAMPLE.replace("{model}", str(tiny("qwen3_moe"))) + "quantize:\n  gptq_damp: 0.03\nshard:\n  ep: 2\n"
+    recipe = load_recipe(write(tmp_path, text)).recipe
+    assert recipe.quantize is not None and recipe.quantize.gptq_damp == 0.03 and recipe.quantize.method == "gptq"
+    assert recipe.shard is not None and recipe.shard.ep == 2

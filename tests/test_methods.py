@@ -441,7 +441,7 @@ def test_w4a4_input_scales_come_from_the_quantized_pass_or_the_source(tiny, tmp_
 def test_quantized_sources_take_data_free_mse_and_calibrated_methods(tiny, tmp_path):
     """From an FP8-block source: data-free mse, and gptq, whose layer pass runs the source's dequantized layers;
     with dequant_dtype bf16 its output is the output of gptq on compressed-tensors' bf16 copy of the source."""
-    from _quantized_sources import dequantized_bf16_copy
+    from helpers import dequantized_bf16_copy
 
     from fp4kit.testing.fixtures import write_fp8_block_source
 

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():  # before anything imports fp4kit's Triton kernels
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _verify_sources import run_cli  # noqa: E402
+from helpers import run_cli  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint  # noqa: E402

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _signals import reaching_children
+from helpers import reaching_children
 
 from fp4kit.cli import EXIT_TERMINATED, TERMINATED
 from fp4kit.errors import Fp4kitError

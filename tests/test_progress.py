@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import re
 
-from _terminal import under_terminal
-from _verify_sources import run_cli
+import pytest
+from helpers import run_cli, under_terminal
 
 from fp4kit.progress import Reporter, start_phase
 from fp4kit.quantize.calib_data import DEFAULT_SET
@@ -134,6 +134,7 @@ def _counts(terminal: str, unit: str) -> list[tuple[int, int]]:
     return [(int(done), int(of)) for done, of in re.findall(rf"(\d+)/(\d+) {unit}", terminal)]
 
 
+@pytest.mark.slow  # the whole demo recipe in a child process; test_demo runs the same pipeline in this one
 def test_run_and_inspect_bars_under_a_terminal(tmp_path) -> None:
     from importlib import resources
 

@@ -21,6 +21,7 @@ SEED_RECIPES = {"qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-vl-235b-a22b", "glm-4
 SEED_RECIPES |= {"glm-4.7-flash", "glm-5.1", "deepseek-v3.2"}
 SEED_RECIPES |= {"minimax-m2.5", "gpt-oss-120b"}
 SEED_RECIPES |= {"qwen3.6-35b-a3b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"}
+SEED_RECIPES |= {"deepseek-v4-flash"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import choices
 
 from fp4kit import registry
 from fp4kit.formats.base import ROLES, Dialect
@@ -53,8 +54,6 @@ def test_dialect_writes_what_it_plans_and_reads_it_back(name: str) -> None:
 
 
 def test_dialect_choices_are_the_registry() -> None:
-    from test_cli import choices
-
     from fp4kit.ep.scales import INPUT_SCALE_LEAVES
     from fp4kit.pipeline import recipe
     from fp4kit.quantize import checkpoint as quantize
@@ -81,8 +80,6 @@ def test_backend_implements_the_protocol(name: str) -> None:
 
 
 def test_backend_choices_are_the_registry() -> None:
-    from test_cli import choices
-
     from fp4kit.layouts import directory as layout
     from fp4kit.pipeline import recipe
     from fp4kit.tools import inspect

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from _layout_sources import shared_source
+from helpers import shared_source
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import open_checkpoint

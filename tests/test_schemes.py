@@ -133,8 +133,9 @@ def test_mixed_config_and_tensors_match_llm_compressor(tmp_path):
     smap = SchemeMap.parse("bf16", [f"{t[0]}={s}" for s, t in recipe])
     for module in attn + shared:
         q = quantize_fp8(source[f"{module}.weight"], smap.scheme_of(module), module)
-        planned = ct.fp8_planned(module, tuple(q.scale.shape), 128, 256, torch.bfloat16)
-        encoded = ct.fp8_encode(module, q.codes, q.scale)
+        scheme = smap.scheme_of(module)
+        planned = ct.fp8_planned(module, scheme, 128, 256, torch.bfloat16, False)
+        encoded = ct.fp8_encode(module, scheme, q)
         assert [p.name for p in planned] == list(encoded)
         for p in planned:
             assert (encoded[p.name].dtype, tuple(encoded[p.name].shape)) == (p.dtype, tuple(p.shape))

@@ -35,13 +35,7 @@ PLACEMENTS = ("linear", "round-robin", "balanced")
 TOKENS = 48
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls: with several threads on a busy 2-core machine, OpenMP spinning makes them 10x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _quantized_sources import dequantized_bf16_copy
+from helpers import dequantized_bf16_copy
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 

@@ -430,6 +430,31 @@ GPT_OSS_CONFIGS = {
 
 
 @pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
+def test_deepseek_v4_clamped_swiglu_matches_reference(w4a4: bool) -> None:
+    """DeepSeek-V4's experts (silu of the clamped gate times the clamped up) in the kernel, against the reference
+    (whose activation tests/test_deepseek_v4.py checks against transformers' DeepseekV4Experts)."""
+    from fp4kit.families.activation import silu_clamped
+
+    spec, hidden_size, inter_size = RoutingSpec("sqrtsoftplus_topk", 8, 2), 64, 32
+    w13, w2, hidden, logits = _setup(23, 5, 8, hidden_size, inter_size)
+    hidden = (hidden.float() * 12).to(torch.bfloat16)  # gate and up sums beyond the clamp
+    weights, ids = route(logits, spec)
+    activation = silu_clamped(2.0)
+    divisors = (torch.full((8,), 40 / 2688, dtype=torch.float64), torch.full((8,), 400 / 2688, dtype=torch.float64))
+    divisors = divisors if w4a4 else None
+    dense13, dense2 = dequantize_experts(w13), dequantize_experts(w2)
+    assert bool((hidden.float() @ dense13[0].T).abs().max() > 2)
+    expected = moe_reference(hidden, weights, ids, dense13, dense2, spec, activation_global_div=divisors,
+                             activation=activation)
+    silu = moe_reference(hidden, weights, ids, dense13, dense2, spec, activation_global_div=divisors)
+    moe_weights = TritonMoeWeights.from_nvfp4(w13, w2, divisors, device=DEVICE, activation=activation)
+    got = fused_moe(hidden.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), moe_weights, spec, config=CONFIG).cpu()
+    error = _relative_error(got, expected)
+    assert error < (1e-4 if w4a4 else 6e-3), error
+    assert _relative_error(silu, expected) > 0.1  # the test would see a kernel that ignored the clamp
+
+
+@pytest.mark.parametrize("w4a4", [False, True], ids=["w4a16", "w4a4"])
 @pytest.mark.parametrize("config", list(GPT_OSS_CONFIGS))
 def test_gpt_oss_activation_and_biases_match_reference(config: str, w4a4: bool) -> None:
     """gpt-oss's experts (clamped SwiGLU with (up + 1), w13 and w2 output biases) in every kernel path, against the

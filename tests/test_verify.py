@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,46 +15,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from _verify_sources import SQUARE, add_input_scales, run_cli  # noqa: E402
+from helpers import run_cli  # noqa: E402
 
 from fp4kit.errors import Fp4kitError  # noqa: E402
 from fp4kit.quantize.checkpoint import quantize_checkpoint  # noqa: E402
-from fp4kit.testing.fixtures import FIXTURES, build_fixture  # noqa: E402
+from fp4kit.testing.fixtures import FIXTURES  # noqa: E402
 from fp4kit.verify.checks import VerifyOptions  # noqa: E402
 from fp4kit.verify.runner import verify_checkpoint  # noqa: E402
 
 FAST = [1, 16, 256]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matmuls on a busy 2-core machine: OpenMP spinning makes them slower with more threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def square(tmp_path_factory) -> dict[str, Path]:
-    """A Qwen3-MoE with H = I = 128: bf16, NVFP4A16, W4A4, and the layouts and EP split of the W4A4 one."""
-    from fp4kit.ep.shard import ShardOptions, shard_checkpoint
-    from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
-
-    root = tmp_path_factory.mktemp("verify-square")
-    paths = {"bf16": build_fixture("qwen3_moe", root / "bf16", overrides=SQUARE)}
-    quantize_checkpoint(paths["bf16"], root / "nvfp4a16")
-    paths["nvfp4a16"] = root / "nvfp4a16"
-    paths["nvfp4"] = add_input_scales(paths["nvfp4a16"], root / "nvfp4")
-    for backend in ("trtllm", "cutlass"):
-        layout_checkpoint(paths["nvfp4"], root / backend, LayoutOptions(backend=backend))
-        paths[backend] = root / backend
-    layout_checkpoint(paths["nvfp4a16"], root / "marlin", LayoutOptions(backend="marlin"))
-    paths["marlin"] = root / "marlin"
-    shard_checkpoint(paths["nvfp4"], root / "ep4", ShardOptions(ep=4))
-    paths["ep4"] = root / "ep4"
-    return paths
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _failures(report) -> list[str]:
@@ -87,10 +57,10 @@ def test_triton_under_the_interpreter_matches_the_reference(tiny_nvfp4a16, famil
     assert {r.target for r in report.results if r.check == "routing"} == {"route", "reference", "triton"}
 
 
-def test_w4a4_layouts_and_ep_split_pass(square) -> None:
-    options = VerifyOptions(source=square["bf16"], tokens=FAST, backend="reference", ep_shards=square["ep4"],
-                            layouts=[square["trtllm"], square["cutlass"]])
-    report = verify_checkpoint(square["nvfp4"], options)
+def test_w4a4_layouts_and_ep_split_pass(square_moe) -> None:
+    options = VerifyOptions(source=square_moe["bf16"], tokens=FAST, backend="reference",
+                            ep_shards=square_moe["ep4"], layouts=[square_moe["trtllm"], square_moe["cutlass"]])
+    report = verify_checkpoint(square_moe["nvfp4"], options)
     assert report.passed, _failures(report)
     assert report.mode == "w4a4"
     layout = [r for r in report.results if r.check == "layout"]
@@ -100,17 +70,17 @@ def test_w4a4_layouts_and_ep_split_pass(square) -> None:
 
 
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass", "marlin"])
-def test_a_layout_checkpoint_verifies_on_its_own(square, backend: str) -> None:
-    report = verify_checkpoint(square[backend], VerifyOptions(source=square["bf16"], tokens=[4, 64],
-                                                              backend="reference"))
+def test_a_layout_checkpoint_verifies_on_its_own(square_moe, backend: str) -> None:
+    report = verify_checkpoint(square_moe[backend], VerifyOptions(source=square_moe["bf16"], tokens=[4, 64],
+                                                                  backend="reference"))
     assert report.passed, _failures(report)
     assert report.kind == f"layout ({backend})"
     assert [r.detail for r in report.results if r.check == "layout"] == ["bit exact"] * 2
 
 
-def test_marlin_layout_of_the_weight_only_checkpoint(square) -> None:
-    report = verify_checkpoint(square["nvfp4a16"], VerifyOptions(tokens=[8], backend="reference",
-                                                                 layouts=[square["marlin"]]))
+def test_marlin_layout_of_the_weight_only_checkpoint(square_moe) -> None:
+    report = verify_checkpoint(square_moe["nvfp4a16"], VerifyOptions(tokens=[8], backend="reference",
+                                                                     layouts=[square_moe["marlin"]]))
     assert report.passed, _failures(report)
 
 
@@ -190,9 +160,9 @@ def test_cli_bf16_checkpoint_is_unusable(monkeypatch, capsys, tiny) -> None:
     assert code == 2 and err.startswith("error:")
 
 
-def test_ep_split_as_ckpt_is_refused(square) -> None:
+def test_ep_split_as_ckpt_is_refused(square_moe) -> None:
     with pytest.raises(Fp4kitError, match="--ep-shards"):
-        verify_checkpoint(square["ep4"], VerifyOptions(tokens=[1], backend="reference"))
+        verify_checkpoint(square_moe["ep4"], VerifyOptions(tokens=[1], backend="reference"))
 
 
 def test_modelopt_dialect_with_fused_llama4_experts(tiny, tmp_path) -> None:

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _verify_sources import copy_with, load_all, run_cli
+from helpers import copy_with, load_all, run_cli
 from safetensors.torch import load_file, save_file
-from test_verify import _one_thread, square  # noqa: F401  (shared fixtures)
 
 from fp4kit.ep.shard import EXPERT_MAP, rank_dir_name
 from fp4kit.io.safetensors_files import INDEX_NAME
@@ -22,6 +21,7 @@ from fp4kit.verify.checks import VerifyOptions
 from fp4kit.verify.runner import verify_checkpoint
 
 TOKENS = [16, 256]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _failed(report) -> dict[str, list]:
@@ -50,14 +50,14 @@ def test_swapped_w1_w3(tiny, tiny_nvfp4a16, tmp_path) -> None:
     assert {r.layer for r in failed["source-expert"]} == {1}
 
 
-def test_transposed_expert(square, tmp_path) -> None:  # noqa: F811
-    tensors = load_all(square["bf16"])
+def test_transposed_expert(square_moe, tmp_path) -> None:
+    tensors = load_all(square_moe["bf16"])
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
     assert tensors[name].shape[0] == tensors[name].shape[1]  # square: the transposed expert still loads
     tensors[name] = tensors[name].t().contiguous()
-    broken_bf16 = copy_with(square["bf16"], tmp_path / "bf16", tensors)
+    broken_bf16 = copy_with(square_moe["bf16"], tmp_path / "bf16", tensors)
     quantize_checkpoint(broken_bf16, tmp_path / "nvfp4a16")
-    failed = _verify(tmp_path / "nvfp4a16", source=square["bf16"])
+    failed = _verify(tmp_path / "nvfp4a16", source=square_moe["bf16"])
     assert [(r.layer, r.detail) for r in failed["source-expert"]] == [(0, "worst expert 3")]
     assert failed["source-expert"][0].error > 0.5
 
@@ -86,12 +86,12 @@ def _skip_trtllm_shuffle(layout: Path, dst: Path) -> Path:
     return copy_with(layout, dst, tensors)
 
 
-def test_layout_with_a_permutation_step_skipped(square, tmp_path) -> None:  # noqa: F811
-    broken = _skip_trtllm_shuffle(square["trtllm"], tmp_path / "trtllm")
-    failed = _verify(square["nvfp4"], layouts=[broken])
+def test_layout_with_a_permutation_step_skipped(square_moe, tmp_path) -> None:
+    broken = _skip_trtllm_shuffle(square_moe["trtllm"], tmp_path / "trtllm")
+    failed = _verify(square_moe["nvfp4"], layouts=[broken])
     assert [r.layer for r in failed["layout"]] == [0] and "w13 packed" in failed["layout"][0].detail
     # The layout alone, against the BF16 source: undone, its layer 0 computes something else.
-    failed = _verify(broken, source=square["bf16"])
+    failed = _verify(broken, source=square_moe["bf16"])
     assert {r.layer for r in failed["source"]} == {0} and failed["source"][0].error > 0.5
 
 
@@ -119,9 +119,9 @@ def _drop_expert(shards: Path, dst: Path, rank: int, also_from_map: bool) -> tup
 
 
 @pytest.mark.parametrize("also_from_map", [False, True], ids=["tensors-missing", "expert-on-no-rank"])
-def test_ep_shard_missing_an_expert(square, tmp_path, also_from_map: bool) -> None:  # noqa: F811
-    shards, expert = _drop_expert(square["ep4"], tmp_path / "ep", 2, also_from_map)
-    failed = _verify(square["nvfp4"], ep_shards=shards)
+def test_ep_shard_missing_an_expert(square_moe, tmp_path, also_from_map: bool) -> None:
+    shards, expert = _drop_expert(square_moe["ep4"], tmp_path / "ep", 2, also_from_map)
+    failed = _verify(square_moe["nvfp4"], ep_shards=shards)
     assert [r.layer for r in failed["ep"]] == [1]
     expected = f"expert {expert} is on 0 ranks" if also_from_map else f"expert {expert} is in its expert_map"
     assert expected in failed["ep"][0].detail

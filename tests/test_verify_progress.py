@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _terminal import under_terminal
-from _verify_sources import add_input_scales, run_cli
+from helpers import add_input_scales, run_cli, under_terminal
 
 from fp4kit.verify.checks import VerifyOptions
 from fp4kit.verify.runner import checks_per_layer, slow_layer_warning, verify_checkpoint

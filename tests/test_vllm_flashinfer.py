@@ -13,36 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _layout_sources import shared_source
-from _vllm_oracle import fi_layer, same_bytes, vllm_expert_inputs, vllm_module
+from helpers import same_bytes, shared_source, vllm_expert_inputs, vllm_module, vllm_prepare
 
 from fp4kit.layouts import trtllm
 from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 from fp4kit.layouts.runtime import read_layer
 from fp4kit.tools.convert import convert_checkpoint
 
-fi_moe = vllm_module("model_executor.layers.quantization.utils.flashinfer_fp4_moe")
 Backend = vllm_module("model_executor.layers.fused_moe.oracle.nvfp4").NvFp4MoeBackend
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def vllm_prepare(monkeypatch, backend, inputs: dict) -> dict[str, torch.Tensor]:
-    import flashinfer
-    from flashinfer.diffusion_ops.minimax_h3_fc1_swiglu import _swizzle_sf_128x4
-
-    monkeypatch.setattr(flashinfer, "nvfp4_block_scale_interleave", _swizzle_sf_128x4)
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)  # swizzle_blockscale ends in .cuda()
-    num_experts, _, half_h = inputs["w13"].shape
-    names = ("w13", "w13_scale", "w13_scale_2", "a13_scale", "w2", "w2_scale", "w2_scale_2", "a2_scale")
-    args = {name: inputs[name].clone() for name in names}
-    out = fi_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass(backend, fi_layer(num_experts, 2 * half_h), **args,
-                                                            is_act_and_mul=True)
-    prepared = dict(zip(names, out, strict=True))
-    a13, a2 = prepared["a13_scale"], prepared["a2_scale"]
-    prepared.update(g1_alphas=prepared["w13_scale_2"] * a13, a1_gscale=1.0 / a13, a2_gscale=1.0 / a2,
-                    g2_alphas=prepared["w2_scale_2"] * a2)
-    prepared["g1_scale_c"] = prepared["g1_alphas"] * prepared["a2_gscale"]
-    return prepared
 
 
 @pytest.fixture(scope="module")

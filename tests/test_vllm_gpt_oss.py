@@ -6,7 +6,7 @@ routed experts only in two forms: layer tensors whose names contain ``.w13_weigh
 narrowed as ``weight[:, :, ...]`` and permuted as an unquantized [E, K, N] tensor), or per-expert
 ``experts.{e}.<param>`` with ``<param>`` one of ``_GPT_OSS_STREAMED_EXPERT_SUFFIX_TO_SHARD`` (weights, packed
 weights, block scales, biases: no global or input scale). Run here, on a stand-in
-holding the parameters vLLM's own NVFP4 MoE ``create_weights`` makes (tests/test_vllm_loaders.py): fp4kit's
+holding the parameters vLLM's own NVFP4 MoE ``create_weights`` makes (tests/helpers.py): fp4kit's
 per-expert gate and up tensors and every global scale are skipped without a word (down's block scales load, through
 the mapper's entries for quark), and the streamed form, the only one it routes per expert, has no name for the
 global scales, which then hit the unquantized-tensor branch and fail. When a vLLM release loads them, these tests
@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _vllm_oracle import vllm_module
+from helpers import vllm_module, vllm_moe_parameters
 from safetensors.torch import load_file
 from torch import nn
 
@@ -50,8 +50,6 @@ class StandIn(nn.Module):
 
 
 def _stand_in(monkeypatch, dialect: str, config: dict, loaded: list) -> StandIn:
-    from test_vllm_loaders import vllm_moe_parameters
-
     one = SimpleNamespace(world_size=1, rank_in_group=0)
     monkeypatch.setattr(gpt_oss, "get_tensor_model_parallel_world_size", lambda: 1)
     monkeypatch.setattr(gpt_oss, "get_dp_group", lambda: one)

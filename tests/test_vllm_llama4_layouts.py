@@ -1,18 +1,25 @@
 """Llama-4 (multimodal: ModelOpt's fused expert tensors; text-only: per-expert) laid out by fp4kit against vLLM
-0.33.0's own preparation functions, fed the way vLLM's loaders fill the expert parameters (tests/_vllm_oracle.py)."""
+0.33.0's own preparation functions, fed the way vLLM's loaders fill the expert parameters (tests/helpers.py)."""
 
 from __future__ import annotations
 
 import pytest
-from _vllm_oracle import same_bytes, vllm_expert_inputs
-from test_vllm_flashinfer import Backend, vllm_prepare
-from test_vllm_marlin import ACT, assert_same, vllm_marlin
+from helpers import (
+    MARLIN_ACT,
+    assert_same_as_marlin,
+    same_bytes,
+    vllm_expert_inputs,
+    vllm_marlin,
+    vllm_module,
+    vllm_prepare,
+)
 
 from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
 from fp4kit.layouts.runtime import read_layer
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 from fp4kit.testing.fixtures import build_fixture
 
+Backend = vllm_module("model_executor.layers.fused_moe.oracle.nvfp4").NvFp4MoeBackend
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SIZES = {"hidden_size": 128, "intermediate_size": 64}  # what Marlin's tiles need (H % 128, I % 64)
 
@@ -46,7 +53,7 @@ def test_marlin_equals_vllm(monkeypatch, llama4, tmp_path, family, act) -> None:
     for layer in (0, 1):
         tensors, meta, _ = read_layer(tmp_path / "m", layer)
         inputs = vllm_expert_inputs(src, experts_module(family, layer), meta.num_experts)
-        assert_same(tensors, vllm_marlin(monkeypatch, inputs, ACT[act]))
+        assert_same_as_marlin(tensors, vllm_marlin(monkeypatch, inputs, MARLIN_ACT[act]))
 
 
 @pytest.mark.parametrize("family", ["llama4", "llama4_text"])

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 import types
-from types import SimpleNamespace
 
 import pytest
 import torch
-from _vllm_oracle import vllm_module, vllm_module_without_torchvision
+from helpers import add_wide_input_scales, vllm_module, vllm_module_without_torchvision, vllm_moe_parameters
 from safetensors.torch import load_file
 from torch import nn
 
@@ -209,11 +208,9 @@ def test_vllm_parses_the_modelopt_configs(modelopt, family, scheme) -> None:
 
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
 def test_vllm_parses_the_compressed_tensors_config(tiny_nvfp4a16, tmp_path, scheme) -> None:
-    from _layout_sources import add_input_scales
-
     root = tiny_nvfp4a16("qwen3_moe")
     if scheme == "nvfp4":
-        root = add_input_scales(root, tmp_path / "w4a4")
+        root = add_wide_input_scales(root, tmp_path / "w4a4")
     parsed = ct_config.CompressedTensorsConfig.from_config(json.loads((root / "config.json").read_text())
                                                            ["quantization_config"])
     assert parsed.get_name() == "compressed-tensors"
@@ -261,25 +258,7 @@ def test_shard_outputs_equal_vllm_expert_maps(tiny_nvfp4a16, tmp_path, strategy)
             assert held == {e for e, local in enumerate(stored) if local >= 0}
 
 
-ct_moe = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
-                     "compressed_tensors_moe_w4a4_nvfp4")
 RoutedExperts = vllm_module("model_executor.layers.fused_moe.routed_experts").RoutedExperts
-
-
-def vllm_moe_parameters(monkeypatch, dialect: str, num_experts: int, hidden: int, inter: int) -> nn.Module:
-    """The expert parameters vLLM 0.33's own NVFP4 MoE methods create (create_weights, run on a bare module; one
-    tensor-parallel rank, as vLLM's parameters ask its process group)."""
-    parameter = vllm_module("model_executor.parameter")
-    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0)
-    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1)
-    layer = nn.Module()
-    method = SimpleNamespace(moe=SimpleNamespace(is_act_and_mul=True), group_size=16, use_global_sf=False,
-                             quant_config=SimpleNamespace(is_checkpoint_nvfp4_serialized=True, group_size=16))
-    create = (ct_moe.CompressedTensorsW4A4Nvfp4MoEMethod if dialect == "compressed-tensors"
-              else modelopt_config.ModelOptNvFp4FusedMoE).create_weights
-    create(method, layer, num_experts, hidden, inter, torch.bfloat16, weight_loader=None,
-           global_num_experts=num_experts)
-    return layer
 
 
 @pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
@@ -289,13 +268,11 @@ def test_per_expert_tensors_map_onto_vllm_moe_parameters(monkeypatch, tiny_nvfp4
     # the checkpoint-name -> parameter rule of vLLM's per-expert loaders (qwen3_moe.py / glm4_moe.py load_weights:
     # name.replace(weight_name, param_name) over RoutedExperts.build_expert_params_mapping), each tensor checked
     # against the slot of the parameter it lands in: [w1 | w3] rows of w13 per expert, or the whole w2 expert
-    from _layout_sources import add_input_scales
-
     from fp4kit.tools.convert import convert_checkpoint
 
     root = tiny_nvfp4a16("qwen3_moe")
     if scheme == "nvfp4":
-        root = add_input_scales(root, tmp_path / "w4a4")
+        root = add_wide_input_scales(root, tmp_path / "w4a4")
     if dialect == "modelopt":
         convert_checkpoint(root, tmp_path / "mo", "modelopt")
         root = tmp_path / "mo"

@@ -3,15 +3,14 @@
 vLLM: model_executor/layers/quantization/utils/marlin_utils_fp4.py (prepare_nvfp4_moe_layer_for_marlin,
 _nvfp4_compute_scale_factor, nvfp4_marlin_process_scales, nvfp4_marlin_process_global_scale), fed the way
 fused_moe/oracle/nvfp4.py::convert_to_nvfp4_moe_kernel_format feeds it; only ``gptq_marlin_repack`` (CUDA) is
-swapped for vLLM's test reference (tests/_vllm_oracle.py).
+swapped for vLLM's test reference (tests/helpers.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _layout_sources import shared_source
-from _vllm_oracle import marlin_layer, patch_cuda_ops, same_bytes, vllm_expert_inputs, vllm_module
+from helpers import MARLIN_ACT, assert_same_as_marlin, shared_source, vllm_expert_inputs, vllm_marlin
 
 from fp4kit.layouts import marlin
 from fp4kit.layouts.directory import LayoutOptions, layout_checkpoint
@@ -19,25 +18,7 @@ from fp4kit.layouts.runtime import read_layer
 from fp4kit.nvfp4 import NVFP4Tensor, quantize_group
 from fp4kit.tools.convert import convert_checkpoint
 
-marlin_fp4 = vllm_module("model_executor.layers.quantization.utils.marlin_utils_fp4")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-ACT = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def vllm_marlin(monkeypatch, inputs: dict, act_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    patch_cuda_ops(monkeypatch)
-    num_experts, twice_i, half_h = inputs["w13"].shape
-    layer = marlin_layer(num_experts, 2 * half_h, twice_i // 2, act_dtype)
-    w1, w1_scale, global1, w2, w2_scale, global2 = marlin_fp4.prepare_nvfp4_moe_layer_for_marlin(
-        layer, inputs["w13"], inputs["w13_scale"], inputs["w13_scale_2"], inputs["w2"], inputs["w2_scale"],
-        inputs["w2_scale_2"], is_act_and_mul=True)
-    return {"w1": w1, "w1_scale": w1_scale, "global_scale1": global1, "w2": w2, "w2_scale": w2_scale,
-            "global_scale2": global2}
-
-
-def assert_same(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
-    for name, expected in theirs.items():
-        assert same_bytes(ours[name], expected.to(ours[name].dtype) if name.startswith("global") else expected), name
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +37,7 @@ def test_layout_checkpoint_equals_vllm(monkeypatch, sources, tmp_path, source, a
     for layer in (0, 1):
         tensors, meta, document = read_layer(out, layer)
         inputs = vllm_expert_inputs(sources[source], f"model.layers.{layer}.mlp.experts", meta.num_experts)
-        assert_same(tensors, vllm_marlin(monkeypatch, inputs, ACT[act]))
+        assert_same_as_marlin(tensors, vllm_marlin(monkeypatch, inputs, MARLIN_ACT[act]))
         assert document["layers"][str(layer)]["options"]["w13_zeroed_scales"] == 0
 
 
@@ -83,9 +64,9 @@ def test_a_near_dead_block_is_zeroed_as_vllm_does_and_counted(monkeypatch, act) 
     # f = 1 and zeroes that scale (scale * 2^7 < 2); fp4kit used to raise "too wide a range" instead
     w13, w2 = quantized_layer(2, 128, 64, seed=3)
     w13.block_scale.view(torch.uint8)[1, 5, 2] = 0x01  # 2^-9
-    ours = marlin.transform(w13, w2, None, None, act_dtype=ACT[act])
-    assert_same(ours, vllm_marlin(monkeypatch, divisor_inputs(w13, w2), ACT[act]))
-    meta = marlin.describe(w13, w2, None, None, act_dtype=ACT[act])
+    ours = marlin.transform(w13, w2, None, None, act_dtype=MARLIN_ACT[act])
+    assert_same_as_marlin(ours, vllm_marlin(monkeypatch, divisor_inputs(w13, w2), MARLIN_ACT[act]))
+    meta = marlin.describe(w13, w2, None, None, act_dtype=MARLIN_ACT[act])
     small = (w13.block_scale.to(torch.float64) * 2**7 < 2) & (w13.block_scale.to(torch.float64) > 0)
     assert meta.options["w13_scale_factor"] == 1.0 and meta.options["w13_zeroed_scales"] == int(small.sum()) >= 1
 
@@ -97,9 +78,9 @@ def test_a_largest_scale_below_448_takes_vllm_factor(monkeypatch, act) -> None:
     for tensor in (w13, w2):
         raw = tensor.block_scale.view(torch.uint8)
         raw.copy_(torch.where(raw > 0x30, raw - 0x28, raw))  # divide the larger scales by 2^5: largest < 448
-    ours = marlin.transform(w13, w2, None, None, act_dtype=ACT[act])
-    assert_same(ours, vllm_marlin(monkeypatch, divisor_inputs(w13, w2), ACT[act]))
-    factor = marlin.describe(w13, w2, None, None, act_dtype=ACT[act]).options["w13_scale_factor"]
+    ours = marlin.transform(w13, w2, None, None, act_dtype=MARLIN_ACT[act])
+    assert_same_as_marlin(ours, vllm_marlin(monkeypatch, divisor_inputs(w13, w2), MARLIN_ACT[act]))
+    factor = marlin.describe(w13, w2, None, None, act_dtype=MARLIN_ACT[act]).options["w13_scale_factor"]
     assert factor == (32.0 if act == "bf16" else 1.0)
 
 
@@ -124,5 +105,5 @@ def test_layout_of_a_checkpoint_with_a_near_dead_block(monkeypatch, sources, tmp
     layout_checkpoint(src, tmp_path / "marlin", LayoutOptions("marlin"))
     tensors, meta, document = read_layer(tmp_path / "marlin", 1)
     assert document["layers"]["1"]["options"]["w2_zeroed_scales"] == 1
-    assert_same(tensors, vllm_marlin(monkeypatch, vllm_expert_inputs(src, "model.layers.1.mlp.experts", 8),
+    assert_same_as_marlin(tensors, vllm_marlin(monkeypatch, vllm_expert_inputs(src, "model.layers.1.mlp.experts", 8),
                                      torch.bfloat16))

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _verify_sources import SQUARE, add_input_scales
-from _vllm_oracle import vllm_module
+from helpers import SQUARE, add_input_scales, vllm_module
 
 from fp4kit.layouts import marlin
 from fp4kit.nvfp4 import NVFP4Tensor, quantize_group, unpack_e2m1

@@ -3,7 +3,7 @@
 What that file does, and what is run here: MiniMaxM2MoE builds its routed experts with ``ckpt_names=("w1", "w2",
 "w3")`` (gate, down, up) under the decoder layer's ``block_sparse_moe``, so the expert tensors map onto the NVFP4
 MoE parameters by vLLM's own ``RoutedExperts.build_expert_params_mapping("w1", "w2", "w3")`` into the parameters
-vLLM's NVFP4 MoE methods create (``create_weights``, as tests/test_vllm_loaders.py); the router is a ``GateLinear``
+vLLM's NVFP4 MoE methods create (``create_weights``, as tests/helpers.py); the router is a ``GateLinear``
 without a quant config and the correction bias an fp32 parameter, both loaded as stored; ``hf_to_vllm_mapper``
 stacks q/k/v into ``qkv_proj``. The MoE layer's quant-config prefix is ``{layer}.mlp.experts`` (vLLM passes
 ``prefix=f"{prefix}.mlp"``), so the dialects' ignore lists are checked with vLLM's own matching on that name.
@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from _vllm_oracle import vllm_module
+from helpers import vllm_module, vllm_moe_parameters
 from safetensors.torch import load_file
 
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
@@ -56,8 +56,6 @@ def _tensors(root) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dialect", ["compressed-tensors", "modelopt"])
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "nvfp4"])
 def test_expert_tensors_fill_vllm_moe_parameters(monkeypatch, quantized, tiny, dialect, scheme) -> None:
-    from test_vllm_loaders import vllm_moe_parameters
-
     root = quantized(dialect, scheme)
     config = json.loads((root / "config.json").read_text())
     num_experts, hidden, inter = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]

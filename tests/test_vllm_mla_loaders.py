@@ -21,9 +21,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _vllm_oracle import vllm_module
+from helpers import vllm_module, vllm_moe_parameters
 from safetensors.torch import load_file
-from test_vllm_loaders import vllm_moe_parameters
 from torch import nn
 
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint

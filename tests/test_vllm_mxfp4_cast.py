@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from _vllm_oracle import vllm_module
+from helpers import vllm_module
 from safetensors.torch import load_file
 
 emulation = vllm_module("model_executor.layers.quantization.utils.nvfp4_emulation_utils")

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _vllm_oracle import vllm_module, vllm_module_without_torchvision
+from helpers import vllm_module, vllm_module_without_torchvision
 from safetensors.torch import load_file
 from torch import nn
 

@@ -25,7 +25,8 @@ def inspect(
     ] = None,
     ep: Annotated[int | None, typer.Option(help="count E % ep != 0 as a problem")] = None,
     engine: Annotated[
-        Literal["vllm"] | None, typer.Option(help="also check what this engine loads but serves wrongly: vllm")
+        Literal["vllm", "sglang"] | None,
+        typer.Option(help="also check what this engine loads but serves wrongly: vllm or sglang"),
     ] = None,
     source: Annotated[
         Path | None, typer.Option(help="BF16 source: audit input scales against its own causal forward")
@@ -111,6 +112,13 @@ def _text(report) -> list[str]:
     if report.marlin_zeroed_scales:
         lines.append("marlin (vLLM, bf16) stores these block scales as 0 (near-dead 16-weight blocks): " + ", ".join(
             f"{key} {count}" for key, count in report.marlin_zeroed_scales.items()))
+    if report.engine:
+        from fp4kit.tools.engine_checks import engines
+
+        version, checks = engines()[report.engine]
+        found = sum(1 for p in report.problems if p.check in checks)
+        lines.append(f"engine {report.engine} {version}: {len(checks)} load-contract checks, "
+                     + (f"{found} problem{'s' if found > 1 else ''} (below)" if found else "none found a problem"))
     if report.clean:
         lines.append("no problems found")
     else:

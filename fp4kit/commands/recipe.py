@@ -33,7 +33,7 @@ def convert(
         raise Fp4kitError(f"{dst}: exists (--overwrite replaces it)")
     for note in loaded.notes:
         typer.echo(f"note: {note}", err=True)
-    header = [f"converted by `fp4kit recipe convert` from {src}", *(f"not honoured: {n}" for n in loaded.notes)]
+    header = [f"converted by `fp4kit recipe convert` from {src}", *(f"note: {n}" for n in loaded.notes)]
     write_recipe(loaded, dst, header)
     typer.echo(f"wrote {dst} ({len(loaded.notes)} notes)")
 

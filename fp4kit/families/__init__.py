@@ -3,6 +3,7 @@
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import (
     deepseek_v3,
+    deepseek_v4,
     deepseek_v32,
     glm4_moe,
     glm4_moe_lite,
@@ -27,6 +28,7 @@ FAMILIES: tuple[Family, ...] = (*(m.FAMILY for m in (qwen3_moe, qwen3_vl_moe, gl
                                  qwen3_5_moe.FAMILY,
                                  minimax_m2.FAMILY,
                                  gpt_oss.FAMILY,
+                                 deepseek_v4.FAMILY,
                                  )
 
 

@@ -26,6 +26,9 @@ T = TypeVar("T")
 # gate/up (the grammar's w13), and MLA's q_a_proj and kv_a_proj_with_mqa, vLLM's fused_qkv_a_proj
 # (vllm/model_executor/models/deepseek_v2.py).
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), DEFAULT.w13, ("q_a_proj", "kv_a_proj_with_mqa"))
+# fused siblings that vLLM serves as one Linear of another name, which its packed_modules_mapping does not list (so
+# a per-module quantization config must name it itself): MLA's fused_qkv_a_proj (deepseek_v2.py)
+ENGINE_FUSED_NAMES = {("q_a_proj", "kv_a_proj_with_mqa"): "fused_qkv_a_proj"}
 FUSED_EXPERT_TENSORS = DEFAULT.fused_tensors
 EXPERT_PROJS = DEFAULT.projections  # a routed expert's Linears, in w13 (gate, up) then w2 order
 # a router or gate module, wherever it is (routers and Qwen's shared-expert gate), which engines keep unquantized
@@ -75,12 +78,17 @@ class Family:
     moe_modules: Callable[[], MoEModules] = field(default=lambda: _fused_experts())
     # a new one per streamed model, for decoder layers that are not hidden -> hidden; None: they are
     layer_call: Callable[[], LayerCall] | None = None
+    # transformers' decoder layers of the family load one at a time from the checkpoint's names
+    # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
+    streams_layers: bool = True
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
         """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after
         them, num_hidden_layers + N, as vLLM's drafters number them (qwen3_next_mtp.py: mtp_start_layer_idx)."""
         if self.mtp_prefix is not None and name.startswith(self.mtp_prefix):
-            layer = layer_of(name[len(self.mtp_prefix):])
+            # the block's layers as `layers.N.` (the Qwen hybrids' `mtp.layers.0.`) or `N.` (DeepSeek-V4's `mtp.0.`)
+            rest = name[len(self.mtp_prefix):]
+            layer = layer_of(rest) if not rest[:1].isdigit() else layer_of("layers." + rest)
             return None if layer is None else int(text_config["num_hidden_layers"]) + layer
         return layer_of(name)
 
@@ -90,7 +98,8 @@ class Family:
         kept = [*COMMON_IGNORE, *self.ignore(config)]
         if self.mtp_prefix is not None:
             block = "^" + re.escape(self.mtp_prefix)
-            kept.append(block if mtp == "keep" else block + r"(?!layers\.\d+\.mlp\.experts\.\d+\.)")
+            routed = rf"(?!(layers\.)?\d+\.\w+\.{re.escape(self.grammar.experts)}\.\d+\.)"  # its layers' experts
+            kept.append(block if mtp == "keep" else block + routed)
         elif mtp != "keep":
             raise Fp4kitError(f"--mtp {mtp}: {self.name} has no MTP block outside its decoder layers (its MTP layers, "
                               "if any, are `layers.N` past num_hidden_layers: choose them with --ignore)")
@@ -407,3 +416,12 @@ def fused_groups(selected: list[Candidate], grammar: ExpertGrammar = DEFAULT) ->
 
 def sub_config(config: dict, key: str = "text_config") -> dict:
     return config.get(key) or config
+
+
+def engine_fused_name(modules: list[str]) -> str | None:
+    """The name an engine serves fused siblings ``modules`` under where no packed-module mapping gives it
+    (``ENGINE_FUSED_NAMES``), e.g. ``model.layers.0.self_attn.fused_qkv_a_proj``; None for any other group."""
+    parents = {m.rsplit(".", 1)[0] for m in modules}
+    leaves = tuple(m.rsplit(".", 1)[-1] for m in modules)
+    fused = ENGINE_FUSED_NAMES.get(leaves)
+    return f"{parents.pop()}.{fused}" if fused and len(parents) == 1 else None

@@ -13,6 +13,11 @@ modeling_*.py`):
 - ``llama4_sigmoid_top1`` (Llama-4; `Llama4Router`): top-k (k = 1 in every released model) on the raw logits, weight
   = sigmoid(logit); never renormalized (``renormalize`` is ignored). The weight scales the expert *input*
   (`fp4kit.verify.reference.moe_reference` does that), not the output.
+- ``sqrtsoftplus_topk`` (DeepSeek-V4; `DeepseekV4TopKRouter`, transformers' `SqrtSoftplusActivation`): scores =
+  sqrt(softplus(fp32 logits)); selection uses scores + ``e_score_correction_bias`` (stored as the gate's ``bias``);
+  the weights are the chosen unbiased scores, divided by (their sum + 1e-20) when ``renormalize``, times
+  ``routed_scaling_factor``. Its hash layers (`DeepseekV4HashRouter`) choose the experts by token id
+  (``tid2eid``), which a reference given only router logits does not have: routed by score like the other layers.
 - ``topk_softmax`` (gpt-oss; `GptOssTopKRouter`): top-k on the raw logits (the router Linear has a bias, which the
   logits include), then softmax over the k chosen logits only; ``renormalize`` is ignored (the weights sum to 1).
 
@@ -32,8 +37,10 @@ from torch import Tensor
 
 from fp4kit.errors import Fp4kitError
 
-RoutingKind = Literal["softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1", "topk_softmax"]
-_KINDS = ("softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1", "topk_softmax")
+RoutingKind = Literal["softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1", "topk_softmax",
+                      "sqrtsoftplus_topk"]
+_KINDS = ("softmax_topk", "sigmoid_grouped_topk", "llama4_sigmoid_top1", "topk_softmax", "sqrtsoftplus_topk")
+_BIASED = ("sigmoid_grouped_topk", "sqrtsoftplus_topk")  # kinds whose selection adds a score correction bias
 # GLM scores a group by the sum of its best two biased scores (vLLM and transformers alike).
 _GROUP_SCORE_TOP = 2
 
@@ -87,11 +94,12 @@ def _renormalize(weights: Tensor, eps: float = 0.0) -> Tensor:
 def route(logits: Tensor, spec: RoutingSpec, correction_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Route [T, E] router logits: (weights fp32 [T, k], expert ids int64 [T, k]), best expert first.
 
-    ``correction_bias`` ([E], GLM's ``e_score_correction_bias``) is used only with ``sigmoid_grouped_topk``.
+    ``correction_bias`` ([E], GLM's ``e_score_correction_bias``) is used only with ``sigmoid_grouped_topk`` and
+    ``sqrtsoftplus_topk``.
     """
     if logits.dim() != 2 or logits.shape[1] != spec.num_experts:
         raise Fp4kitError(f"router logits must be [T, {spec.num_experts}], got {list(logits.shape)}")
-    if correction_bias is not None and spec.kind != "sigmoid_grouped_topk":
+    if correction_bias is not None and spec.kind not in _BIASED:
         raise Fp4kitError(f"a score correction bias is not part of {spec.kind} routing")
     logits = logits.to(torch.float32)
     if spec.kind == "softmax_topk":
@@ -101,6 +109,9 @@ def route(logits: Tensor, spec: RoutingSpec, correction_bias: Tensor | None = No
             weights = _renormalize(weights)
     elif spec.kind == "sigmoid_grouped_topk":
         weights, ids = _grouped_topk(_finite_or_zero(torch.sigmoid(logits)), spec, correction_bias)
+    elif spec.kind == "sqrtsoftplus_topk":
+        scores = torch.sqrt(torch.nn.functional.softplus(logits))
+        weights, ids = _grouped_topk(_finite_or_zero(scores), spec, correction_bias)
     elif spec.kind == "topk_softmax":
         top_logits, ids = _topk_lowest_id_on_ties(_finite_or_zero(logits), spec.top_k)
         weights = torch.softmax(top_logits, dim=-1)

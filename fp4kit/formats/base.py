@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from fp4kit.families.base import Family
     from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
     from fp4kit.nvfp4 import NVFP4Tensor
+    from fp4kit.quantize.schemes import Fp8Weight
 
 # the tensors of one quantized Linear, by role: packed E2M1 codes, FP8 block scales, weight global and input scale
 ROLES = ("packed", "block", "global", "input")
@@ -108,6 +109,8 @@ class Dialect:
     # the `--quantization` value the serving docs pass to vLLM and SGLang for this dialect (docs/serving.md); None:
     # none passed (the engines read the method from config.json)
     serve_quantization: str | None = None
+    # the same for a checkpoint with per-module schemes (fp4kit.quantize.schemes)
+    serve_quantization_mixed: str | None = None
 
     # --- reading ---
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
@@ -165,6 +168,23 @@ class Dialect:
 
     def side_configs(self, scheme: str, ignore: list[str]) -> dict[str, dict]:
         """The ``config_files`` to write beside config.json, by file name."""
+        return {}
+
+    # --- per-module schemes (fp4kit.quantize.schemes): FP8 Linears beside NVFP4 ones ---
+    def fp8_planned(self, module: str, scheme: str, out_features: int, in_features: int, dtype: torch.dtype,
+                    with_input_scale: bool) -> list[PlannedTensor]:
+        """An FP8 Linear's tensors; ``dtype``: the source weight's (compressed-tensors keeps scales in it)."""
+        raise NotImplementedError
+
+    def fp8_encode(self, module: str, scheme: str, weight: Fp8Weight, input_scale_div: torch.Tensor | None = None
+                   ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def mixed_quantization_config(self, schemes: dict[str, str], ignore: list[str]) -> dict:
+        """config.json's ``quantization_config`` when modules have different schemes (module -> scheme)."""
+        raise NotImplementedError
+
+    def mixed_side_configs(self, schemes: dict[str, str], ignore: list[str]) -> dict[str, dict]:
         return {}
 
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ import json
 import re
 from importlib import metadata, resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,16 +27,19 @@ from fp4kit.formats.base import Dialect, QuantModule, plain_modules
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
+if TYPE_CHECKING:
+    from fp4kit.quantize.schemes import Fp8Weight
+
 NAME = "compressed-tensors"
 FORMAT = "nvfp4-pack-quantized"
 SUFFIXES = {"packed": ".weight_packed", "block": ".weight_scale", "global": ".weight_global_scale",
             "input": ".input_global_scale"}
 SCHEMES = {"nvfp4a16": "NVFP4A16", "nvfp4": "NVFP4"}
 # per-module schemes (fp4kit.quantize.schemes) besides NVFP4: compressed-tensors' preset and group format
-FP8_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK"}
+FP8_SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK", "fp8-static": "FP8"}
 FP8_FORMAT = "float-quantized"
 MIXED_FORMAT = "mixed-precision"
-FP8_SUFFIXES = {"weight": ".weight", "scale": ".weight_scale"}
+FP8_SUFFIXES = {"weight": ".weight", "scale": ".weight_scale", "input": ".input_scale"}
 CONFIG_SNAPSHOT = "compressed_tensors_config.json"
 
 
@@ -74,13 +78,20 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
 
 def scheme_of(qconfig: dict) -> str:
     """nvfp4 or nvfp4a16 from a compressed-tensors quantization_config (an error for any format but NVFP4)."""
+    if qconfig.get("format") == MIXED_FORMAT:
+        raise Fp4kitError(f"compressed-tensors format {MIXED_FORMAT!r} (several schemes, e.g. FP8 modules beside "
+                          "NVFP4 ones): fp4kit reads single-scheme NVFP4 checkpoints only")
     formats = {qconfig.get("format")} | {g.get("format") for g in (qconfig.get("config_groups") or {}).values()}
     formats.discard(None)
     if formats - {FORMAT}:
         raise Fp4kitError(f"compressed-tensors format {sorted(formats - {FORMAT})[0]!r} is not NVFP4 "
                           f"(fp4kit reads {FORMAT})")
     groups = (qconfig.get("config_groups") or {}).values()
-    return "nvfp4" if any(g.get("input_activations") for g in groups) else "nvfp4a16"
+    with_input = {bool(g.get("input_activations")) for g in groups}
+    if len(with_input) > 1:
+        raise Fp4kitError("compressed-tensors config groups mix NVFP4 (W4A4) and NVFP4A16 (weight-only): fp4kit reads "
+                          "single-scheme NVFP4 checkpoints only")
+    return "nvfp4" if True in with_input else "nvfp4a16"
 
 
 def ignore_from(patterns: list[str]) -> list[str]:
@@ -144,16 +155,74 @@ def build_mixed_quantization_config(groups: list[tuple[str, list[str]]], ignore:
     return out
 
 
-def fp8_planned(module: str, scale_shape: tuple[int, ...], out_features: int, in_features: int,
-                dtype: torch.dtype) -> list[PlannedTensor]:
-    """An FP8 Linear as compressed-tensors' float-quantized format stores it: E4M3 ``weight`` and its scale in
-    the source weight's dtype."""
-    return [PlannedTensor(module + FP8_SUFFIXES["weight"], torch.float8_e4m3fn, (out_features, in_features)),
-            PlannedTensor(module + FP8_SUFFIXES["scale"], dtype, scale_shape)]
+def fp8_planned(module: str, scheme: str, out_features: int, in_features: int, dtype: torch.dtype,
+                with_input_scale: bool) -> list[PlannedTensor]:
+    """An FP8 Linear as compressed-tensors' float-quantized format stores it: E4M3 ``weight``, its scale in the
+    source weight's dtype and, for fp8-static, the input scale [1] in that dtype too."""
+    from fp4kit.quantize.schemes import fp8_scale_shape
+
+    specs = [PlannedTensor(module + FP8_SUFFIXES["weight"], torch.float8_e4m3fn, (out_features, in_features)),
+             PlannedTensor(module + FP8_SUFFIXES["scale"], dtype, fp8_scale_shape(scheme, out_features, in_features))]
+    if with_input_scale:
+        specs.append(PlannedTensor(module + FP8_SUFFIXES["input"], dtype, (1,)))
+    return specs
 
 
-def fp8_encode(module: str, codes: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {module + FP8_SUFFIXES["weight"]: codes, module + FP8_SUFFIXES["scale"]: scale}
+def fp8_encode(module: str, scheme: str, weight: Fp8Weight, input_scale_div: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
+    tensors = {module + FP8_SUFFIXES["weight"]: weight.codes, module + FP8_SUFFIXES["scale"]: weight.scale}
+    if input_scale_div is not None:
+        tensors[module + FP8_SUFFIXES["input"]] = input_scale_div.to(weight.scale.dtype).reshape(1)
+    return tensors
+
+
+def _generalizations(module: str) -> list[str]:
+    """Regexes for ``module``, anchored at both ends, most general first: every layer and expert number as ``\\d+``,
+    then every number but the first (the layer's)."""
+    escaped = re.escape(module)
+    number = r"\\\.\d+(?=\\\.|$)"
+    every = re.sub(number, lambda _: r"\.\d+", escaped)
+    first = re.search(number, escaped)
+    tail = escaped[:first.end()] + re.sub(number, lambda _: r"\.\d+", escaped[first.end():]) if first else every
+    return list(dict.fromkeys(f"^{p}$" for p in (every, tail)))
+
+
+def scheme_targets(schemes: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """(scheme, targets) config groups for per-module schemes that vLLM resolves as compressed-tensors does.
+
+    compressed-tensors gives a module its first matching group; vLLM 0.33 tries every group's module-name targets
+    before any class target (vllm/model_executor/layers/quantization/compressed_tensors/utils.py,
+    ``find_matched_target``), whatever their order. So the targets never overlap: the scheme with the most modules
+    takes ``Linear`` as the last group, and every other group lists its modules as regexes with the layer and
+    expert numbers generalized (or the expert numbers only), each checked to match none of another scheme's modules
+    (an exact name where both would)."""
+    by_scheme: dict[str, list[str]] = {}
+    for module, scheme in schemes.items():
+        by_scheme.setdefault(scheme, []).append(module)
+    default = max(by_scheme, key=lambda s: len(by_scheme[s]))
+    groups = []
+    safe_patterns: set[str] = set()  # known to match no module of another scheme
+    unsafe: set[str] = set()
+    for scheme, modules in by_scheme.items():
+        if scheme == default:
+            continue
+        others = [m for m, s in schemes.items() if s != scheme]
+        targets: list[str] = []
+        for module in modules:
+            safe = [p for p in _generalizations(module)
+                    if p not in unsafe and (p in safe_patterns or not any(re.match(p, m) for m in others))]
+            for p in _generalizations(module):
+                (safe_patterns if p in safe else unsafe).add(p)
+            target = "re:" + safe[0] if safe else module
+            if target not in targets:
+                targets.append(target)
+        groups.append((scheme, targets))
+    return [*groups, (default, ["Linear"])]
+
+
+def mixed_quantization_config(schemes: dict[str, str], ignore: list[str]) -> dict:
+    """config.json's ``quantization_config`` for per-module schemes (``schemes``: module -> scheme)."""
+    return build_mixed_quantization_config(scheme_targets(schemes), ignore)
 
 
 def config_snapshot() -> dict:
@@ -202,7 +271,9 @@ class CompressedTensors(Dialect):
         return tensor.endswith((SUFFIXES["packed"], SUFFIXES["global"], SUFFIXES["input"]))
 
     def find_modules(self, reader: CheckpointReader) -> list[QuantModule]:
-        return plain_modules(reader, SUFFIXES, ("global", "input", "block", "packed"))
+        # `.weight_scale` also names an FP8 module's scale (a mixed-precision checkpoint): NVFP4 has packed codes
+        return plain_modules(reader, SUFFIXES, ("global", "input", "block", "packed"),
+                             lambda base: base + SUFFIXES["packed"] in reader)
 
     def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
         return fp32_multiplier(divisor)
@@ -212,6 +283,9 @@ class CompressedTensors(Dialect):
     encode = staticmethod(encode)
     decode = staticmethod(decode)
     quantization_config = staticmethod(quantization_config)
+    fp8_planned = staticmethod(fp8_planned)
+    fp8_encode = staticmethod(fp8_encode)
+    mixed_quantization_config = staticmethod(mixed_quantization_config)
 
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
         return ignore_from(patterns)

@@ -25,6 +25,7 @@ adds (fp4kit.formats.detect; quantize does so for calibrated input scales, conve
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,11 +36,18 @@ from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_module
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
+if TYPE_CHECKING:
+    from fp4kit.quantize.schemes import Fp8Weight
+
 NAME = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
 QUANT_ALGOS = {"nvfp4": "NVFP4", "nvfp4a16": "W4A16_NVFP4"}
 SCHEMES = {algo: scheme for scheme, algo in QUANT_ALGOS.items()}
+# per-module schemes (fp4kit.quantize.schemes) besides NVFP4: their quant_algo in a MIXED_PRECISION config, the names
+# vLLM 0.33's modelopt.py LINEAR_ALGOS maps to its FP8 linear methods
+FP8_QUANT_ALGOS = {"fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN", "fp8-block": "FP8_PB_WO", "fp8-static": "FP8"}
+MIXED = "MIXED_PRECISION"
 # who wrote the file: fp4kit, not ModelOpt. vLLM reads `producer.name` only from an hf_quant_config.json that
 # config.json has no quantization_config beside (its ModelOpt 0.29 fallback); fp4kit writes both, and vLLM takes
 # config.json's, whose quant_method says modelopt (tests/test_vllm_loaders.py loads it)
@@ -137,6 +145,90 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
     )
     input_div = tensors.get(f"{module}.{INPUT_SCALE}")
     return weight, None if input_div is None else input_div.reshape(()).double()
+
+
+def fp8_scale_shape(scheme: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """An FP8 weight scale's shape as ModelOpt stores it (fp32): 0-d per tensor, [N] per channel, and per 128x128
+    block [N/128, 1, K/128, 1] (what vLLM 0.33's ``KFp8Block128`` registers)."""
+    from fp4kit.quantize.schemes import fp8_scale_shape as canonical
+
+    shape = canonical(scheme, out_features, in_features)
+    if scheme == "fp8-static":
+        return SCALAR
+    if scheme == "fp8-dynamic":
+        return (out_features,)
+    return (shape[0], 1, shape[1], 1)
+
+
+def fp8_planned(module: str, scheme: str, out_features: int, in_features: int, dtype: torch.dtype,
+                with_input_scale: bool) -> list[PlannedTensor]:
+    scale_shape = fp8_scale_shape(scheme, out_features, in_features)
+    specs = [PlannedTensor(f"{module}.{WEIGHT}", torch.float8_e4m3fn, (out_features, in_features)),
+             PlannedTensor(f"{module}.{BLOCK_SCALE}", torch.float32, scale_shape)]
+    if with_input_scale:
+        specs.append(PlannedTensor(f"{module}.{INPUT_SCALE}", torch.float32, SCALAR))
+    return specs
+
+
+def fp8_encode(module: str, scheme: str, weight: Fp8Weight, input_scale_div: torch.Tensor | None = None
+               ) -> dict[str, torch.Tensor]:
+    n, k = weight.codes.shape
+    tensors = {f"{module}.{WEIGHT}": weight.codes,
+               f"{module}.{BLOCK_SCALE}": weight.scale.float().reshape(fp8_scale_shape(scheme, n, k))}
+    if input_scale_div is not None:
+        tensors[f"{module}.{INPUT_SCALE}"] = input_scale_div.to(weight.scale.dtype).float().reshape(SCALAR)
+    return tensors
+
+
+def layer_entry(scheme: str) -> dict:
+    """A module's entry in a MIXED_PRECISION config's ``quantized_layers``."""
+    if scheme in QUANT_ALGOS:
+        return {"quant_algo": QUANT_ALGOS[scheme], "group_size": BLOCK}
+    return {"quant_algo": FP8_QUANT_ALGOS[scheme]}
+
+
+def mixed_hf_quant_config(schemes: dict[str, str], exclude_modules: list[str]) -> dict:
+    """hf_quant_config.json for per-module schemes (``schemes``: module, or fused expert tensor, -> scheme): one
+    ``quantized_layers`` entry per module, as ModelOpt's export writes a MIXED_PRECISION model
+    (modelopt/torch/export/quant_utils.py, ``process_layer_quant_config``)."""
+    return {
+        "producer": dict(PRODUCER),
+        "quantization": {
+            "quant_algo": MIXED,
+            "kv_cache_quant_algo": None,
+            "quantized_layers": {module: layer_entry(scheme) for module, scheme in schemes.items()},
+            "exclude_modules": list(exclude_modules),
+        },
+    }
+
+
+def _group_config(entry: dict) -> dict:
+    """The compressed-tensors-style config group ModelOpt derives from a quantized_layers entry
+    (modelopt/torch/export/convert_hf_config.py)."""
+    algo = entry["quant_algo"]
+    if algo in SCHEMES:
+        numeric = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": entry.get("group_size", BLOCK)}
+        return {"input_activations": dict(numeric), "weights": dict(numeric)} if algo == "NVFP4" \
+            else {"weights": dict(numeric)}
+    fp8 = {"dynamic": False, "num_bits": 8, "type": "float"}
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return {"input_activations": dict(fp8), "weights": {**fp8, "strategy": "channel"}}
+    if algo == "FP8":
+        return {"input_activations": dict(fp8), "weights": dict(fp8)}
+    return {"quant_algo": algo}  # what ModelOpt writes for an algorithm its converter does not map
+
+
+def mixed_quantization_config(schemes: dict[str, str], exclude_modules: list[str]) -> dict:
+    """config.json's ``quantization_config`` derived from ``mixed_hf_quant_config`` as ModelOpt derives it: one
+    config group per distinct layer entry, targeting its modules, and the entries themselves."""
+    layers = mixed_hf_quant_config(schemes, exclude_modules)["quantization"]["quantized_layers"]
+    by_entry: dict[tuple, list[str]] = {}
+    for module, entry in layers.items():
+        by_entry.setdefault(tuple(sorted(entry.items())), []).append(module)
+    groups = {f"group_{i}": {**_group_config(dict(key)), "targets": sorted(modules)}
+              for i, (key, modules) in enumerate(by_entry.items())}
+    return {"config_groups": groups, "quantized_layers": layers, "ignore": list(exclude_modules),
+            "quant_algo": MIXED, "producer": dict(PRODUCER), "quant_method": "modelopt"}
 
 
 def fused_names(experts: str, leaf: str) -> dict[str, str]:
@@ -243,6 +335,9 @@ def quantization_config(scheme: str, exclude_modules: list[str]) -> dict:
 def scheme_of(qconfig: dict) -> str:
     """nvfp4 or nvfp4a16 from hf_quant_config.json's quantization section (an error for any algorithm but NVFP4)."""
     algo = str(qconfig.get("quant_algo", "")).upper()
+    if algo == MIXED:
+        raise Fp4kitError(f"ModelOpt quant_algo {MIXED} (per-layer schemes, e.g. FP8 modules beside NVFP4 ones): "
+                          "fp4kit reads single-scheme NVFP4 checkpoints only")
     if algo not in SCHEMES:
         raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 (fp4kit reads {', '.join(SCHEMES)})")
     return SCHEMES[algo]
@@ -301,6 +396,8 @@ class ModelOpt(Dialect):
     fused_experts = True
     records_exact_input_scales = True
     serve_quantization = "modelopt_fp4"
+    # vLLM 0.33's ModelOptMixedPrecisionConfig.override_quantization_method picks it for quant_algo MIXED_PRECISION
+    serve_quantization_mixed = "modelopt_mixed"
 
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
         if files.get(HF_QUANT_CONFIG):
@@ -343,6 +440,13 @@ class ModelOpt(Dialect):
 
     def side_configs(self, scheme: str, ignore: list[str]) -> dict[str, dict]:
         return {HF_QUANT_CONFIG: hf_quant_config(scheme, ignore)}
+
+    fp8_planned = staticmethod(fp8_planned)
+    fp8_encode = staticmethod(fp8_encode)
+    mixed_quantization_config = staticmethod(mixed_quantization_config)
+
+    def mixed_side_configs(self, schemes: dict[str, str], ignore: list[str]) -> dict[str, dict]:
+        return {HF_QUANT_CONFIG: mixed_hf_quant_config(schemes, ignore)}
 
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
         return ignore_from(patterns, unquantized)

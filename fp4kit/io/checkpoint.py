@@ -44,6 +44,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
@@ -52,8 +53,9 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# the bits that are all ones exactly in NaN (E4M3FN has no Inf) / in NaN and Inf (E5M2)
-_FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C)}
+# the bits that are all ones exactly in NaN (E4M3FN has no Inf) / in NaN and Inf (E5M2) / in NaN (E8M0: 0xFF)
+_FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C),
+                  torch.float8_e8m0fnu: (0xFF, 0xFF)}
 
 
 @dataclass(frozen=True)

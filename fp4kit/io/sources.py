@@ -38,6 +38,7 @@ from fp4kit.nvfp4 import unpack_e2m1
 
 DEQUANT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_SCALE_SUFFIX = ".weight_scale_inv"
+E8M0_SCALE_SUFFIX = ".scale"  # DeepSeek-V4: F8_E8M0 scales of FP8 blocks and of int8-packed FP4 (MXFP4) weights
 PACKED_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape")
 
 
@@ -222,37 +223,53 @@ def _plain_name(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> str:
 
 def _fp8_block_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
                       dtype: torch.dtype) -> SourceFormat:
+    """FP8 blocks with ``<m>.weight_scale_inv`` float32 multipliers, or, with ``scale_fmt: ue8m0`` (DeepSeek-V4's
+    release), ``<m>.scale`` E8M0 multipliers; beside them DeepSeek-V4 stores its routed experts as MXFP4 under the
+    same ``.scale`` name (``E8M0_SCALE_SUFFIX``)."""
     where = "config.json: quantization_config"
     block = qc.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise Fp4kitError(f"{where}: quant_method fp8 with weight_block_size {block!r}; fp4kit reads block-scaled "
                           "FP8 ([rows, cols] of positive integers)")
-    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt") not in (None, "float32"):
+    if qc.get("fmt", "e4m3") != "e4m3" or qc.get("scale_fmt") not in (None, "float32", "ue8m0"):
         raise Fp4kitError(f"{where}: fmt {qc.get('fmt')!r} scale_fmt {qc.get('scale_fmt')!r}; fp4kit reads e4m3 "
-                          "weights with float32 block scales")
+                          "weights with float32 or ue8m0 block scales")
     bm, bn = block
     linears: dict[str, QuantizedLinear] = {}
+    mxfp4 = 0
     for name, (sdtype, sshape) in tensors.items():
-        if not name.endswith(FP8_SCALE_SUFFIX):
+        suffix = next((s for s in (FP8_SCALE_SUFFIX, E8M0_SCALE_SUFFIX) if name.endswith(s)), None)
+        if suffix is None or (suffix == E8M0_SCALE_SUFFIX and sdtype != torch.float8_e8m0fnu):
             continue
-        module = name[: -len(FP8_SCALE_SUFFIX)]
+        scale_dtype = torch.float32 if suffix == FP8_SCALE_SUFFIX else torch.float8_e8m0fnu
+        module = name[: -len(suffix)]
         weight = f"{module}.weight"
         if weight not in tensors:
             raise Fp4kitError(f"{name}: a block scale without its weight {weight}")
         wdtype, wshape = tensors[weight]
+        if suffix == E8M0_SCALE_SUFFIX and wdtype == torch.int8 and len(wshape) == 2:
+            rows, cols = wshape[0], wshape[1] * 2
+            if tuple(sshape) != (rows, math.ceil(cols / 32)):
+                raise Fp4kitError(f"{name}: {sdtype}{list(sshape)}, the {weight} {list(wshape)} FP4 weight needs "
+                                  f"[{rows}, {math.ceil(cols / 32)}] (one E8M0 exponent per 32 inputs)")
+            linears[module] = QuantizedLinear(module, Mxfp4(weight, name), rows, cols, dtype)
+            mxfp4 += 1
+            continue
         if wdtype != torch.float8_e4m3fn or len(wshape) != 2:
             raise Fp4kitError(f"{weight}: {wdtype}{list(wshape)} beside {name}; FP8-block weights are float8_e4m3fn "
-                              "[N, K]")
+                              "[N, K]" + (" (or int8 [N, K/2] FP4 codes beside E8M0 scales)"
+                                          if suffix == E8M0_SCALE_SUFFIX else ""))
         grid = (math.ceil(wshape[0] / bm), math.ceil(wshape[1] / bn))
-        if sdtype != torch.float32 or tuple(sshape) != grid:
+        if sdtype != scale_dtype or tuple(sshape) != grid:
             raise Fp4kitError(f"{name}: {sdtype}{list(sshape)}, the {list(wshape)} weight in {bm}x{bn} blocks needs "
-                              f"float32{list(grid)}")
+                              f"{str(scale_dtype).removeprefix('torch.')}{list(grid)}")
         linears[module] = QuantizedLinear(module, Fp8Block(weight, name, (bm, bn)), wshape[0], wshape[1], dtype)
     for name, (sdtype, sshape) in tensors.items():
         if sdtype == torch.float8_e4m3fn and name[: -len(".weight")] not in linears:
             raise Fp4kitError(f"{name}: float8_e4m3fn{list(sshape)} without a {FP8_SCALE_SUFFIX[1:]}")
-    return SourceFormat(f"fp8-block {bm}x{bn}", linears)
+    scales = " ue8m0" if qc.get("scale_fmt") == "ue8m0" else ""
+    return SourceFormat(f"fp8-block {bm}x{bn}{scales}" + (" + mxfp4" if mxfp4 else ""), linears)
 
 
 # compressed-tensors formats (compressed_tensors/config/base.py CompressionFormat) this module reads
@@ -564,6 +581,8 @@ def _block_multipliers(scale: torch.Tensor, linear: QuantizedLinear) -> torch.Te
     """An FP8 Linear's multipliers as fp32 [ceil(N/bm), ceil(K/bn)] (a per-tensor scale stored as [1] or [])."""
     bm, bn = linear.encoding.block  # type: ignore[union-attr]
     grid = (math.ceil(linear.out_features / bm), math.ceil(linear.in_features / bn))
+    if scale.dtype == torch.float8_e8m0fnu:
+        return mxfp4_multipliers(scale.view(torch.uint8)).reshape(grid)
     return scale.to(torch.float32).reshape(grid)
 
 
@@ -576,12 +595,18 @@ def mxfp4_multipliers(exponents: torch.Tensor) -> torch.Tensor:
     return torch.where(exponents == E8M0_NAN, torch.nan, scale)
 
 
+def mxfp4_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes or exponents as the uint8 bytes the format defines, whatever one-byte dtype stores them
+    (DeepSeek-V4: int8 codes, float8_e8m0fnu exponents)."""
+    return tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+
+
 def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., N, K/2] E2M1 code bytes (element 2j in the low nibble, sign in bit 3) with [..., N, ceil(K/32)] E8M0
     exponents -> [..., N, K] values, exact in fp32 (and in bf16: 2-bit significands, the exponents' range)."""
-    values = unpack_e2m1(packed)
+    values = unpack_e2m1(mxfp4_bytes(packed))
     cols = values.shape[-1]
-    scale = mxfp4_multipliers(exponents).repeat_interleave(32, dim=-1)[..., :cols]
+    scale = mxfp4_multipliers(mxfp4_bytes(exponents)).repeat_interleave(32, dim=-1)[..., :cols]
     return values.mul_(scale).to(dtype)
 
 

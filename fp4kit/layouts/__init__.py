@@ -20,7 +20,7 @@ What fp4kit's commands ask of it:
 - ``W4A4``: whether the kernel quantizes activations (it then needs the checkpoint's input scales);
 - ``layout_options(act_dtype, flavor)`` -> the keyword options of its ``check_shapes`` / ``transform`` /
   ``describe`` for `fp4kit layout`'s options (an Fp4kitError for a combination it cannot run);
-- ``shape_problems(hidden, intermediate)`` -> why the kernel cannot run these sizes (empty: it can), for inspect;
+- ``shape_problems(hidden, intermediate)`` -> why the kernel cannot run these sizes (empty: it can), for verify;
 - ``padded_sizes(hidden, intermediate)`` and ``manifest_kernel(options)`` -> what fp4kit_layout.json records
   (fp4kit/layouts/manifest.py): the kernel function, its library and description, how the gate/up input divisor is
   chosen, the formulas of its scalars, and (``options``, when any) the layout options that select the kernel;
@@ -34,6 +34,7 @@ w13 is [E, 2I, H] in [w1; w3] (gate first) row order, w2 is [E, H, I]; both stac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -122,6 +123,23 @@ def alignment_problems(checks: list[tuple[str, int, int]]) -> list[str]:
     """``"I=96 not a multiple of 64"`` for each (name, value, multiple) that fails."""
     return [f"{what}={value} not a multiple of {multiple}" for what, value, multiple in checks if value % multiple]
 
+
+
+def layout_refusal(backend: ModuleType, num_experts: int, hidden: int, intermediate: int, weight_only: bool,
+                   **options: object) -> str | None:
+    """Why `fp4kit layout --backend` refuses one MoE layer (None: it lays it out): the backend's ``check_shapes``,
+    then a W4A4 kernel asked to run a weight-only checkpoint. inspect's backend table asks the same."""
+    try:
+        backend.check_shapes(num_experts, hidden, intermediate, **options)
+    except Fp4kitError as exc:
+        return str(exc)
+    if backend.W4A4 and weight_only:
+        from fp4kit.registry import backends
+
+        weight_only_backends = " or ".join(f"--backend {name}" for name, m in backends().items() if not m.W4A4)
+        return (f"--backend {backend.BACKEND} runs a W4A4 kernel, which needs activation (input) scales, and this "
+                f"checkpoint is weight-only: use {weight_only_backends}")
+    return None
 
 # Scalar formulas the manifests record (fp4kit/layouts/manifest.py, FORMULA_NOTATION says how to read them)
 W4A4_FORMULAS = {"w13_alpha": "fp32(D_w13) * fp32(D_a13)", "a13_gscale": "1 / fp32(D_a13)",

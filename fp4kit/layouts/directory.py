@@ -31,7 +31,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, config_files
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.io.output import atomic_directory
 from fp4kit.io.streaming import BackgroundWriter, prefetched
-from fp4kit.layouts import StackedExperts, cutlass
+from fp4kit.layouts import StackedExperts, cutlass, layout_refusal
 from fp4kit.layouts.manifest import MANIFEST, layer_entry, manifest
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor
 from fp4kit.registry import backends
@@ -152,13 +152,9 @@ def check_layers(layers: list[MoELayer], options: LayoutOptions) -> None:
     backend = BACKENDS[options.backend]
     shape_options = options.transform_options()
     for layer in layers:
-        try:
-            backend.check_shapes(layer.num_experts, layer.hidden, layer.intermediate, **shape_options)
-        except Fp4kitError as exc:
-            raise Fp4kitError(f"{layer.experts}: {exc}") from None
-        if backend.W4A4 and not layer.has_input_scales:
-            raise Fp4kitError(f"{layer.experts}: --backend {options.backend} runs a W4A4 kernel, which needs "
-                              f"activation (input) scales, and this checkpoint is weight-only: use --backend marlin")
+        if why := layout_refusal(backend, layer.num_experts, layer.hidden, layer.intermediate,
+                                 not layer.has_input_scales, **shape_options):
+            raise Fp4kitError(f"{layer.experts}: {why}")
 
 
 def kernel_tensors(layer: MoELayer, options: LayoutOptions) -> dict[str, PlannedTensor]:

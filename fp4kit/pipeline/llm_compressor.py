@@ -27,7 +27,7 @@ NO_EFFECT = ("index", "group", "start", "end", "update", "requires_calibration_d
              "batched_quantization", "offload_hessians", "sequential_update")
 CLASS_NAME = re.compile(r"^[A-Z][A-Za-z0-9_]*$")  # `Linear`, `Qwen3MoeSparseMoeBlock`: a module class, not a name
 
-Path_ = tuple[str | int, ...]
+KeyPath = tuple[str | int, ...]  # a key's place in the recipe: ('quant_stage', 'quant_modifiers', ...)
 
 
 def is_llm_compressor_recipe(data: dict) -> bool:
@@ -37,34 +37,40 @@ def is_llm_compressor_recipe(data: dict) -> bool:
 class Translation:
     """An llm-compressor recipe's data as an fp4kit recipe's, with where each key came from and the notes."""
 
-    def __init__(self, data: dict, lines: dict[Path_, int], file: str):
+    def __init__(self, data: dict, lines: dict[KeyPath, int], file: str):
         self.source, self.source_lines, self.file = data, lines, file
         self.data: dict[str, Any] = {}
-        self.lines: dict[Path_, int] = {}
+        self.lines: dict[KeyPath, int] = {}
         self.notes: list[str] = []
 
-    def where(self, path: Path_) -> str:
+    def where(self, path: KeyPath) -> str:
         for end in range(len(path), -1, -1):
             if path[:end] in self.source_lines:
                 return f"{self.file}:{self.source_lines[path[:end]]}"
         return self.file
 
-    def note(self, path: Path_, text: str) -> None:
+    def note(self, path: KeyPath, text: str) -> None:
         self.notes.append(f"{self.where(path)}: {'.'.join(map(str, path))}: {text}")
 
-    def error(self, path: Path_, text: str) -> Fp4kitError:
+    def error(self, path: KeyPath, text: str) -> Fp4kitError:
         return Fp4kitError(f"{self.where(path)}: {'.'.join(map(str, path))}: {text}")
 
-    def set(self, key: str, value: Any, source: Path_) -> None:
-        self.data.setdefault("quantize", {})[key] = value
+    def set(self, key: str, value: Any, source: KeyPath) -> None:
+        """quantize.KEY from ``source``, unless the recipe's own ``quantize`` mapping sets KEY."""
+        own = self.source.get("quantize")
+        if isinstance(own, dict) and key in own:
+            return
+        if not isinstance(self.data.get("quantize"), dict):
+            self.data["quantize"] = {}
+        self.data["quantize"][key] = value
         if source in self.source_lines:
             self.lines[("quantize", key)] = self.source_lines[source]
 
 
-def translate(data: dict, lines: dict[Path_, int], file: str, fp4kit_keys: set[str]) -> Translation:
+def translate(data: dict, lines: dict[KeyPath, int], file: str, fp4kit_keys: set[str]) -> Translation:
     """``data`` (an llm-compressor recipe, with the 1-based ``lines`` of its keys) as fp4kit recipe data."""
     out = Translation(data, lines, file)
-    modifiers: list[tuple[Path_, str, dict]] = []
+    modifiers: list[tuple[KeyPath, str, dict]] = []
     for key, value in data.items():
         if key in fp4kit_keys:
             out.data[key] = value
@@ -90,7 +96,7 @@ def translate(data: dict, lines: dict[Path_, int], file: str, fp4kit_keys: set[s
     return out
 
 
-def _patterns(out: Translation, path: Path_, value: Any, drop: tuple[str, ...] = ()) -> list[str]:
+def _patterns(out: Translation, path: KeyPath, value: Any, drop: tuple[str, ...] = ()) -> list[str]:
     """llm-compressor target strings as fp4kit's module-name regexes: ``re:X`` matches from the name's start
     (re.match), a plain string is a whole module name."""
     items = [value] if isinstance(value, str) else value
@@ -109,7 +115,7 @@ def _patterns(out: Translation, path: Path_, value: Any, drop: tuple[str, ...] =
     return regexes
 
 
-def _scheme(out: Translation, path: Path_, arguments: dict) -> tuple[str, Any]:
+def _scheme(out: Translation, path: KeyPath, arguments: dict) -> tuple[str, Any]:
     scheme, targets = arguments.get("scheme"), arguments.get("targets", "Linear")
     if isinstance(scheme, dict) and len(scheme) == 1:  # {NVFP4: [targets]}
         (scheme, targets), = scheme.items()
@@ -127,7 +133,7 @@ def _observer(arguments: dict, kind: str) -> str | None:
         {"weights": "weight_observer", "input": "input_observer", "output": "output_observer"}[kind])
 
 
-def _quantizer(out: Translation, path: Path_, name: str, arguments: dict) -> None:
+def _quantizer(out: Translation, path: KeyPath, name: str, arguments: dict) -> None:
     gptq = name == "GPTQModifier"
     scheme, targets = _scheme(out, path, arguments)
     out.set("scheme", scheme, (*path, "scheme"))

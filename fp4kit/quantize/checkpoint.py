@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import engine_fused_name
 from fp4kit.formats.base import Dialect
 from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
 from fp4kit.io.streaming import BackgroundWriter, prefetched
@@ -27,6 +28,16 @@ from fp4kit.quantize import distributed
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
 from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_group_mse, quantize_stacked_mse
+from fp4kit.quantize.schemes import (
+    FP8_SCHEMES,
+    KEPT,
+    STATIC_INPUT_SCHEMES,
+    SchemeMap,
+    fp8_input_scale,
+    module_schemes,
+    quantize_fp8,
+    single_nvfp4,
+)
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
@@ -88,6 +99,8 @@ class QuantizeOptions:
     cast_mxfp4: bool = True
     # an MTP block outside the decoder layers (Qwen hybrids): keep (as published) or quantize its routed experts
     mtp: str = "keep"
+    # per-module schemes, REGEX=SCHEME, first match wins (fp4kit.quantize.schemes); the rest get `scheme`
+    scheme_for: list[str] = field(default_factory=list)
     command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
@@ -129,9 +142,24 @@ def input_scale_source(options: QuantizeOptions) -> str:
     return "source" if records else "quantized"
 
 
+def scheme_map(options: QuantizeOptions) -> SchemeMap:
+    return SchemeMap.parse(options.scheme, options.scheme_for)
+
+
+def static_inputs(options: QuantizeOptions) -> bool:
+    """Whether some module may get a calibrated static input scale (W4A4 NVFP4 or fp8-static): a calibration pass."""
+    return options.scheme in STATIC_INPUT_SCHEMES or any(r.scheme in STATIC_INPUT_SCHEMES
+                                                         for r in scheme_map(options).rules)
+
+
+def group_scheme(plan: ModelPlan, group: QuantGroup, options: QuantizeOptions) -> str:
+    return plan.scheme_of(group, options.scheme)
+
+
 def _validate(options: QuantizeOptions) -> None:
     if options.scheme not in SCHEMES:
         raise Fp4kitError(f"unknown scheme {options.scheme!r}; choose one of {', '.join(SCHEMES)}")
+    scheme_map(options)
     if options.moe_input_scales not in POLICIES:
         raise Fp4kitError(f"unknown --moe-input-scales {options.moe_input_scales!r}; choose {' or '.join(POLICIES)}")
     if options.method not in METHODS:
@@ -146,9 +174,10 @@ def _validate(options: QuantizeOptions) -> None:
                           "use source")
     if options.mtp not in ("keep", "quantize"):
         raise Fp4kitError(f"unknown --mtp {options.mtp!r}; choose keep or quantize")
-    if options.mtp == "quantize" and options.scheme == "nvfp4":
+    if options.mtp == "quantize" and static_inputs(options):
         raise Fp4kitError("--mtp quantize: no calibration forward reaches the MTP block, so its experts get no "
-                          "activation scales; quantize them weight-only (--scheme nvfp4a16)")
+                          "activation scales; quantize them weight-only (--scheme nvfp4a16, no nvfp4 or fp8-static "
+                          "--scheme-for)")
     calibration_dtype(options, {})  # a bad --dtype: one line, before any work
     if options.batch_size < 1:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
@@ -212,6 +241,8 @@ def _exact_input_scales(plan: ModelPlan, options: QuantizeOptions, input_divs: d
         return {}
     exact = {}
     for group in plan.groups:
+        if group_scheme(plan, group, options) != "nvfp4":
+            continue
         fused = _fused_output(group, options)
         for c in group.members:
             divisor = input_divs.get(c.linear.module)
@@ -291,6 +322,29 @@ def quantize_tensors(
     return encode_group(group, quantized, options, input_divs)
 
 
+def fp8_dtype(reader: CheckpointReader, linear_source, options: QuantizeOptions) -> torch.dtype:
+    """The dtype an FP8 module's weight is quantized in (its scale's, as compressed-tensors keeps it): the source
+    weight's, or the dequantization dtype of a quantized source."""
+    if linear_source.quantized is not None:
+        return torch.float32 if options.dequant_dtype == "fp32" else torch.bfloat16
+    return reader.info(linear_source.tensor).dtype
+
+
+def fp8_group_tensors(group: QuantGroup, weights: list, scheme: str, options: QuantizeOptions,
+                      input_divs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An FP8 group's output tensors: each member quantized on its own (compressed-tensors' FP8 schemes have no
+    shared scale), on the CPU, in its source dtype."""
+    fmt = _format_module(options)
+    out: dict[str, torch.Tensor] = {}
+    for c, w in zip(group.members, weights, strict=True):
+        weight = nvfp4_cpu.as_tensor(w).cpu()
+        if c.linear.source.quantized is not None:
+            weight = weight.to(torch.float32 if options.dequant_dtype == "fp32" else torch.bfloat16)
+        quantized = quantize_fp8(weight, scheme, c.linear.source.tensor)
+        out.update(fmt.fp8_encode(c.linear.module, scheme, quantized, input_divs.get(c.linear.module)))
+    return out
+
+
 class GroupBatcher:
     """Groups whose members have one shape signature, gathered on the device and quantized as one stack
     [B, rows, K]: on a GPU a group of one expert is a few MB, and per-group launches and downloads, not the math,
@@ -300,13 +354,18 @@ class GroupBatcher:
     fused expert tensors) go alone, and so does every group when max_bytes is 0 (the CPU: no copy into a stack)."""
 
     def __init__(self, options: QuantizeOptions, input_divs: dict[str, torch.Tensor],
-                 emit: Callable[[dict[str, torch.Tensor]], None], max_bytes: int):
+                 emit: Callable[[dict[str, torch.Tensor]], None], max_bytes: int, plan: ModelPlan | None = None):
         self.options, self.input_divs, self.emit, self.max_bytes = options, input_divs, emit, max_bytes
+        self.plan = plan
         self.device = torch.device(options.device)
         self.pending: dict[tuple, tuple[list[QuantGroup], list[torch.Tensor]]] = {}
         self.cast_counts: dict[str, int] = {}  # MXFP4 groups cast: their 16-blocks, exact and re-quantized
 
     def add(self, group: QuantGroup, weights: list[torch.Tensor]) -> None:
+        scheme = group_scheme(self.plan, group, self.options) if self.plan else self.options.scheme
+        if scheme in FP8_SCHEMES:
+            self.emit(fp8_group_tensors(group, weights, scheme, self.options, self.input_divs))
+            return
         if (not self.max_bytes or len({w.shape[-1] for w in weights}) != 1
                 or _fused_output(group, self.options) is not None or isinstance(weights[0], Mxfp4Weight)):
             self.emit(quantize_tensors(group, weights, self.options, self.input_divs, self.cast_counts))
@@ -347,12 +406,21 @@ class GroupBatcher:
 def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list:
     planned = []
     fmt = _format_module(options)
-    with_input = options.scheme == "nvfp4"
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
             planned.append(planned_passthrough(reader, job))
             continue
+        scheme = group_scheme(plan, job, options)
+        with_input = scheme in STATIC_INPUT_SCHEMES
         fused = _fused_output(job, options)
+        if scheme in FP8_SCHEMES:
+            if fused is not None:
+                raise Fp4kitError(f"--scheme-for {scheme}: {fmt.title} keeps {plan.family.name}'s routed experts "
+                                  f"fused ({fused[0]}), as NVFP4 only; give them an NVFP4 scheme")
+            for c in job.members:
+                planned.extend(fmt.fp8_planned(c.linear.module, scheme, c.linear.out_features, c.linear.in_features,
+                                               fp8_dtype(reader, c.linear.source, options), with_input))
+            continue
         if fused is not None:
             first = job.members[0].linear
             num_experts = len({c.linear.source.expert for c in job.members})
@@ -369,7 +437,7 @@ def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn
                       ) -> tuple[torch.Tensor | None, dict]:
     """The calibration token ids [S, L] when a calibration pass runs (W4A4, or a calibrated method), and their record
     for the report and the output (``calibration`` in fp4kit_routing_stats.json: docs/formats.md)."""
-    if options.scheme != "nvfp4" and not calibrated_method(options):
+    if not static_inputs(options) and not calibrated_method(options):
         if options.calib is not None:
             warn(f"--calib {options.calib}: not used: --scheme nvfp4a16 with --method {options.method} quantizes "
                  "the weights alone, from no data (--method gptq or mse calibrate on it)")
@@ -402,11 +470,11 @@ def _calibrate(
     """W4A4: a layer-streaming calibration pass over SRC before the quantization pass (weights are read twice,
     activations for all samples stay in memory, one layer's weights at a time). Under torchrun each rank runs its
     share of the batches and the statistics are combined."""
-    if options.scheme != "nvfp4" or token_ids is None:
+    if not static_inputs(options) or token_ids is None:
         return {}, {}
     from fp4kit.quantize.calibrate import calibrate
 
-    modules = {c.linear.module for g in plan.groups for c in g.members}
+    modules = {c.linear.module for g in _static_input_groups(plan, options) for c in g.members}
     batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)
     dtype = calibration_dtype(options, plan.config)
     phase = start_phase(progress, "calibrating", None, "batches", f"{token_ids.shape[0]} samples x "
@@ -415,7 +483,31 @@ def _calibrate(
     result = calibrate(src, token_ids, options.device, options.batch_size, modules, dtype=dtype,
                        batch_share=ranks.batch_share, progress=phase, config=plan.config, family=plan.family)
     result = ranks.combine_calibration(result, sorted(modules))
-    return input_scale_divisors(plan, result.input_amax, options.moe_input_scales), result.routing_counts
+    return static_input_scales(plan, options, plan.groups, result.input_amax), result.routing_counts
+
+
+def _static_input_groups(plan: ModelPlan, options: QuantizeOptions,
+                         groups: list[QuantGroup] | None = None) -> list[QuantGroup]:
+    return [g for g in (plan.groups if groups is None else groups)
+            if group_scheme(plan, g, options) in STATIC_INPUT_SCHEMES]
+
+
+def static_input_scales(plan: ModelPlan, options: QuantizeOptions, groups: list[QuantGroup],
+                        input_amax: dict[str, float]) -> dict[str, torch.Tensor]:
+    """float64 input divisors of ``groups``' modules that have static input scales: W4A4 NVFP4 ones by the input
+    scale policy (fp4kit.quantize.input_scales), fp8-static ones each from its own amax (as llm-compressor's
+    per-module observers)."""
+    nvfp4 = [g for g in groups if group_scheme(plan, g, options) == "nvfp4"]
+    divisors = input_scale_divisors(replace(plan, groups=nvfp4), input_amax, options.moe_input_scales) if nvfp4 \
+        else {}
+    for group in groups:
+        if group_scheme(plan, group, options) == "fp8-static":
+            for c in group.members:
+                try:
+                    divisors[c.linear.module] = fp8_input_scale(input_amax.get(c.linear.module, 0.0))
+                except Fp4kitError as exc:
+                    raise Fp4kitError(f"{c.linear.module}: {exc}") from None
+    return divisors
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -424,7 +516,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def calibrated_method(options: QuantizeOptions) -> bool:
     """gptq, and mse where a calibration pass runs anyway (W4A4) or calibration text is given: the layer pass."""
-    return options.method == "gptq" or (options.method == "mse" and (options.scheme == "nvfp4" or
+    return options.method == "gptq" or (options.method == "mse" and (static_inputs(options) or
                                                                       options.calib is not None))
 
 
@@ -435,8 +527,10 @@ def _quantize_calibrated(
 ) -> tuple[list[str], dict[int, list[int]]]:
     """The calibrated methods: passthrough tensors first, then layer by layer the calibration pass quantizes each
     layer's groups (fp4kit.quantize.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are
-    known; groups outside the text model's decoder layers last, by data-free mse. Returns the modules that fell back to
-    data-free or weighted mse, and the routing counts."""
+    known; groups outside the text model's decoder layers last, by data-free mse. FP8 groups are written with the
+    passthrough tensors, round to nearest as llm-compressor's FP8 schemes are (fp8-static's input scales then come
+    from the source pass: ``source_input_divs``). Returns the modules that fell back to data-free or weighted mse, and
+    the routing counts."""
     from fp4kit.quantize.calibrate import calibrate_quantized
     from fp4kit.quantize.gptq import GptqOptions, LayerQuantizer
 
@@ -448,8 +542,13 @@ def _quantize_calibrated(
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
             put({job: _read_job(reader, job, options.device)})  # type: ignore[dict-item]
+    fp8 = [g for g in plan.groups if group_scheme(plan, g, options) in FP8_SCHEMES]
+    for group in fp8:
+        put(fp8_group_tensors(group, _read_job(reader, group), group_scheme(plan, group, options), options,
+                              source_input_divs or {}))
+    nvfp4 = [g for g in plan.groups if group_scheme(plan, g, options) not in FP8_SCHEMES]
     by_layer: dict[int, list[QuantGroup]] = {}
-    for group in plan.groups:
+    for group in nvfp4:
         if group.layer is not None:
             by_layer.setdefault(group.layer, []).append(group)
     pending: list[tuple[QuantGroup, list[NVFP4Tensor]]] = []
@@ -460,14 +559,14 @@ def _quantize_calibrated(
                     options.scale_search),
         native=options.native_cpu,
     )
-    with_input = options.scheme == "nvfp4"
+    with_input = static_inputs(options)
 
     def divisors(groups: list[QuantGroup], input_amax: dict[str, float]) -> dict[str, torch.Tensor]:
         if not with_input:
             return {}
         if source_input_divs is not None:
             return source_input_divs
-        return input_scale_divisors(replace(plan, groups=groups), input_amax, options.moe_input_scales)
+        return static_input_scales(plan, options, groups, input_amax)
 
     def on_layer(index: int, result) -> None:
         divs = divisors([g for g, _ in pending], result.input_amax)
@@ -475,11 +574,11 @@ def _quantize_calibrated(
             put(encode_group(group, quantized, options, divs))
         pending.clear()
 
-    modules = {c.linear.module for g in plan.groups for c in g.members}
+    modules = {c.linear.module for g in nvfp4 for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
                                  full_hessians=options.method == "gptq", dtype=dtype, on_layer=on_layer,
                                  input_amax=with_input, config=plan.config, family=plan.family, progress=progress)
-    rest = [g for g in plan.groups if id(g) not in quantizer.done]
+    rest = [g for g in nvfp4 if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
     for group in rest:
@@ -509,9 +608,17 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     from fp4kit.quantize.provenance import calibration_record, write_provenance
 
     fmt = _format_module(options)
-    for name, document in fmt.side_configs(options.scheme, plan.ignored_modules).items():
+    if single_nvfp4(plan.schemes.values()):
+        scheme = next(iter(set(plan.schemes.values())), options.scheme)
+        side_configs = fmt.side_configs(scheme, plan.ignored_modules)
+        quantization_config = fmt.quantization_config(scheme, plan.ignored_modules)
+    else:
+        schemes = config_schemes(plan, options)
+        side_configs = fmt.mixed_side_configs(schemes, plan.ignored_modules)
+        quantization_config = fmt.mixed_quantization_config(schemes, plan.ignored_modules)
+    for name, document in side_configs.items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
-    write_config(work, config, fmt.quantization_config(options.scheme, plan.ignored_modules))
+    write_config(work, config, quantization_config)
     copy_side_files(src, work)
     if routing_counts:
         write_routing_stats(work / ROUTING_STATS_NAME, plan, routing_counts, calibration)
@@ -542,6 +649,43 @@ def quantize_checkpoint(
     return report
 
 
+def _plan(reader: CheckpointReader, config: dict, options: QuantizeOptions) -> ModelPlan:
+    """The quantization plan with each module's scheme; modules a rule keeps in bf16 are planned as ignored ones."""
+    def build(keep: frozenset[str] = frozenset()) -> ModelPlan:
+        return build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
+                          modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype,
+                          mtp=options.mtp, keep=keep)
+
+    plan = build()
+    smap = scheme_map(options)
+    if not smap.rules:
+        return plan
+    schemes = module_schemes(plan.groups, smap)
+    kept = frozenset(m for m, s in schemes.items() if s == KEPT)
+    if kept:
+        plan = build(kept)
+    plan.schemes = {m: s for m, s in schemes.items() if s != KEPT}
+    return plan
+
+
+def config_schemes(plan: ModelPlan, options: QuantizeOptions) -> dict[str, str]:
+    """Each quantized module's scheme as the config names it: a fused expert tensor (ModelOpt's Llama-4) by its name,
+    and fused siblings also under the name vLLM serves them by where its packed-module mapping does not say it."""
+    out = {}
+    for group in plan.groups:
+        scheme = group_scheme(plan, group, options)
+        fused = _fused_output(group, options)
+        if fused is not None:
+            out[".".join(fused)] = scheme
+        else:
+            modules = [c.linear.module for c in group.members]
+            out.update(dict.fromkeys(modules, scheme))
+            alias = engine_fused_name(modules)
+            if alias is not None:
+                out[alias] = scheme
+    return out
+
+
 def _quantize_checkpoint(
     src: Path, dst: Path, options: QuantizeOptions, ranks: distributed.Ranks,
     progress: Callable[[int, int], None] | None,
@@ -551,9 +695,7 @@ def _quantize_checkpoint(
     config = read_config(src)
     with (ranks.output_directory(dst, src, options.overwrite) as work,
           CheckpointReader(src, pin_memory=options.device.startswith("cuda")) as reader):
-        plan = build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
-                          modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype,
-                          mtp=options.mtp)
+        plan = _plan(reader, config, options)
         if options.scheme == "nvfp4" and options.moe_input_scales == "per-expert" and any(
             _fused_output(g, options) for g in plan.groups
         ):
@@ -571,7 +713,9 @@ def _quantize_checkpoint(
             warn_progress(progress, text)
 
         token_ids, calibration = _calibration_data(src, plan, options, warn)
-        source_scales = not calibrated or (options.scheme == "nvfp4" and input_scale_source(options) == "source")
+        fp8_static = "fp8-static" in plan.schemes.values()
+        source_scales = not calibrated or (static_inputs(options) and (input_scale_source(options) == "source"
+                                                                       or fp8_static))
         input_divs, routing_counts = (_calibrate(src, plan, options, ranks, token_ids, progress) if source_scales
                                       else ({}, {}))
         fallbacks: list[str] = []
@@ -583,7 +727,7 @@ def _quantize_checkpoint(
                                     output_plan(reader, replace(plan, jobs=jobs), options))
         background = BackgroundWriter(writer, QUEUE_DEPTH)
         stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
-        batcher = GroupBatcher(options, input_divs, background.put, stack_bytes)
+        batcher = GroupBatcher(options, input_divs, background.put, stack_bytes, plan)
         try:
             if calibrated:
                 assert token_ids is not None
@@ -593,9 +737,12 @@ def _quantize_checkpoint(
                 routing_counts = routing_counts or pass_counts
             else:
                 progress = start_phase(progress, "quantizing", share_bytes, main=True)
-            streamed = [] if calibrated else prefetched(
-                jobs, lambda job: _read_job(reader, job, options.device, _quantizes_fp8_codes(options),
-                                            _casts_mxfp4(options)), QUEUE_DEPTH)
+            def read(job: QuantGroup | str) -> object:
+                encoded = not isinstance(job, QuantGroup) or group_scheme(plan, job, options) not in FP8_SCHEMES
+                return _read_job(reader, job, options.device, encoded and _quantizes_fp8_codes(options),
+                                 encoded and _casts_mxfp4(options))
+
+            streamed = [] if calibrated else prefetched(jobs, read, QUEUE_DEPTH)
             for job, data in streamed:
                 if isinstance(job, QuantGroup):
                     batcher.add(job, data)  # type: ignore[arg-type]

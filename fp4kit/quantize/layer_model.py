@@ -108,6 +108,10 @@ def text_model(reader: CheckpointReader, config: dict, family: Family, dtype: to
     but its embeddings (from ``reader``, in ``dtype``) and rotary embedding; ``root`` names it in messages."""
     import transformers
 
+    if not family.streams_layers:
+        raise Fp4kitError(f"{root}: fp4kit does not stream {family.name}'s transformers decoder layers yet: W4A4 "
+                          "calibration (--scheme nvfp4), --method gptq and eval need them (data-free --scheme "
+                          "nvfp4a16 with --method rtn or mse does not)")
     text_config = hf_config(config).get_text_config()
     embed_names = [n for n in reader.names() if n.endswith("embed_tokens.weight") and "layers." not in n]
     if len(embed_names) != 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -17,6 +18,7 @@ from fp4kit.io.sources import (
     SourceFormat,
     dequantize,
     model_dtype,
+    mxfp4_bytes,
     read_source,
     stored_fp8_block,
 )
@@ -68,6 +70,12 @@ class ModelPlan:
     ignored_modules: list[str]  # Linears left unquantized, for the config's ignore list
     jobs: list[QuantGroup | str] = field(default_factory=list)  # execution (and output) order
     source: SourceFormat | None = None  # how SRC stores its Linears (None: unquantized)
+    # the scheme of each quantized module where --scheme-for rules give one (fp4kit.quantize.schemes); empty: every
+    # module has the default scheme
+    schemes: dict[str, str] = field(default_factory=dict)
+
+    def scheme_of(self, group: QuantGroup, default: str) -> str:
+        return self.schemes.get(group.members[0].linear.module, default)
 
 
 class DequantizedWeight(str):
@@ -94,13 +102,15 @@ def build_plan(
     modelopt_layout: bool = False,
     dequant_dtype: str = "fp32",
     mtp: str = "keep",
+    keep: Collection[str] = (),
 ) -> ModelPlan:
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
     on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down).
 
     A source that stores Linears quantized (fp4kit.io.sources) plans them as their dequantized [N, K] weights:
     ``dequant_dtype`` fp32 (one rounding) or bf16 (the peers' bf16 intermediate); their scale tensors are consumed,
-    and those left unquantized are written dequantized in the model's dtype."""
+    and those left unquantized are written dequantized in the model's dtype. ``keep``: module names left unquantized
+    like ignored ones (those a scheme rule keeps in bf16)."""
     family = detect(config)
     source, shapes = source_view(reader, config, dequant_dtype)
     consumed_by_source = source.consumed()
@@ -112,7 +122,7 @@ def build_plan(
 
     def selected(c: Candidate) -> bool:
         module = c.linear.module
-        if any(r.search(module) for r in ignore_res):
+        if module in keep or any(r.search(module) for r in ignore_res):
             return False
         return not target_res or any(r.search(module) for r in target_res)
 
@@ -266,7 +276,7 @@ def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weig
     """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
     enc = linear.encoding
     assert isinstance(enc, Mxfp4)
-    return Mxfp4Weight(reader.read(enc.weight), reader.read(enc.scale))
+    return Mxfp4Weight(mxfp4_bytes(reader.read(enc.weight)), mxfp4_bytes(reader.read(enc.scale)))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,

@@ -27,6 +27,12 @@ SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16"
 # options that change where and how fast the work runs, not the bytes; and --dtype, whose choice (auto) the
 # calibration record replaces by the dtype the forward ran in
 NOT_RECORDED = ("device", "native_cpu", "overwrite", "command", "dtype")
+# options recorded only when given, so that a run without them records what it did before they existed
+RECORDED_WHEN_SET = ("scheme_for",)
+# a module group's precision in the model card, by its --scheme-for scheme (NVFP4 otherwise)
+PRECISIONS = {"fp8-dynamic": "FP8 (per-channel weights, dynamic per-token activations)",
+              "fp8-block": "FP8 (128x128 weight blocks, dynamic activations)",
+              "fp8-static": "FP8 (per-tensor weights, static input scale)"}
 SERVE = ["vllm serve DST", "python -m sglang.launch_server --model-path DST"]  # docs/serving.md
 
 
@@ -72,9 +78,10 @@ def module_groups(plan: ModelPlan) -> list[tuple[str, int, str]]:
     def pattern(module: str) -> str:
         return re.sub(r"\.\d+(?=\.|$)", ".*", module)
 
-    quantized = Counter(pattern(m.linear.module) for group in plan.groups for m in group.members)
+    quantized = Counter((pattern(m.linear.module), PRECISIONS.get(plan.schemes.get(m.linear.module), "NVFP4"))
+                        for group in plan.groups for m in group.members)
     kept = Counter(pattern(module) for module in plan.ignored_modules)
-    return ([(p, n, "NVFP4") for p, n in sorted(quantized.items())]
+    return ([(p, n, precision) for (p, precision), n in sorted(quantized.items())]
             + [(p, n, "kept (source precision)") for p, n in sorted(kept.items())])
 
 
@@ -82,7 +89,8 @@ def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, c
     from fp4kit import __version__
 
     settings = {key: (str(value) if isinstance(value, Path) else value)
-                for key, value in dataclasses.asdict(options).items() if key not in NOT_RECORDED}
+                for key, value in dataclasses.asdict(options).items()
+                if key not in NOT_RECORDED and not (key in RECORDED_WHEN_SET and not value)}
     return {
         "format": FORMAT,
         "producer": {"name": "fp4kit", "version": __version__},
@@ -97,14 +105,19 @@ def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, c
     }
 
 
-def serving_lines(dialect: str) -> list[str]:
+def serving_lines(dialect: str, mixed: bool = False) -> list[str]:
+    """``mixed``: the checkpoint has per-module schemes (``--scheme-for``), which some dialects serve under another
+    method name."""
     from fp4kit.registry import dialect as registered_dialect
 
-    flag = registered_dialect(dialect).serve_quantization
+    fmt = registered_dialect(dialect)
+    flag = fmt.serve_quantization_mixed if mixed else fmt.serve_quantization
     return [f"{line} --quantization {flag}" if flag else line for line in SERVE]
 
 
 def model_card(record: dict, plan: ModelPlan) -> str:
+    from fp4kit.quantize.schemes import single_nvfp4
+
     """The card's text; like the record, it does not depend on DST's name (the same input, the same bytes)."""
     scheme, dialect, method = record["scheme"], record["dialect"], record["method"]
     calibration = record["calibration"]
@@ -127,7 +140,7 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines += ["```bash", record["command"], "```", ""]
     lines += [f"Every option and the calibration data's hashes: `{PROVENANCE_NAME}`.", "", "## Serving", "",
               "DST is this directory, or its Hub id once uploaded.", "",
-              "```bash", *serving_lines(dialect), "```", ""]
+              "```bash", *serving_lines(dialect, not single_nvfp4(plan.schemes.values())), "```", ""]
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ dtype first. Byte identity with llm-compressor's output depends on keeping those
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
     from fp4kit.quantize.plan import QuantGroup
 
 NVFP4_SCHEMES = ("nvfp4", "nvfp4a16")
-FP8_SCHEMES = ("fp8-dynamic", "fp8-block")
+FP8_SCHEMES = ("fp8-dynamic", "fp8-block", "fp8-static")
+# schemes whose modules carry a calibrated static input scale
+STATIC_INPUT_SCHEMES = ("nvfp4", "fp8-static")
 KEPT = "bf16"
 SCHEMES = (*NVFP4_SCHEMES, *FP8_SCHEMES, KEPT)
 FP8_MAX = 448.0
@@ -113,17 +116,30 @@ def assign(groups: Iterable[QuantGroup], smap: SchemeMap) -> dict[int, str]:
     return {i: smap.group_scheme([c.linear.module for c in g.members]) for i, g in enumerate(groups)}
 
 
+def module_schemes(groups: Iterable[QuantGroup], smap: SchemeMap) -> dict[str, str]:
+    """The scheme of every planned module (fused groups whole; see ``assign``)."""
+    groups = list(groups)
+    schemes = assign(groups, smap)
+    return {c.linear.module: schemes[i] for i, g in enumerate(groups) for c in g.members}
+
+
+def single_nvfp4(schemes: Iterable[str]) -> bool:
+    """Whether the quantized modules all have one NVFP4 scheme: the output is then a plain NVFP4 checkpoint."""
+    distinct = set(schemes)
+    return len(distinct) <= 1 and distinct <= set(NVFP4_SCHEMES)
+
+
 @dataclass
 class Fp8Weight:
-    """An FP8 E4M3 weight [N, K] and its scale in the weight's dtype: [N, 1] per channel (fp8-dynamic) or
-    [ceil(N/128), ceil(K/128)] per block (fp8-block); dequantized as codes * scale."""
+    """An FP8 E4M3 weight [N, K] and its scale in the weight's dtype: [N, 1] per channel (fp8-dynamic),
+    [ceil(N/128), ceil(K/128)] per block (fp8-block) or [1] per tensor (fp8-static); dequantized as codes * scale."""
 
     codes: torch.Tensor
     scale: torch.Tensor
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.scale.float()
-        if scale.shape[-1] != 1:  # per block: expand each scale over its block, then crop the padding
+        if scale.dim() == 2 and scale.shape[-1] != 1:  # per block: expand each over its block, crop the padding
             n, k = self.codes.shape
             scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
         return (self.codes.float() * scale).to(dtype)
@@ -169,9 +185,37 @@ def quantize_fp8_block(weight: torch.Tensor, module: str = "weight") -> Fp8Weigh
     return Fp8Weight(_codes(weight, expanded), scale)
 
 
+def quantize_fp8_tensor(weight: torch.Tensor, module: str = "weight") -> Fp8Weight:
+    """fp8-static's weight: one scale for the whole tensor."""
+    _check(weight, module)
+    scale = _scale_from_amax(weight.abs().amax().reshape(1))
+    return Fp8Weight(_codes(weight, scale), scale)
+
+
 def quantize_fp8(weight: torch.Tensor, scheme: str, module: str = "weight") -> Fp8Weight:
     if scheme == "fp8-dynamic":
         return quantize_fp8_channel(weight, module)
     if scheme == "fp8-block":
         return quantize_fp8_block(weight, module)
+    if scheme == "fp8-static":
+        return quantize_fp8_tensor(weight, module)
     raise ValueError(f"not an FP8 scheme: {scheme}")
+
+
+def fp8_scale_shape(scheme: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The shape of an FP8 weight's scale as quantize_fp8 returns it."""
+    if scheme == "fp8-dynamic":
+        return (out_features, 1)
+    if scheme == "fp8-block":
+        return (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+    if scheme == "fp8-static":
+        return (1,)
+    raise ValueError(f"not an FP8 scheme: {scheme}")
+
+
+def fp8_input_scale(amax: float) -> torch.Tensor:
+    """fp8-static's per-tensor input scale (a divisor, float64) from the calibrated input amax: amax / 448, and 1
+    where the module saw no non-zero input (no scale is ever 0)."""
+    if not math.isfinite(amax):
+        raise Fp4kitError(f"calibration gave a non-finite input amax ({amax})")
+    return torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float64)

@@ -26,7 +26,17 @@ FIXTURES = ("qwen3_moe", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "llama4", "lla
             "qwen3_5_moe_text",
             "minimax_m2",
             "gpt_oss",
+            "deepseek_v4",
             )
+
+
+def streams_layers(fixture: str) -> bool:
+    """Whether the fixture's family streams transformers' decoder layers (calibration, eval; Family.streams_layers)."""
+    from fp4kit.families import FAMILIES
+
+    return next((family.streams_layers for family in FAMILIES if family.name == fixture), True)
+
+
 # MLA families: stored like GLM-4.5 / DeepSeek-V3 (the MTP layer after the decoder layers), with these tensors fp32:
 # the GLM router as GLM-4.5's files (not checked against GLM-4.7-Flash's or GLM-5's), DeepSeek-V3.2's indexer k_norm
 # as its release stores it
@@ -58,6 +68,7 @@ RECIPE_STAND_INS = {
     "qwen3_5_moe_text": {"moe_intermediate_size": 64, "num_experts": 8},
     "minimax_m2": {"intermediate_size": 64, "num_local_experts": 8},
     "gpt_oss": {"intermediate_size": 64, "num_local_experts": 8},  # down_proj [E, 64, 64] square, as the 120b's
+    "deepseek_v4": {},  # H 128, I 128, 8 experts already: whole 128x128 FP8 blocks, as the release's
 }
 
 
@@ -115,7 +126,49 @@ def build_fixture(name: str, path: str | Path, seed: int = 0, overrides: dict | 
         save_file(tensors, single, metadata={"format": "pt"})
     if name == "minimax_m2":
         _minimax_correction_bias(path / "model.safetensors", seed)
+    if name == "deepseek_v4":
+        _deepseek_v4_release(path / "model.safetensors", model.config, seed)
     return path
+
+
+# transformers 5.17 saves DeepSeek-V4 half-renamed; the release's names (conversion_mapping.py "deepseek_v4", read
+# backwards) have no `model.` prefix and the head's hyper-connection flat
+_DEEPSEEK_V4_RENAMES = (("model.embed_tokens.", "embed."), ("model.hc_head.hc_", "hc_head_"), ("model.", ""))
+
+
+def _deepseek_v4_release(single: Path, config, seed: int) -> None:
+    """DeepSeek-V4 as released: the release's names, the router's selection bias fp32 and the hash layers'
+    ``tid2eid`` table (zeros in a fresh model) seeded with distinct experts per token, and the MTP block ``mtp.0.*``
+    (which transformers does not instantiate): the last layer's names, with ``e_proj`` / ``h_proj`` and its norms
+    and head hyper-connection."""
+    from safetensors.torch import load_file, save_file
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    tensors = {}
+    for tname, t in load_file(single).items():
+        for old, new in _DEEPSEEK_V4_RENAMES:
+            if tname.startswith(old):
+                tname = new + tname[len(old):]
+                break
+        if tname.endswith("ffn.gate.bias"):
+            t = 0.05 * torch.randn(t.shape, generator=generator)
+        if tname.endswith("ffn.gate.tid2eid"):
+            t = torch.stack([torch.randperm(config.n_routed_experts, generator=generator)[: t.shape[1]]
+                             for _ in range(t.shape[0])]).to(t.dtype)
+        tensors[tname] = t
+    last = f"layers.{config.num_hidden_layers - 1}."
+    hidden = config.hidden_size
+    for tname, t in list(tensors.items()):
+        if tname.startswith(last) and ".compressor." not in tname and ".indexer." not in tname:
+            noise = (0.05 * torch.randn(t.shape, generator=generator)).to(t.dtype)
+            tensors["mtp.0." + tname[len(last):]] = tensors[tname].clone() if "norm" in tname else noise
+    for proj in ("e_proj", "h_proj"):
+        tensors[f"mtp.0.{proj}.weight"] = (0.05 * torch.randn(hidden, hidden, generator=generator)).bfloat16()
+    for norm in ("enorm", "hnorm", "norm"):
+        tensors[f"mtp.0.{norm}.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+    for leaf in ("fn", "base", "scale"):
+        tensors[f"mtp.0.hc_head_{leaf}"] = tensors[f"hc_head_{leaf}"].clone()
+    save_file(tensors, single, metadata={"format": "pt"})
 
 
 def _minimax_correction_bias(single: Path, seed: int) -> None:
@@ -140,7 +193,8 @@ def _linear_modules(tensors: dict[str, torch.Tensor]):
             yield tname[: -len(".weight")]
 
 
-def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantization_config: dict) -> Path:
+def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantization_config: dict,
+             config: dict | None = None) -> Path:
     from safetensors.torch import save_file
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -148,7 +202,7 @@ def _rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], quantizatio
         if side.is_file() and side.suffix != ".safetensors" and side.name != "model.safetensors.index.json":
             shutil.copy2(side, dst / side.name)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
+    config = config or json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dst
@@ -188,6 +242,54 @@ def write_pack_quantized_source(src: str | Path, dst: str | Path, num_bits: int 
     config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
                                 quantization_status="compressed", ignore=sorted(ignore))
     return _rewrite(src, dst, tensors, config.model_dump(exclude_none=True))
+
+
+# DeepSeek-V4's release: the Linears stored FP8 128x128 (the others are bf16, the routed experts FP4)
+DEEPSEEK_V4_FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
+                             r"|mtp\.\d+\.(e_proj|h_proj))$")
+DEEPSEEK_V4_FP4 = re.compile(r"\.experts\.\d+\.w[123]$")
+
+
+def _e8m0(amax: torch.Tensor, top: float) -> torch.Tensor:
+    """The E8M0 exponent bytes of the smallest powers of two 2^k with amax / 2^k <= top (127 for an all-zero block)."""
+    k = torch.ceil(torch.log2(torch.where(amax > 0, amax / top, torch.ones_like(amax))))
+    return (k + 127).clamp(0, 254).to(torch.uint8)
+
+
+def write_deepseek_v4_release_source(src: str | Path, dst: str | Path) -> Path:
+    """A single-file bf16 DeepSeek-V4 fixture SRC as the release stores it (fp4kit.families.deepseek_v4): routed
+    experts int8 E2M1 pairs with F8_E8M0 ``.scale`` per 32 inputs (RTN under the smallest power of two that fits
+    the block in +-6), DEEPSEEK_V4_FP8 Linears float8_e4m3fn with F8_E8M0 ``.scale`` per 128x128 block (the smallest
+    power of two that fits it in +-448), config ``quant_method: fp8``, ``scale_fmt: ue8m0``, ``expert_dtype: fp4``."""
+    from safetensors.torch import load_file
+
+    from fp4kit.nvfp4 import e2m1_codes, pack_codes
+
+    src, dst = Path(src), Path(dst)
+    tensors = {}
+    for tname, t in load_file(src / "model.safetensors").items():
+        module = tname.removesuffix(".weight")
+        weight = t.float()
+        if tname.endswith(".weight") and DEEPSEEK_V4_FP4.search(module):
+            blocks = weight.unflatten(-1, (-1, 32))
+            exponents = _e8m0(blocks.abs().amax(-1), 6.0)
+            scale = torch.ldexp(torch.ones(exponents.shape), exponents.to(torch.int32) - 127)
+            codes = e2m1_codes((blocks / scale.unsqueeze(-1)).flatten(-2))
+            tensors[tname] = pack_codes(codes).view(torch.int8)
+            tensors[f"{module}.scale"] = exponents.view(torch.float8_e8m0fnu)
+        elif tname.endswith(".weight") and DEEPSEEK_V4_FP8.search(module):
+            rows, cols = weight.shape
+            blocks = weight.view(rows // 128, 128, cols // 128, 128)
+            exponents = _e8m0(blocks.abs().amax(dim=(1, 3)), 448.0)
+            scale = torch.ldexp(torch.ones(exponents.shape), exponents.to(torch.int32) - 127)
+            tensors[tname] = (blocks / scale[:, None, :, None]).view(rows, cols).to(torch.float8_e4m3fn)
+            tensors[f"{module}.scale"] = exponents.view(torch.float8_e8m0fnu)
+        else:
+            tensors[tname] = t
+    config = json.loads((src / "config.json").read_text())
+    config["expert_dtype"] = "fp4"
+    return _rewrite(src, dst, tensors, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}, config)
 
 
 def _glm_mtp_layer(tensors: dict[str, torch.Tensor], config, seed: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """`fp4kit inspect --engine vllm`: what a serving engine loads without complaint but then serves wrongly.
 
-Each check cites the engine source it comes from (paths in the vLLM 0.33.0 package); ``ENGINES`` leaves room for
-sglang and trtllm. Findings name the tensor or module. Streaming: one module's tensors at a time; the packed weights
+Each check cites the engine source it comes from (paths in the vLLM 0.33.0 package); ``ENGINES`` lists the engines
+inspect checks and their versions (SGLang's checks: fp4kit/tools/sglang_checks.py). Findings name the tensor or
+module. Streaming: one module's tensors at a time; the packed weights
 are read only for the zero-block-scale check (the one check that needs the codes).
 """
 
@@ -20,7 +21,7 @@ from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.formats.modelopt import HF_QUANT_CONFIG
 from fp4kit.formats.modelopt import NAME as MO
 
-ENGINES = ("vllm",)
+VERSION = "0.33.0"
 _Q = "vllm/model_executor/layers/quantization"
 SOURCES = {
     "vllm_w4a4_input_scale": f"{_Q}/compressed_tensors/schemes/compressed_tensors_w4a4_nvfp4.py, {_Q}/modelopt.py "
@@ -41,6 +42,16 @@ SOURCES = {
 }
 
 Report = Callable[[str, str, str], None]
+
+
+def engines() -> dict[str, tuple[str, dict[str, str]]]:
+    """Engine name -> (the version its checks were read in, check -> the source file it cites)."""
+    from fp4kit.tools import sglang_checks
+
+    return {"vllm": (VERSION, SOURCES), "sglang": (sglang_checks.VERSION, sglang_checks.SOURCES)}
+
+
+ENGINES = ("vllm", "sglang")
 
 
 def _finite_positive(value: float | None) -> bool:

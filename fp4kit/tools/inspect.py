@@ -10,12 +10,14 @@ Checks (each finding names the check, the module and a ratio where one applies):
 - quantized_router / quantized_embedding: a router / gate or an embedding stored quantized (engines load them
   unquantized; llm-compressor 0.14's model_free_ptq quantizes embed_tokens).
 - nonfinite_weight: NaN or Inf in an unquantized floating tensor.
-- backend_constraint: only for the backends / EP size asked for (CUTLASS gated MoE: I % 64, H % 64; Marlin:
-  H % 128, I % 64; TRT-LLM and FlashInfer CUTLASS: E % ep). Without a request they are listed, not counted.
+- backend_constraint: only for the backends / EP size asked for: what `fp4kit layout --backend` refuses (the
+  backend's shape rules and a W4A4 kernel on a weight-only checkpoint; fp4kit.layouts.layout_refusal), and E % ep
+  for TRT-LLM and FlashInfer CUTLASS. Without a request they are listed, not counted.
 - marlin_zeroed_scales (reported, not a problem): per MoE projection, how many block scales vLLM's Marlin
   preparation (bf16) stores as 0 (docs/layouts.md, marlin).
-- ``--engine vllm`` adds load-contract checks (fp4kit/tools/engine_checks.py), each citing the vLLM source it comes
-from. Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M1 codes have no NaN).
+- ``--engine vllm|sglang`` adds that engine's load-contract checks (fp4kit/tools/engine_checks.py,
+  fp4kit/tools/sglang_checks.py), each citing the engine source it comes from.
+Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M1 codes have no NaN).
 """
 
 from __future__ import annotations
@@ -195,12 +197,17 @@ def _sizes(ckpt: QuantizedCheckpoint) -> tuple[int | None, int | None, int | Non
     return (max(per_layer.values()) if per_layer else None), hidden, inter
 
 
-def _backends(num_experts: int | None, hidden: int | None, inter: int | None) -> dict[str, str]:
+def _backends(num_experts: int | None, hidden: int | None, inter: int | None, weight_only: bool) -> dict[str, str]:
+    """Per backend, "ok" or why `fp4kit layout --backend` (with its default options) refuses these sizes and scheme:
+    the layout command's own rule (fp4kit.layouts.layout_refusal)."""
     if num_experts is None or hidden is None or inter is None:
         return {b: "no routed experts" for b in BACKENDS}
+    from fp4kit.layouts import layout_refusal
+    from fp4kit.layouts.directory import LayoutOptions
 
     modules = backends()
-    return {b: "; ".join(modules[b].shape_problems(hidden, inter)) or "ok" for b in BACKENDS}
+    return {b: layout_refusal(modules[b], num_experts, hidden, inter, weight_only,
+                              **LayoutOptions(b).transform_options()) or "ok" for b in BACKENDS}
 
 
 def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
@@ -249,7 +256,8 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     """Inspect an NVFP4 checkpoint; ``backends`` / ``ep`` turn those constraints into problems, ``engine`` adds that
     engine's load-contract checks (fp4kit.tools.engine_checks); ``progress(done, total)`` counts quantized modules."""
     from fp4kit.errors import Fp4kitError
-    from fp4kit.tools.engine_checks import ENGINES, SOURCES, vllm_checks
+    from fp4kit.tools.engine_checks import ENGINES, engines, vllm_checks
+    from fp4kit.tools.sglang_checks import sglang_checks
 
     if engine is not None and engine not in ENGINES:
         raise Fp4kitError(f"--engine {engine!r}: fp4kit checks {', '.join(ENGINES)}")
@@ -280,9 +288,17 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
         if progress:
             progress(len(ckpt.modules), len(ckpt.modules))
         _group_checks(scales, problems, ckpt.grammar)
-        if engine == "vllm":
-            vllm_checks(ckpt, scales, lambda check, module, detail: problems.append(
-                Finding(check, module, detail, source=SOURCES[check])))
+        notes: list[str] = []
+        if engine is not None:
+            sources = engines()[engine][1]
+
+            def found(check: str, module: str, detail: str) -> None:
+                problems.append(Finding(check, module, detail, source=sources[check]))
+
+            if engine == "vllm":
+                vllm_checks(ckpt, scales, found)
+            else:
+                sglang_checks(ckpt, scales, found, notes.append)
         for name in ckpt.passthrough:
             info = ckpt.reader.info(name)
             if info.dtype.is_floating_point and info.dtype.itemsize > 1:
@@ -290,7 +306,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                 if bad:
                     problems.append(Finding("nonfinite_weight", name, f"{bad} NaN/Inf values"))
         num_experts, hidden, inter = _sizes(ckpt)
-        compat = _backends(num_experts, hidden, inter)
+        compat = _backends(num_experts, hidden, inter, ckpt.scheme == "nvfp4a16")
         for b in backends or []:
             if compat[b] != "ok":
                 problems.append(Finding("backend_constraint", b, compat[b]))
@@ -301,5 +317,5 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
             str(path), ckpt.dialect, ckpt.scheme, ckpt.family.name if ckpt.family else "unknown", num_experts,
             hidden, inter, _layers(ckpt), problems, compat,
             [s for s in EP_SIZES if num_experts and num_experts % s == 0], _marlin_zeroed(histograms), engine,
-            unquantized_modules=unquantized_modules(ckpt),
+            unquantized_modules=unquantized_modules(ckpt), notes=notes,
         )

@@ -143,7 +143,7 @@ def _source(path: Path) -> InspectReport:
     layers = sorted(by_layer.values(), key=lambda s: (s.part == "vision", -1 if s.layer is None else s.layer))
     return InspectReport(
         str(path), "none", "none", family.name, num_experts, hidden, inter, layers, [],
-        _backends(num_experts, hidden, inter), [s for s in EP_SIZES if num_experts and num_experts % s == 0],
+        _backends(num_experts, hidden, inter, False), [s for s in EP_SIZES if num_experts and num_experts % s == 0],
         kind="source", precision=precision,
         notes=[f"not an NVFP4 checkpoint: a {precision} source (`fp4kit quantize` reads it)"],
     )
@@ -195,7 +195,8 @@ def _layout(report: InspectReport, path: Path) -> None:
         first = layers[0]
         report.num_experts = first["num_experts"]
         report.hidden_size, report.moe_intermediate_size = first["hidden_size"], first["intermediate_size"]
-        report.backends = _backends(report.num_experts, report.hidden_size, report.moe_intermediate_size)
+        report.backends = _backends(report.num_experts, report.hidden_size, report.moe_intermediate_size,
+                                     report.scheme == "nvfp4a16")
         report.even_ep_sizes = [s for s in EP_SIZES if report.num_experts % s == 0]
     report.notes.append(f"{document['backend']} layout of {len(layers)} MoE layers for "
                         f"{kernel.get('function')} ({kernel.get('library')} {kernel.get('version')}); "
@@ -339,7 +340,7 @@ def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str
     return InspectReport(
         str(path), base.dialect, base.scheme, str(manifest.get("family") or base.family), num_experts,
         base.hidden_size, base.moe_intermediate_size, [], problems,
-        _backends(num_experts, base.hidden_size, base.moe_intermediate_size),
+        _backends(num_experts, base.hidden_size, base.moe_intermediate_size, base.scheme == "nvfp4a16"),
         [s for s in EP_SIZES if num_experts % s == 0], engine=engine, kind="ep-root",
         unquantized_modules=base.unquantized_modules, expert_parallel=split, notes=notes,
     )

@@ -131,6 +131,8 @@ def w4a4_flip_bound(
         inter = activation(gate, up)
         if activation.kind == "silu":
             glu, up_factor = F.silu(gate), up.abs()
+        elif activation.kind == "silu_clamped":  # the clamps are 1-Lipschitz: silu's bound holds
+            glu, up_factor = F.silu(gate.clamp(max=activation.limit)), up.abs()
         else:
             clamped = gate.clamp(max=activation.limit)
             glu, up_factor = clamped * torch.sigmoid(clamped * activation.alpha), up.abs() + 1

@@ -278,8 +278,6 @@ def _gate_up_sums(
     w_scale_ptr,
     expert,
     offs_n,  # int [BLOCK_N] intermediate columns (gate rows; up rows are I further)
-    k_start,
-    k_end,
     hidden_size,
     inter_size,
     BLOCK_M: tl.constexpr,
@@ -316,7 +314,7 @@ def _gate_up_sums(
         routing_weight = tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)
     acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, hidden_size, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
         x_mask = pair_valid[:, None] & ((k0 + offs_k) < hidden_size)[None, :]
@@ -376,13 +374,17 @@ def _dequant_mma(
 
 
 @triton.jit
-def _gated(gate, up, act_alpha, act_limit, OAI: tl.constexpr):
-    """The expert activation (`fp4kit.families.activation`): silu(gate) * up, or gpt-oss's clamped
-    (up + 1) * gate * sigmoid(alpha * gate) when OAI."""
-    if OAI:
+def _gated(gate, up, act_alpha, act_limit, ACT: tl.constexpr):
+    """The expert activation (`fp4kit.families.activation`, ACT its ACTIVATION_CODES entry): silu(gate) * up
+    (0), gpt-oss's clamped (up + 1) * gate * sigmoid(alpha * gate) (1), or silu(gate) * up of the clamped halves,
+    DeepSeek-V4's (2)."""
+    if ACT == 1:
         gate = tl.minimum(gate, act_limit)
         up = tl.minimum(tl.maximum(up, -act_limit), act_limit)
         return (up + 1.0) * (gate / (1.0 + tl.exp(-(gate * act_alpha))))
+    if ACT == 2:
+        gate = tl.minimum(gate, act_limit)
+        up = tl.minimum(tl.maximum(up, -act_limit), act_limit)
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
@@ -403,7 +405,7 @@ def _swiglu(
     W4A4: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    OAI: tl.constexpr,
+    ACT: tl.constexpr,
 ):
     """GEMM1's epilogue: global scale, the biases, the activation, and in W4A4 the intermediate quantized per 16
     columns with the static activation global scale of GEMM2 (exact e2m1·s values): fp32 [BLOCK_M, BLOCK_N].
@@ -418,7 +420,7 @@ def _swiglu(
         row = bias_ptr + expert.to(tl.int64) * (2 * inter_size)
         gate += tl.load(row + offs_n, mask=n_valid, other=0.0)[None, :]
         up += tl.load(row + inter_size + offs_n, mask=n_valid, other=0.0)[None, :]
-    inter = _gated(gate, up, act_alpha, act_limit, OAI)
+    inter = _gated(gate, up, act_alpha, act_limit, ACT)
     if W4A4:
         out_gmul = tl.load(out_gmul_ptr + expert)
         inter3 = tl.reshape(inter, (BLOCK_M, BLOCK_N // 16, 16))
@@ -549,57 +551,6 @@ def _owned_pairs(
 
 
 @triton.jit
-def _k_slice(size, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """[start, end) of the K range this program sums: all of it, or slice program_id(2) of SPLIT_K (whole tiles)."""
-    if SPLIT_K > 1:
-        chunk = tl.cdiv(size, SPLIT_K * BLOCK_K) * BLOCK_K
-        start = tl.program_id(2) * chunk
-        return start, tl.minimum(start + chunk, size)
-    else:
-        return 0, size
-
-
-@triton.jit
-def splitk_swiglu_kernel(
-    partial_ptr,  # fp32 [SPLIT_K, P, 2I] from gemm1_swiglu_kernel
-    ids_ptr,  # int32 or int64 [P] expert of each pair
-    alpha_ptr,  # fp32 [E]
-    inter_ptr,  # bf16 [P, I] out
-    bias_ptr,  # fp32 [E, 2I] (HAS_BIAS)
-    act_alpha,
-    act_limit,
-    num_pairs,
-    inter_size,
-    SPLIT_K: tl.constexpr,
-    BLOCK_I: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False,
-    OAI: tl.constexpr = False,
-):
-    """GEMM1's epilogue after split-K (W4A16): sums the K slices in order, then alpha and SwiGLU as in the kernel.
-    Rows of pairs no program computed (experts of other ranks) hold garbage that nothing reads."""
-    pair = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    valid = offs < inter_size
-    gate_ptrs = partial_ptr + pair * (2 * inter_size) + offs
-    acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for split in range(SPLIT_K):
-        acc_gate += tl.load(gate_ptrs + split * num_pairs * 2 * inter_size, mask=valid, other=0.0)
-        acc_up += tl.load(gate_ptrs + split * num_pairs * 2 * inter_size + inter_size, mask=valid, other=0.0)
-    expert = tl.load(ids_ptr + pair)
-    alpha = tl.load(alpha_ptr + expert)
-    gate = acc_gate * alpha
-    up = acc_up * alpha
-    if HAS_BIAS:
-        row = bias_ptr + expert.to(tl.int64) * (2 * inter_size)
-        gate += tl.load(row + offs, mask=valid, other=0.0)
-        up += tl.load(row + inter_size + offs, mask=valid, other=0.0)
-    inter = _gated(gate, up, act_alpha, act_limit, OAI)
-    tl.store(inter_ptr + pair * inter_size + offs, _to_mma(inter, EMULATE_BF16), mask=valid)
-
-
-@triton.jit
 def gemm1_swiglu_kernel(
     x_ptr,  # bf16/fp32 [T, H]; W4A4: [P, H] each pair's quantized input from `pair_input_kernel`
     routing_weight_ptr,  # fp32 [P]
@@ -613,10 +564,8 @@ def gemm1_swiglu_kernel(
     alpha_ptr,  # fp32 [E]: 1/G_w (W4A16) or 1/(G_w·G_a) (W4A4)
     out_gmul_ptr,  # fp32 [E] G_a2: the intermediate is stored fake-quantized (W4A4)
     inter_ptr,  # bf16 [P, I]
-    partial_ptr,  # fp32 [SPLIT_K, P, 2I]: raw gate and up sums of each K slice (written only when SPLIT_K > 1)
-    count_ptr,  # int32 [grid rows, N tiles]: zero on entry and on exit (SWIGLU_WHEN_LAST)
     bias13_ptr,  # fp32 [E, 2I] (HAS_BIAS)
-    act_alpha,  # the activation's constants (OAI)
+    act_alpha,  # the activation's constants (swiglu_oai, silu_clamped)
     act_limit,
     num_pairs,
     top_k,
@@ -635,12 +584,10 @@ def gemm1_swiglu_kernel(
     ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
-    SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into partial_ptr; `splitk_swiglu_kernel` ends
-    SWIGLU_WHEN_LAST: tl.constexpr = False,  # with SPLIT_K > 1: the tile's last K slice sums them and ends (`_arrive`)
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
     HAS_BIAS: tl.constexpr = False,  # gpt-oss: w13's output biases
-    OAI: tl.constexpr = False,  # gpt-oss's activation (`_gated`)
+    ACT: tl.constexpr = 0,  # the expert activation's code (`_gated`)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -653,42 +600,15 @@ def gemm1_swiglu_kernel(
     pair_valid = pairs < num_pairs
     # W4A4 reads each pair's own quantized input row (`pair_input_kernel`), W4A16 its token's
     x_row = pairs.to(tl.int64) if W4A4 else (pairs // top_k).to(tl.int64)
-    k_start, k_end = _k_slice(hidden_size, BLOCK_K, SPLIT_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < inter_size
     acc_gate, acc_up = _gate_up_sums(
-        x_ptr, x_row, pairs, pair_valid, routing_weight_ptr, w_ptr, w_scale_ptr, expert, offs_n, k_start, k_end,
-        hidden_size, inter_size, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
+        x_ptr, x_row, pairs, pair_valid, routing_weight_ptr, w_ptr, w_scale_ptr, expert, offs_n, hidden_size,
+        inter_size, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
         EVEN_K, BIT_SCALES, ALIGNED_SCALES, SHUFFLED, SHUFFLED and FOLD_BIAS,
     )  # fmt: skip
-    if SPLIT_K > 1:
-        rows = (tl.program_id(2) * num_pairs + pairs[None, :]).to(tl.int64) * (2 * inter_size)
-        part_ptrs = partial_ptr + rows + offs_n[:, None]
-        part_mask = n_valid[:, None] & pair_valid[None, :]
-        if SHUFFLED and FOLD_BIAS:
-            acc_gate = acc_gate * _FOLD_ALPHA  # exact: the sums the unfolded decode makes
-            acc_up = acc_up * _FOLD_ALPHA
-        tl.store(part_ptrs, acc_gate, mask=part_mask)
-        tl.store(part_ptrs + inter_size, acc_up, mask=part_mask)
-        if not SWIGLU_WHEN_LAST:
-            return
-        counter = count_ptr + pid_m * tl.num_programs(1) + pid_n
-        if _arrive(counter, None, not EMULATE_BF16) != SPLIT_K - 1:
-            return
-        # the last K slice of this tile: the slices' sums in order, then the epilogue as without split-K
-        slice_ptrs = partial_ptr + pairs[None, :].to(tl.int64) * (2 * inter_size) + offs_n[:, None]
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for split in range(SPLIT_K):
-            split_ptrs = slice_ptrs + split * num_pairs * (2 * inter_size)
-            acc_gate += tl.load(split_ptrs, mask=part_mask, other=0.0, cache_modifier=".cg")
-            acc_up += tl.load(split_ptrs + inter_size, mask=part_mask, other=0.0, cache_modifier=".cg")
-        tl.store(counter, 0)
-        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
-                        inter_size, BLOCK_M, BLOCK_N, W4A4, False, HAS_BIAS, OAI)  # fmt: skip
-    else:
-        inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
-                        inter_size, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, OAI)  # fmt: skip
+    inter = _swiglu(acc_gate, acc_up, alpha_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_n,
+                    inter_size, BLOCK_M, BLOCK_N, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, ACT)  # fmt: skip
     out_ptrs = inter_ptr + pairs[:, None].to(tl.int64) * inter_size + offs_n[None, :]
     tl.store(out_ptrs, _to_mma(inter, EMULATE_BF16), mask=pair_valid[:, None] & n_valid[None, :])
 
@@ -708,7 +628,7 @@ def gemm2_combine_kernel(
     pair_out_ptr,  # fp32 [P, H]
     out_ptr,  # fp32 [T, H]: each token's sum over its k slots (COMBINE)
     count_ptr,  # int32 [T, cdiv(H, BLOCK_N)]: zero on entry and on exit (COMBINE)
-    bias2_ptr,  # fp32 [E, H] (HAS_BIAS): added by K slice 0
+    bias2_ptr,  # fp32 [E, H] (HAS_BIAS)
     num_pairs,
     top_k,
     hidden_size,
@@ -725,7 +645,6 @@ def gemm2_combine_kernel(
     ALIGNED_SCALES: tl.constexpr = False,  # K/16 % (BLOCK_K/16) == 0: scale rows load as vectors
     SHUFFLED: tl.constexpr = False,  # packed weights in `triton_moe.shuffle_packed`'s layout
     FOLD_BIAS: tl.constexpr = False,  # with SHUFFLED: the decode's 2^126 folded into the scales (`_dequant_pair`)
-    SPLIT_K: tl.constexpr = 1,  # > 1: program_id(2) sums one K slice into pair_out[program_id(2)] ([SPLIT_K, P, H])
     COMBINE: tl.constexpr = False,  # sum each token's k slots into out_ptr in this launch (`_sum_slots_when_last`)
     GROUPING: tl.constexpr = ALIGNED,  # how program_id(0) finds its pairs (`_owned_pairs`)
     HAS_LOCAL: tl.constexpr = False,  # with PER_PAIR: skip pairs of experts local_ptr marks 0
@@ -740,10 +659,6 @@ def gemm2_combine_kernel(
     if active.to(tl.int32) == 0:
         return
     pair_valid = pairs < num_pairs
-    k_start, k_end = _k_slice(inter_size, BLOCK_K, SPLIT_K)
-    split_out_ptr = pair_out_ptr
-    if SPLIT_K > 1:
-        split_out_ptr += tl.program_id(2).to(tl.int64) * num_pairs * hidden_size
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hidden_size
     offs_j = tl.arange(0, BLOCK_K // 2)
@@ -758,7 +673,7 @@ def gemm2_combine_kernel(
     w_rows = w_ptr + expert * (hidden_size * half_k) + offs_n[:, None].to(tl.int64) * half_k + offs_j[None, :]
     w_scales = w_scale_ptr + expert * (hidden_size * scale_k) + offs_n[:, None].to(tl.int64) * scale_k + offs_s[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, inter_size, BLOCK_K):
         j_valid = (k0 // 2 + offs_j) < half_k
         s_valid = (k0 // 16 + offs_s) < scale_k
         k_valid = (k0 + offs_k) < inter_size
@@ -785,15 +700,15 @@ def gemm2_combine_kernel(
     acc = tl.trans(acc) * alpha
     if HAS_BIAS:
         bias = tl.load(bias2_ptr + expert.to(tl.int64) * hidden_size + offs_n, mask=n_valid, other=0.0)
-        acc += tl.where(tl.program_id(2) == 0, bias, 0.0)[None, :]
+        acc += bias[None, :]
     if not SCALE_INPUT:
         acc = acc * tl.load(routing_weight_ptr + pairs, mask=pair_valid, other=0.0)[:, None]
-    out_ptrs = split_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
+    out_ptrs = pair_out_ptr + pairs[:, None].to(tl.int64) * hidden_size + offs_n[None, :]
     tl.store(out_ptrs, acc, mask=pair_valid[:, None] & n_valid[None, :])
     if COMBINE:
         _sum_slots_when_last(
             pair_out_ptr, out_ptr, count_ptr, pairs, pair_valid, offs_n, n_valid, pid_n, tl.num_programs(1),
-            num_pairs, top_k, hidden_size, BLOCK_M, BLOCK_N, SPLIT_K, not EMULATE_BF16,
+            num_pairs, top_k, hidden_size, BLOCK_M, BLOCK_N, 1, not EMULATE_BF16,
         )  # fmt: skip
 
 
@@ -897,7 +812,7 @@ def fused_slice_kernel(
     SHUFFLED: tl.constexpr,
     FOLD_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr = False,
-    OAI: tl.constexpr = False,
+    ACT: tl.constexpr = 0,
 ):
     """Both GEMMs in one launch for few tokens: the program owning intermediate columns [i0, i0 + BLOCK_I) of its
     pairs computes them whole (gate and up over all of H, SwiGLU), then their product with the same columns of w2,
@@ -915,12 +830,12 @@ def fused_slice_kernel(
     x_row = pairs.to(tl.int64) if W4A4 else (pairs // top_k).to(tl.int64)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     acc_gate, acc_up = _gate_up_sums(
-        x_ptr, x_row, pairs, pair_valid, routing_weight_ptr, w13_ptr, w13_scale_ptr, expert, offs_i, 0, hidden_size,
-        hidden_size, inter_size, BLOCK_M, BLOCK_I, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
+        x_ptr, x_row, pairs, pair_valid, routing_weight_ptr, w13_ptr, w13_scale_ptr, expert, offs_i, hidden_size,
+        inter_size, BLOCK_M, BLOCK_I, BLOCK_K, SCALE_INPUT and not W4A4, EMULATE_BF16, FAST_DEQUANT,
         EVEN_K, BIT_SCALES, ALIGNED_SCALES, SHUFFLED, SHUFFLED and FOLD_BIAS,
     )  # fmt: skip
     inter = _swiglu(acc_gate, acc_up, alpha13_ptr, out_gmul_ptr, bias13_ptr, act_alpha, act_limit, expert, offs_i,
-                    inter_size, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, OAI)  # fmt: skip
+                    inter_size, BLOCK_M, BLOCK_I, W4A4, SHUFFLED and FOLD_BIAS, HAS_BIAS, ACT)  # fmt: skip
     # columns past I: zero gate and up sums and no bias, an intermediate of 0, against zero-padded w2 columns
     a_even, a_odd = tl.split(tl.reshape(_to_mma(inter, EMULATE_BF16), (BLOCK_M, BLOCK_I // 2, 2)))
     num_slices = tl.cdiv(inter_size, BLOCK_I)

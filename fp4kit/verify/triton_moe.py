@@ -206,14 +206,14 @@ class TritonMoeWeights:
         return self.act13_gmul is not None
 
     def epilogue_arguments(self) -> tuple[tuple, dict]:
-        """(bias13, bias2, act_alpha, act_limit) and the HAS_BIAS / OAI constexprs of the kernels' epilogues; a bias
+        """(bias13, bias2, act_alpha, act_limit) and the HAS_BIAS / ACT constexprs of the kernels' epilogues; a bias
         pointer that is never read is any fp32 tensor."""
-        oai = self.activation.kind == "swiglu_oai"
+        code = ACTIVATION_CODES[self.activation.kind]
         bias13 = self.alpha13 if self.bias13 is None else self.bias13
         bias2 = self.alpha2 if self.bias2 is None else self.bias2
-        limit = self.activation.limit if oai else 0.0
+        limit = self.activation.limit if code else 0.0
         return (bias13, bias2, float(self.activation.alpha), float(limit)), {"HAS_BIAS": self.bias13 is not None,
-                                                                             "OAI": oai}
+                                                                             "ACT": code}
 
     @classmethod
     def from_nvfp4(
@@ -334,6 +334,8 @@ def fused_moe(
 
 
 GROUPINGS = {"pair": 0, "align": 1}  # triton_kernels.PER_PAIR, ALIGNED
+# the kernels' ACT constexpr per expert activation kind (triton_kernels._gated)
+ACTIVATION_CODES = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2}
 
 
 def _grouping(flat_ids: Tensor, expert_mask: Tensor | None, num_experts: int, cfg: KernelConfig):
@@ -423,13 +425,12 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     shuffled = _shuffled(cfg)
     w13_packed, w2_packed = moe_weights.shuffled_packed() if shuffled else (moe_weights.w13_packed,
                                                                             moe_weights.w2_packed)  # fmt: skip
-    partial, counts1 = inter, flat_ids  # the kernels' split-K operands, never touched with one K slice
     num_tiles1 = _cdiv(inter_size, block_n1)
     (bias13, bias2, act_alpha, act_limit), epilogue_flags = moe_weights.epilogue_arguments()
-    kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1, 1)](
+    kernels.gemm1_swiglu_kernel[(max_blocks, num_tiles1)](
         x, flat_weights, *owners, w13_packed, moe_weights.w13_scale, moe_weights.alpha13,
         moe_weights.act2_gmul if moe_weights.w4a4 else no_scale,
-        inter, partial, counts1, bias13, act_alpha, act_limit, num_pairs, top_k, hidden_size, inter_size, num_experts,
+        inter, bias13, act_alpha, act_limit, num_pairs, top_k, hidden_size, inter_size, num_experts,
         **epilogue_flags,
         **grouping, BLOCK_N=block_n1, BLOCK_K=block_k1, SCALE_INPUT=spec.scales_input,
         W4A4=moe_weights.w4a4,
@@ -446,7 +447,7 @@ def _two_gemms(x, flat_weights, flat_ids, moe_weights, spec, expert_mask, cfg, n
     if combine:
         out = torch.empty(num_tokens, hidden_size, dtype=torch.float32, device=device)
         counts = moe_weights.counters("gemm2", num_tokens, num_tiles2, device)
-    kernels.gemm2_combine_kernel[(max_blocks, num_tiles2, 1)](
+    kernels.gemm2_combine_kernel[(max_blocks, num_tiles2)](
         inter, flat_weights, *owners, w2_packed, moe_weights.w2_scale, moe_weights.alpha2, pair_out, out, counts,
         bias2, num_pairs, top_k, hidden_size, inter_size, num_experts, HAS_BIAS=epilogue_flags["HAS_BIAS"],
         **grouping, BLOCK_N=block_n2, BLOCK_K=block_k2, SCALE_INPUT=spec.scales_input,
