@@ -82,6 +82,9 @@ QUANTIZE: tuple[Option, ...] = (
            show_default=False, minimum=1),
     Option("seq_len", int, 512, "tokens per calibration sample", minimum=1),
     Option("batch_size", int, 8, "calibration batch size", minimum=1),
+    Option("dtype", Literal["auto", "bf16", "fp32"], "auto",
+           "compute dtype of the calibration forward: auto (the checkpoint's on a GPU or a CPU with bf16 instructions, "
+           "AVX512-BF16 or AMX; else fp32), bf16 or fp32"),
     Option("moe_input_scales", Literal["shared", "per-expert"], "shared",
            "shared: one input scale per layer and projection for all experts (EP-invariant); per-expert: each "
            "expert's own"),

@@ -1,20 +1,24 @@
 """What a long command shows while it works, phase by phase (calibrating, quantizing, verifying, ...).
 
-On a terminal: a determinate bar per phase on stderr (rich), with done/total in the phase's unit. Otherwise: one plain
-line per phase on stderr, as it starts. With ``quiet``: nothing but warnings. Warnings are lines in every case.
+On a terminal: a determinate bar per phase on stderr (rich), with done/total in the phase's unit, within the
+terminal's width. Otherwise: one plain line per phase on stderr, as it starts, and one per step of a long phase (a
+decoder layer calibrated or quantized) with the time since the phase started. With ``quiet``: nothing but warnings.
+Warnings are lines in every case.
 
 Library functions take a ``progress`` argument: called as ``progress(done, total)`` it advances the current phase, so
 a plain callable still works (it sees the function's main phase only); ``start_phase`` and ``warn`` below open a
-phase or print a warning when ``progress`` is a ``Reporter`` and do nothing otherwise.
+phase, log a step or print a warning when ``progress`` is a ``Reporter`` and do nothing otherwise.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from rich.console import Console
 from rich.filesize import decimal
-from rich.progress import BarColumn, Progress, ProgressColumn, Task, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
 from rich.text import Text
 
 ProgressFn = Callable[[int, int], None]
@@ -42,6 +46,7 @@ class Reporter:
         self.label, self.quiet, self.warnings = label, quiet or console is not None and console.quiet, warnings
         self.default_phase, self.default_unit, self.lines = default_phase, default_unit, lines
         self._in_phase = False
+        self._phase_name, self._phase_start = "", time.monotonic()
         self.console = console or Console(stderr=True)
         self.terminal = self.console.is_terminal and not quiet
         self._bar: Progress | None = None
@@ -49,8 +54,12 @@ class Reporter:
 
     def __enter__(self) -> Reporter:
         if self.terminal:
-            self._bar = Progress("[progress.description]{task.description}", BarColumn(), _Amount(),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=True)
+            # the bar takes the width the other columns leave, so that a row never wraps (80 columns and up)
+            self._bar = Progress(TextColumn("[progress.description]{task.description}",
+                                            table_column=Column(no_wrap=True, overflow="ellipsis")),
+                                 BarColumn(bar_width=None), _Amount(table_column=Column(no_wrap=True)),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=True,
+                                 expand=True)
             self._bar.__enter__()
         return self
 
@@ -63,6 +72,7 @@ class Reporter:
         """Start phase ``name`` of ``total`` ``unit`` (``detail``: what the line says about it, e.g. '2 layers x 4
         batches'); the previous phase ends."""
         self._in_phase = True
+        self._phase_name, self._phase_start = name, time.monotonic()
         if self.quiet:
             return
         if self._bar is None:
@@ -87,6 +97,15 @@ class Reporter:
         if self._bar is not None and self._task is not None:
             self._bar.update(self._task, description=f"{self.label} {text}")
 
+    def step(self, text: str) -> None:
+        """Without a terminal, a line saying how far the current phase has come (``text``: 'layer 3/48') and how long
+        it has taken so far; on a terminal the bar says it."""
+        if self.quiet or self._bar is not None or not self.lines:
+            return
+        elapsed = int(time.monotonic() - self._phase_start)
+        clock = f"{elapsed // 3600}:{elapsed // 60 % 60:02d}:{elapsed % 60:02d}"
+        self._print(f"{self.label}: {self._phase_name}: {text}, {clock} elapsed")
+
     def warn(self, text: str) -> None:
         if self.warnings:
             self._print(f"warning: {text}")
@@ -106,6 +125,12 @@ def start_phase(progress: ProgressFn | None, name: str, total: int | None, unit:
         progress.phase(name, total, unit, detail)
         return progress
     return progress if main else None
+
+
+def step(progress: ProgressFn | None, text: str) -> None:
+    """A step line of the current phase through a Reporter (``Reporter.step``); nothing for other callers."""
+    if isinstance(progress, Reporter):
+        progress.step(text)
 
 
 def warn(progress: ProgressFn | None, text: str) -> None:

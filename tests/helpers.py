@@ -82,11 +82,11 @@ def choices(command: str, option: str) -> set[str]:
 ROOT = Path(__file__).parents[1]
 
 
-def under_terminal(*args: object) -> tuple[int, str, str]:
-    """Run `python -m fp4kit ARGS` with stderr on a pseudo-terminal: (exit code, stdout, the terminal's text with
-    colours and cursor moves removed)."""
+def under_terminal(*args: object, columns: int = 100) -> tuple[int, str, str]:
+    """Run `python -m fp4kit ARGS` with stderr on a pseudo-terminal ``columns`` wide: (exit code, stdout, the
+    terminal's text with colours and cursor moves removed)."""
     leader, follower = pty.openpty()
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": "100", "TERM": "xterm"}
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "COLUMNS": str(columns), "TERM": "xterm"}
     process = subprocess.Popen([sys.executable, "-m", "fp4kit", *map(str, args)], stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=follower, env=env)
     os.close(follower)

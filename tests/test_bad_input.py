@@ -14,7 +14,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fp4kit", *args], capture_output=True, text=True, timeout=300)
 
 
-PHASE_LINE = re.compile(r"[a-z]+: [a-z ]+ \(.*\)")
+# a phase's line, or a line per decoder layer of a phase (fp4kit.progress)
+PHASE_LINE = re.compile(r"[a-z]+: [a-z ]+( \(.*\)|: layer \d+/\d+, \d+:\d\d:\d\d elapsed)")
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess, *needles: str) -> None:

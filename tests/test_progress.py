@@ -1,7 +1,8 @@
 """What `fp4kit quantize` and `fp4kit run` show while they work and when they end: a determinate bar per phase on a
-terminal (calibration counts layers x batches, quantization bytes), a line per phase otherwise, nothing but
-warnings with -q; a warning for each option that did not get what it asked for; the calibration data used, in the
-summary line and in the output's routing statistics (docs/formats.md)."""
+terminal within 80 columns (calibration counts layers x batches, quantization bytes, the calibrated methods decoder
+layers), a line per phase otherwise and a line per decoder layer of the calibration pass and the calibrated methods
+with the time elapsed, nothing but warnings with -q; a warning for each option that did not get what it asked for;
+the calibration data used, in the summary line and in the output's routing statistics (docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ def test_calibration_and_quantization_bars_under_a_terminal(tiny, tmp_path) -> N
 def test_without_a_terminal_a_line_per_phase_and_the_summary(tiny, tmp_path, monkeypatch, capsys) -> None:
     code, out, err = run_cli(monkeypatch, capsys, "quantize", tiny("qwen3_moe"), tmp_path / "out", "--scheme",
                              "nvfp4", "--samples", "4", "--seq-len", "16", "--batch-size", "2", "--format",
-                             "modelopt")
+                             "modelopt", "--dtype", "fp32")
     assert code == 0, err
-    assert err.splitlines() == [
-        "quantize: calibrating (4 samples x 16 tokens, 2 batches through each decoder layer)",
-        f"quantize: quantizing ({err.splitlines()[1].split('(')[1]}",
-    ]
-    assert err.splitlines()[1].endswith("kB)")
+    lines = err.splitlines()
+    assert lines[0] == "quantize: calibrating (4 samples x 16 tokens, 2 batches through each decoder layer, float32)"
+    assert [_elapsed(line) for line in lines[1:3]] == ["quantize: calibrating: layer 1/2", "quantize: calibrating: "
+                                                       "layer 2/2"]
+    assert re.fullmatch(r"quantize: quantizing \(\d+(\.\d+)? kB\)", lines[3]) and len(lines) == 4, err
     summary = out.splitlines()[-1]
     assert summary.startswith("qwen3_moe: nvfp4 modelopt, method rtn, 4 samples x 16 tokens = 64 tokens of "
                               f"fp4kit:{DEFAULT_SET}: ")
@@ -54,6 +55,40 @@ def test_without_a_terminal_a_line_per_phase_and_the_summary(tiny, tmp_path, mon
     code, out, err = run_cli(monkeypatch, capsys, "quantize", tiny("qwen3_moe"), tmp_path / "w4a16")
     assert code == 0 and err == "quantize: quantizing (" + err.split("(", 1)[1]
     assert "nvfp4a16 compressed-tensors, method rtn, no calibration data: " in out.splitlines()[-1]
+
+
+def _elapsed(line: str) -> str:
+    """A step line without its elapsed time, which must be there."""
+    head, elapsed = line.rsplit(", ", 1)
+    assert re.fullmatch(r"\d+:\d\d:\d\d elapsed", elapsed), line
+    return head
+
+
+def test_a_calibrated_method_logs_each_decoder_layer(tiny, tmp_path, monkeypatch, capsys) -> None:
+    src = tiny("qwen3_moe")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    code, out, err = run_cli(monkeypatch, capsys, "quantize", src, tmp_path / "out", "--method", "gptq", "--samples",
+                             "4", "--seq-len", "16", "--batch-size", "2", "--dtype", "bf16")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines[0] == ("quantize: quantizing (gptq layer by layer: 4 samples x 16 tokens, 2 batches through each "
+                        "decoder layer, bfloat16)")
+    assert [_elapsed(line) for line in lines[1:]] == [f"quantize: quantizing: layer {i}/{layers}"
+                                                      for i in range(1, layers + 1)]
+
+
+def test_the_gptq_bar_counts_layers_within_80_columns(tiny, tmp_path) -> None:
+    src = tiny("qwen3_moe")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    code, _, terminal = under_terminal("quantize", src, tmp_path / "out", "--method", "gptq", "--scheme", "nvfp4",
+                                       "--samples", "4", "--seq-len", "16", "--batch-size", "2", columns=80)
+    assert code == 0, terminal[-2000:]
+    rows = [row for row in re.split(r"[\r\n]", terminal) if row.strip()]
+    assert rows and max(len(row) for row in rows) <= 80, max(rows, key=len)
+    counts = _counts(terminal, "layers")
+    assert counts and {of for _, of in counts} == {layers} and max(counts) == (layers, layers), terminal[-2000:]
+    assert not re.search(r"\d kB/", terminal)  # no byte counts: the pass counts layers
+    assert any(re.search(rf"quantize: quantizing .*\d/{layers} layers", row) for row in rows)  # one row, not wrapped
 
 
 def test_fewer_samples_than_asked_and_an_unused_calib_are_said(tiny, tmp_path, monkeypatch, capsys) -> None:

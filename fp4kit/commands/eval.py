@@ -8,9 +8,12 @@ from typing import Annotated, Literal
 
 import typer
 
+from fp4kit.commands._common import Download, Revision, source_directory
+
 
 def eval_command(
-    src: Annotated[Path, typer.Argument(help="the BF16 source checkpoint directory")],
+    src: Annotated[Path, typer.Argument(help="the BF16 source checkpoint directory, or its Hub id in the local "
+                                             "Hugging Face cache")],
     ckpt: Annotated[Path, typer.Argument(help="its NVFP4 checkpoint (compressed-tensors or ModelOpt) or a dense one")],
     text: Annotated[Path | None, typer.Option(
         help=".jsonl (text or input_ids), .txt or .parquet; default: the packaged calibration set")] = None,
@@ -24,6 +27,8 @@ def eval_command(
     json_path: Annotated[Path | None, typer.Option(
         "--json", metavar="FILE", help="also write the results as JSON (`--json -`: print them on stdout, instead of "
                                        "the text)")] = None,
+    revision: Revision = None,
+    download: Download = False,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="no progress and no results (with --json: the file alone); warnings still print")
     ] = False,
@@ -43,6 +48,7 @@ def eval_command(
         raise Fp4kitError(f"--batch-size must be at least 1, got {batch_size}")
     if seq_len < 2:  # next-token statistics need a token after the first
         raise Fp4kitError(f"--seq-len must be at least 2, got {seq_len}")
+    src = source_directory(src, revision, download)
     config = read_config(src)
     text_config = detect(config).text_config(config)
     vocab_size = int(text_config.get("vocab_size") or config["vocab_size"])

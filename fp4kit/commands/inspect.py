@@ -10,14 +10,15 @@ from typing import Annotated, Literal
 
 import typer
 
-from fp4kit.commands._common import human_bytes
+from fp4kit.commands._common import Download, Revision, human_bytes, source_directory
 from fp4kit.registry import BACKEND_NAMES
 
 
 def inspect(
     ckpt: Annotated[Path, typer.Argument(
         help="a checkpoint (NVFP4 of either dialect, or a bf16 / FP8 / INT4 source), or what fp4kit made from one: "
-             "a layout directory, an EP split or one of its rank directories")],
+             "a layout directory, an EP split or one of its rank directories; or a Hub id in the local Hugging Face "
+             "cache")],
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
     backend: Annotated[list[str] | None, typer.Option(
         metavar="|".join(sorted(BACKEND_NAMES)), help="count this backend's shape constraints as problems (repeatable)")
@@ -33,12 +34,15 @@ def inspect(
     calib: Annotated[Path | None, typer.Option(help="calibration text for the audit (default: packaged set)")] = None,
     samples: Annotated[int, typer.Option(help="audit samples")] = 64,
     seq_len: Annotated[int, typer.Option(help="audit tokens per sample")] = 256,
+    revision: Revision = None,
+    download: Download = False,
 ) -> None:
     """What CKPT is (its kind, dialect, scheme, family), a per-layer summary and the checks of its kind. Exit 0
     clean, 1 problems, 2 unusable."""
     from fp4kit.progress import Reporter
     from fp4kit.tools.inspect_artifacts import inspect_path
 
+    ckpt = source_directory(ckpt, revision, download, "CKPT")
     # the report is the output: a bar on a terminal, no phase lines in a log (the audit's pass has one)
     with Reporter("inspect", lines=False) as reporter:
         report = inspect_path(ckpt, backend or [], ep, engine, reporter)

@@ -9,17 +9,20 @@ from typing import Annotated, Any
 
 import typer
 
-from fp4kit.commands._common import INVOKED_ARGS, human_bytes, with_progress
+from fp4kit.commands._common import INVOKED_ARGS, Download, Revision, human_bytes, source_directory, with_progress
 from fp4kit.options import QUANTIZE, derive_command, quantize_kwargs
 
 
 @derive_command(QUANTIZE)
 def quantize(
-    src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors)")],
+    src: Annotated[Path, typer.Argument(help="BF16 HF checkpoint directory (safetensors), or its Hub id in the local "
+                                             "Hugging Face cache")],
     dst: Annotated[Path, typer.Argument(help="output directory (created atomically)")],
     *,
     values: dict[str, Any],
     overwrite: Annotated[bool, typer.Option(help="replace an existing non-empty DST")] = False,
+    revision: Revision = None,
+    download: Download = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar and no summary line")] = False,
 ) -> None:
     """Quantize a checkpoint to NVFP4, streaming one tensor group at a time."""
@@ -31,7 +34,8 @@ def quantize(
 
     options = QuantizeOptions(**quantize_kwargs(values), overwrite=overwrite, command=command_line(src, dst))
     # warnings even with -q (they say what an option did not do), on rank 0 only
-    report = with_progress(lambda progress: quantize_checkpoint(src, dst, options, progress), quiet, "quantize",
+    src_dir = source_directory(src, revision, download)
+    report = with_progress(lambda progress: quantize_checkpoint(src_dir, dst, options, progress), quiet, "quantize",
                            "quantizing", warnings=main)
     if not quiet:
         if report.fallback_modules:

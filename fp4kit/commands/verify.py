@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from fp4kit.commands._common import Download, Revision, source_directory
 from fp4kit.options import VERIFY, derive_command, library_kwargs
 
 STDOUT = Path("-")
@@ -48,7 +49,9 @@ def verify(
     ckpt: Annotated[Path, typer.Argument(help="NVFP4 checkpoint (compressed-tensors, ModelOpt or `fp4kit layout`)")],
     *,
     values: dict[str, Any],
-    source: Annotated[Path | None, typer.Option(help="the BF16 checkpoint CKPT was made from")] = None,
+    source: Annotated[Path | None, typer.Option(
+        help="the BF16 checkpoint CKPT was made from (a directory, or a Hub id in the local Hugging Face cache)")
+    ] = None,
     ep_shards: Annotated[Path | None, typer.Option(help="output of `fp4kit shard` made from CKPT")] = None,
     layout: Annotated[list[Path] | None, typer.Option(
         metavar="DIR", help="output of `fp4kit layout` made from CKPT (repeatable): undone and compared bit for bit")
@@ -60,6 +63,8 @@ def verify(
         help="write a per-layer error plot (PNG; needs matplotlib: pip install 'fp4kit[plot]')")] = None,
     quiet: Annotated[bool, typer.Option(
         "--quiet", "-q", help="no progress and no table: the exit code (and `--json -`) say pass or fail")] = False,
+    revision: Revision = None,
+    download: Download = False,
 ) -> None:
     """Check that CKPT's MoE layers compute what the source model computes: kernels vs reference, quantized vs
     BF16, layout outputs, EP splits, NaN/Inf routing rows. Exit 0 pass, 1 fail, 2 unusable input."""
@@ -71,6 +76,12 @@ def verify(
 
     if plot is not None:
         check_plot_available()
+    if source is not None:
+        source = source_directory(source, revision, download, "--source")
+    elif revision is not None or download:
+        from fp4kit.errors import Fp4kitError
+
+        raise Fp4kitError(f"{'--revision' if revision is not None else '--download'}: applies to --source, not given")
     options = VerifyOptions(**library_kwargs(VERIFY, values), source=source, ep_shards=ep_shards,
                             layouts=list(layout or []))
     options.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")

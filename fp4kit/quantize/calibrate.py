@@ -21,6 +21,7 @@ the layer, and passes on the outputs of the quantized layer.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +37,47 @@ from fp4kit.families.moe_modules import MoEModules
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
+from fp4kit.progress import step
 from fp4kit.quantize.layer_model import TextModel, checkpoint_dtype, layer_inputs, text_model
 
 LayerCallback = Callable[[int, list[torch.Tensor]], None]
+
+# --dtype: the calibration forward's compute dtype; auto picks it from the checkpoint and the hardware (compute_dtype)
+COMPUTE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}
+# oneDNN's ISA caps (its documented ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA) below AVX512_CORE_BF16: no bf16
+# instructions for its GEMMs, whatever the CPU has
+_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls on ``device`` run at least about as fast as fp32 ones: on CUDA, and on a CPU with bf16
+    instructions (AVX512-BF16 or AMX) that torch's oneDNN GEMMs may use. Without them torch's bf16 GEMM is an
+    emulation or a scalar fallback, several to tens of times slower than fp32 (docs/quality_methods.md, Speed)."""
+    if device.type == "cuda":
+        return True
+    if device.type != "cpu":
+        return False
+    isa_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    try:
+        units = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        onednn = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # False where oneDNN is capped below AVX512
+    except (AttributeError, RuntimeError):  # a torch build without these probes (or without oneDNN)
+        return False
+    return units and onednn and isa_cap not in _ISAS_WITHOUT_BF16
+
+
+def compute_dtype(choice: str, device: torch.device, config: dict) -> torch.dtype:
+    """The calibration forward's dtype for ``--dtype`` ``choice``: bf16 or fp32 as asked; auto: the checkpoint's
+    dtype (config.json) where ``device`` computes it fast (fast_bf16), else fp32."""
+    if choice not in COMPUTE_DTYPES:
+        raise Fp4kitError(f"unknown --dtype {choice!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+    chosen = COMPUTE_DTYPES[choice]
+    if chosen is not None:
+        return chosen
+    stored = checkpoint_dtype(config)
+    if stored == torch.float32 or device.type == "cuda" or (stored == torch.bfloat16 and fast_bf16(device)):
+        return stored
+    return torch.float32
 
 
 @dataclass
@@ -223,7 +262,8 @@ def calibrate(
     ``token_ids`` int64 [S, L]; ``dtype`` defaults to the checkpoint's (config.json), bf16 if it names none.
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
     ``batch_share`` (rank, world): run only batches b with b % world == rank, for fp4kit.quantize.distributed to
-    combine. ``progress(done, total)`` counts batch forwards, layers x batches in all (called with 0 before the first).
+    combine. ``progress(done, total)`` counts batch forwards, layers x batches in all (called with 0 before the first);
+    a Reporter also logs a line per layer (fp4kit.progress.step).
     ``config`` / ``family``: SRC's config.json and family when the caller has them.
     """
     result = CalibrationResult()
@@ -245,6 +285,7 @@ def calibrate(
             text.drop_layer(index)
             del layer, recorder
             memory.trim_freed_memory()
+            step(progress, f"layer {index + 1}/{len(text.layers)}")
             if on_layer is not None:
                 on_layer(index, hidden_batches)
     return result
@@ -426,6 +467,7 @@ def calibrate_quantized(
     input_amax: bool = True,
     config: dict | None = None,
     family: Family | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -433,11 +475,14 @@ def calibrate_quantized(
     gives the next layer's inputs (quantization errors propagate, as llm-compressor's sequential pipeline does) and
     the input amax and routing counts returned (for W4A4 input scales and routing statistics); ``on_layer(index,
     result)`` runs once a layer's are in ``result``. ``input_amax`` False (weight-only output): only the routing
-    counts are recorded, which spares running every token through every expert. ``config`` / ``family``: as
-    ``calibrate``'s."""
+    counts are recorded, which spares running every token through every expert. ``progress(done, total)`` counts
+    decoder layers (called with 0 before the first; a Reporter also logs a line per layer). ``config`` / ``family``:
+    as ``calibrate``'s."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1), config, family) as (
             reader, text, dtype, torch_device, hidden_batches, layer_args):
+        if progress:
+            progress(0, len(text.layers))
         for index in range(len(text.layers)):
             layer = text.load_layer(reader, index, dtype, torch_device)
             recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
@@ -460,5 +505,8 @@ def calibrate_quantized(
             memory.trim_freed_memory()
             if on_layer is not None:
                 on_layer(index, result)
+            if progress:
+                progress(index + 1, len(text.layers))
+            step(progress, f"layer {index + 1}/{len(text.layers)}")
     return result
 

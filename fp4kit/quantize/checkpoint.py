@@ -73,6 +73,9 @@ class QuantizeOptions:
     seq_len: int = 512
     batch_size: int = 8
     moe_input_scales: str = "shared"
+    # the calibration forward's compute dtype: auto (the checkpoint's where the device computes it fast, else fp32:
+    # fp4kit.quantize.calibrate.compute_dtype), bf16 or fp32
+    dtype: str = "auto"
     # quantized sources (FP8 block, INT pack-quantized): dequantize to fp32 (one rounding) or bf16 (the peers' two)
     dequant_dtype: str = "fp32"
     # rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (importance-weighted
@@ -175,6 +178,7 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError("--mtp quantize: no calibration forward reaches the MTP block, so its experts get no "
                           "activation scales; quantize them weight-only (--scheme nvfp4a16, no nvfp4 or fp8-static "
                           "--scheme-for)")
+    calibration_dtype(options, {})  # a bad --dtype: one line, before any work
     if options.batch_size < 1:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
@@ -447,6 +451,13 @@ def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn
                        "samples": samples, "seq_len": seq_len, "tokens": samples * seq_len}
 
 
+def calibration_dtype(options: QuantizeOptions, config: dict) -> torch.dtype:
+    """The compute dtype of the calibration forward (``options.dtype``; auto: from the checkpoint and the device)."""
+    from fp4kit.quantize.calibrate import compute_dtype
+
+    return compute_dtype(options.dtype, torch.device(options.device), config)
+
+
 def _batches(samples: int, batch_size: int, batch_share: tuple[int, int]) -> int:
     rank, world = batch_share
     return len(range(batch_size * rank, samples, batch_size * world))
@@ -465,10 +476,12 @@ def _calibrate(
 
     modules = {c.linear.module for g in _static_input_groups(plan, options) for c in g.members}
     batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)
+    dtype = calibration_dtype(options, plan.config)
     phase = start_phase(progress, "calibrating", None, "batches", f"{token_ids.shape[0]} samples x "
-                        f"{token_ids.shape[1]} tokens, {batches} batches through each decoder layer")
-    result = calibrate(src, token_ids, options.device, options.batch_size, modules, batch_share=ranks.batch_share,
-                       progress=phase, config=plan.config, family=plan.family)
+                        f"{token_ids.shape[1]} tokens, {batches} batches through each decoder layer, "
+                        f"{_dtype_name(dtype)}")
+    result = calibrate(src, token_ids, options.device, options.batch_size, modules, dtype=dtype,
+                       batch_share=ranks.batch_share, progress=phase, config=plan.config, family=plan.family)
     result = ranks.combine_calibration(result, sorted(modules))
     return static_input_scales(plan, options, plan.groups, result.input_amax), result.routing_counts
 
@@ -497,6 +510,10 @@ def static_input_scales(plan: ModelPlan, options: QuantizeOptions, groups: list[
     return divisors
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def calibrated_method(options: QuantizeOptions) -> bool:
     """gptq, and mse where a calibration pass runs anyway (W4A4) or calibration text is given: the layer pass."""
     return options.method == "gptq" or (options.method == "mse" and (static_inputs(options) or
@@ -517,18 +534,18 @@ def _quantize_calibrated(
     from fp4kit.quantize.calibrate import calibrate_quantized
     from fp4kit.quantize.gptq import GptqOptions, LayerQuantizer
 
-    total = sum(_job_bytes(reader, job) for job in plan.jobs)
-    progress = start_phase(progress, f"quantizing layer by layer ({options.method})", total, main=True)
-    done = 0
+    dtype = calibration_dtype(options, plan.config)
+    batches = _batches(token_ids.shape[0], options.batch_size, (0, 1))
+    progress = start_phase(progress, "quantizing", None, "layers", f"{options.method} layer by layer: "
+                           f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, {batches} batches through "
+                           f"each decoder layer, {_dtype_name(dtype)}", main=True)
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
             put({job: _read_job(reader, job, options.device)})  # type: ignore[dict-item]
-            done += _job_bytes(reader, job)
     fp8 = [g for g in plan.groups if group_scheme(plan, g, options) in FP8_SCHEMES]
     for group in fp8:
         put(fp8_group_tensors(group, _read_job(reader, group), group_scheme(plan, group, options), options,
                               source_input_divs or {}))
-        done += _job_bytes(reader, group)
     nvfp4 = [g for g in plan.groups if group_scheme(plan, g, options) not in FP8_SCHEMES]
     by_layer: dict[int, list[QuantGroup]] = {}
     for group in nvfp4:
@@ -552,19 +569,15 @@ def _quantize_calibrated(
         return static_input_scales(plan, options, groups, input_amax)
 
     def on_layer(index: int, result) -> None:
-        nonlocal done
         divs = divisors([g for g, _ in pending], result.input_amax)
         for group, quantized in pending:
             put(encode_group(group, quantized, options, divs))
-            done += _job_bytes(reader, group)
         pending.clear()
-        if progress:
-            progress(done, total)
 
     modules = {c.linear.module for g in nvfp4 for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
-                                 full_hessians=options.method == "gptq", on_layer=on_layer, input_amax=with_input,
-                                 config=plan.config, family=plan.family)
+                                 full_hessians=options.method == "gptq", dtype=dtype, on_layer=on_layer,
+                                 input_amax=with_input, config=plan.config, family=plan.family, progress=progress)
     rest = [g for g in nvfp4 if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
@@ -578,9 +591,6 @@ def _quantize_calibrated(
         quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
         put(encode_group(group, quantized, options, divs))
         fallbacks.extend(c.linear.module for c in group.members)
-        done += _job_bytes(reader, group)
-        if progress:
-            progress(done, total)
     return fallbacks, result.routing_counts
 
 
@@ -618,7 +628,8 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
                     "exact_blocks": cast_counts.get("exact", 0),
                     "requantized_blocks": cast_counts.get("requantized", 0)}
         (work / MXFP4_CAST_NAME).write_text(json.dumps(document, indent=2) + "\n")
-    write_provenance(work, src, plan, options, calibration_record(calibration, options.calib, token_ids),
+    dtype = _dtype_name(calibration_dtype(options, config)) if calibration else None
+    write_provenance(work, src, plan, options, calibration_record(calibration, options.calib, token_ids, dtype),
                      options.command)
 
 
@@ -628,7 +639,8 @@ def quantize_checkpoint(
     options: QuantizeOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> QuantizeReport:
-    """Quantize checkpoint ``src`` into ``dst`` (created atomically). ``progress(done_bytes, total_bytes)``.
+    """Quantize checkpoint ``src`` into ``dst`` (created atomically). ``progress(done, total)``: bytes quantized, or
+    for the calibrated methods (``calibrated_method``) decoder layers.
 
     Under torchrun every rank calls this and the work is split (fp4kit.quantize.distributed); the bytes are the same."""
     options = options or QuantizeOptions()

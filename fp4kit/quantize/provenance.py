@@ -24,8 +24,9 @@ CARD_NAME = "README.md"
 FORMAT = "fp4kit.provenance/1"
 SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16": "NVFP4A16 (FP4 weights, BF16 "
                  "activations)"}
-# options that change where and how fast the work runs, not the bytes
-NOT_RECORDED = ("device", "native_cpu", "overwrite", "command")
+# options that change where and how fast the work runs, not the bytes; and --dtype, whose choice (auto) the
+# calibration record replaces by the dtype the forward ran in
+NOT_RECORDED = ("device", "native_cpu", "overwrite", "command", "dtype")
 # options recorded only when given, so that a run without them records what it did before they existed
 RECORDED_WHEN_SET = ("scheme_for",)
 # a module group's precision in the model card, by its --scheme-for scheme (NVFP4 otherwise)
@@ -55,11 +56,15 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def calibration_record(calibration: dict, calib: Path | None, token_ids: torch.Tensor | None) -> dict:
-    """The calibration record of the report, with the hashes that pin it: the file's bytes and the token ids used."""
+def calibration_record(calibration: dict, calib: Path | None, token_ids: torch.Tensor | None,
+                       dtype: str | None = None) -> dict:
+    """The calibration record of the report, with what pins it: the compute dtype of its forward (``dtype``), the
+    file's bytes and the token ids used."""
     if not calibration:
         return {}
     record = dict(calibration)
+    if dtype is not None:
+        record["dtype"] = dtype
     if calib is not None:
         record["file_sha256"] = sha256_file(Path(calib))
     if token_ids is not None:
