@@ -23,6 +23,9 @@ GRAMMAR_ALLOWED = {
     "io/sources.py",
     # tiny fixtures written in the on-disk layout the real releases use (fp32 router bias, INT-packed experts)
     "testing/fixtures.py",
+    # the published models' config.json values the benchmarks' synthetic checkpoints are built from (config keys such
+    # as shared_expert_intermediate_size, not tensor names: the names come from transformers' classes)
+    "testing/synthetic.py",
 }
 
 

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.fp8 import quantize_fp8
 from fp4kit.quantize.checkpoint import QuantizeOptions, quantize_checkpoint
-from fp4kit.quantize.schemes import quantize_fp8
 
 # per family: attention FP8 per channel, a dense / shared MLP in FP8 blocks, some routed experts kept, the rest of
 # the experts NVFP4 (the default scheme)

@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.quantize.schemes import SchemeMap, quantize_fp8
+from fp4kit.fp8 import quantize_fp8
+from fp4kit.quantize.schemes import SchemeMap
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:

@@ -22,9 +22,9 @@ from fp4kit.nvfp4 import BLOCK, divisor_of
 
 if TYPE_CHECKING:
     from fp4kit.families.base import Family
+    from fp4kit.fp8 import Fp8Weight
     from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
     from fp4kit.nvfp4 import NVFP4Tensor
-    from fp4kit.quantize.schemes import Fp8Weight
 
 # the tensors of one quantized Linear, by role: packed E2M1 codes, FP8 block scales, weight global and input scale
 ROLES = ("packed", "block", "global", "input")

@@ -28,7 +28,7 @@ from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
 if TYPE_CHECKING:
-    from fp4kit.quantize.schemes import Fp8Weight
+    from fp4kit.fp8 import Fp8Weight
 
 NAME = "compressed-tensors"
 FORMAT = "nvfp4-pack-quantized"
@@ -172,7 +172,7 @@ def fp8_planned(module: str, scheme: str, out_features: int, in_features: int, d
                 with_input_scale: bool) -> list[PlannedTensor]:
     """An FP8 Linear as compressed-tensors' float-quantized format stores it: E4M3 ``weight``, its scale in the
     source weight's dtype and, for fp8-static, the input scale [1] in that dtype too."""
-    from fp4kit.quantize.schemes import fp8_scale_shape
+    from fp4kit.fp8 import fp8_scale_shape
 
     specs = [PlannedTensor(module + FP8_SUFFIXES["weight"], torch.float8_e4m3fn, (out_features, in_features)),
              PlannedTensor(module + FP8_SUFFIXES["scale"], dtype, fp8_scale_shape(scheme, out_features, in_features))]

@@ -37,7 +37,7 @@ from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
 if TYPE_CHECKING:
-    from fp4kit.quantize.schemes import Fp8Weight
+    from fp4kit.fp8 import Fp8Weight
 
 NAME = "modelopt"
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -150,7 +150,7 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
 def fp8_scale_shape(scheme: str, out_features: int, in_features: int) -> tuple[int, ...]:
     """An FP8 weight scale's shape as ModelOpt stores it (fp32): 0-d per tensor, [N] per channel, and per 128x128
     block [N/128, 1, K/128, 1] (what vLLM 0.33's ``KFp8Block128`` registers)."""
-    from fp4kit.quantize.schemes import fp8_scale_shape as canonical
+    from fp4kit.fp8 import fp8_scale_shape as canonical
 
     shape = canonical(scheme, out_features, in_features)
     if scheme == "fp8-static":

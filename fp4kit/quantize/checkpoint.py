@@ -18,6 +18,7 @@ import torch
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import engine_fused_name
 from fp4kit.formats.base import Dialect
+from fp4kit.fp8 import fp8_input_scale, quantize_fp8
 from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
 from fp4kit.io.streaming import BackgroundWriter, prefetched
 from fp4kit.native import nvfp4_cpu
@@ -28,16 +29,7 @@ from fp4kit.quantize import distributed
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
 from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
 from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_group_mse, quantize_stacked_mse
-from fp4kit.quantize.schemes import (
-    FP8_SCHEMES,
-    KEPT,
-    STATIC_INPUT_SCHEMES,
-    SchemeMap,
-    fp8_input_scale,
-    module_schemes,
-    quantize_fp8,
-    single_nvfp4,
-)
+from fp4kit.quantize.schemes import FP8_SCHEMES, KEPT, STATIC_INPUT_SCHEMES, SchemeMap, module_schemes, single_nvfp4
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")

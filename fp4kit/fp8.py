@@ -1,0 +1,111 @@
+"""FP8 E4M3 weights of the per-module schemes (fp8-dynamic, fp8-block, fp8-static) and their static input scale.
+
+The weights follow compressed-tensors' float quantization exactly (its ``calculate_qparams`` and ``_quantize``), in
+the weight's own dtype: the scale is amax / 448 rounded to that dtype (an all-zero channel or block gets the dtype's
+eps), and the codes are ``clamp(w / scale, -448, 448)`` cast to E4M3, the division rounded to the weight's dtype
+first. Byte identity with llm-compressor's output depends on keeping those two roundings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fp4kit.errors import Fp4kitError
+
+FP8_MAX = 448.0
+FP8_BLOCK = 128  # fp8-block's weight blocks are FP8_BLOCK x FP8_BLOCK
+
+
+@dataclass
+class Fp8Weight:
+    """An FP8 E4M3 weight [N, K] and its scale in the weight's dtype: [N, 1] per channel (fp8-dynamic),
+    [ceil(N/128), ceil(K/128)] per block (fp8-block) or [1] per tensor (fp8-static); dequantized as codes * scale."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        scale = self.scale.float()
+        if scale.dim() == 2 and scale.shape[-1] != 1:  # per block: expand each over its block, crop the padding
+            n, k = self.codes.shape
+            scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
+        return (self.codes.float() * scale).to(dtype)
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
+    eps = torch.tensor(torch.finfo(amax.dtype).eps, dtype=amax.dtype)
+    return torch.where(scale == 0, eps, scale)
+
+
+def _codes(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(weight / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _check(weight: torch.Tensor, module: str) -> None:
+    if weight.dim() != 2 or not weight.dtype.is_floating_point or weight.dtype.itemsize == 1:
+        raise Fp4kitError(f"{module}: an FP8 scheme needs a 2-D bf16/fp16/fp32 weight, got {weight.dtype} "
+                          f"{list(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise Fp4kitError(f"{module}: weight holds non-finite values")
+
+
+def quantize_fp8_channel(weight: torch.Tensor, module: str = "weight") -> Fp8Weight:
+    """fp8-dynamic's weight: one scale per output channel."""
+    _check(weight, module)
+    amax = weight.abs().amax(dim=1, keepdim=True)
+    scale = _scale_from_amax(amax)
+    return Fp8Weight(_codes(weight, scale), scale)
+
+
+def quantize_fp8_block(weight: torch.Tensor, module: str = "weight") -> Fp8Weight:
+    """fp8-block's weight: one scale per 128x128 block (partial edge blocks as compressed-tensors pads them)."""
+    _check(weight, module)
+    n, k = weight.shape
+    rows, cols = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = torch.zeros(rows * FP8_BLOCK, cols * FP8_BLOCK, dtype=weight.dtype)
+    padded[:n, :k] = weight
+    blocks = padded.unflatten(0, (rows, FP8_BLOCK)).unflatten(2, (cols, FP8_BLOCK))  # [r, 128, c, 128]
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = _scale_from_amax(amax)
+    expanded = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
+    return Fp8Weight(_codes(weight, expanded), scale)
+
+
+def quantize_fp8_tensor(weight: torch.Tensor, module: str = "weight") -> Fp8Weight:
+    """fp8-static's weight: one scale for the whole tensor."""
+    _check(weight, module)
+    scale = _scale_from_amax(weight.abs().amax().reshape(1))
+    return Fp8Weight(_codes(weight, scale), scale)
+
+
+def quantize_fp8(weight: torch.Tensor, scheme: str, module: str = "weight") -> Fp8Weight:
+    if scheme == "fp8-dynamic":
+        return quantize_fp8_channel(weight, module)
+    if scheme == "fp8-block":
+        return quantize_fp8_block(weight, module)
+    if scheme == "fp8-static":
+        return quantize_fp8_tensor(weight, module)
+    raise ValueError(f"not an FP8 scheme: {scheme}")
+
+
+def fp8_scale_shape(scheme: str, out_features: int, in_features: int) -> tuple[int, ...]:
+    """The shape of an FP8 weight's scale as quantize_fp8 returns it."""
+    if scheme == "fp8-dynamic":
+        return (out_features, 1)
+    if scheme == "fp8-block":
+        return (-(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK))
+    if scheme == "fp8-static":
+        return (1,)
+    raise ValueError(f"not an FP8 scheme: {scheme}")
+
+
+def fp8_input_scale(amax: float) -> torch.Tensor:
+    """fp8-static's per-tensor input scale (a divisor, float64) from the calibrated input amax: amax / 448, and 1
+    where the module saw no non-zero input (no scale is ever 0)."""
+    if not math.isfinite(amax):
+        raise Fp4kitError(f"calibration gave a non-finite input amax ({amax})")
+    return torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float64)
