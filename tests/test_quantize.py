@@ -225,7 +225,9 @@ def test_the_output_records_how_it_was_made(tiny, tmp_path, capsys, monkeypatch)
     assert record["calibration"] == {
         "data": str(calib), "samples": 4, "seq_len": 64, "tokens": 256,
         "file_sha256": hashlib.sha256(calib.read_bytes()).hexdigest(),
-        "token_ids_sha256": record["calibration"]["token_ids_sha256"]}
+        "token_ids_sha256": record["calibration"]["token_ids_sha256"],
+        "dtype": record["calibration"]["dtype"]}
+    assert record["calibration"]["dtype"] in ("bfloat16", "float32")  # --dtype auto: the hardware's choice
     assert record["options"]["samples"] == 4 and "device" not in record["options"]
     assert record["command"] == " ".join(["fp4kit", "quantize", "SRC", "DST", *argv[3:]])
 

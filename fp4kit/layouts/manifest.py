@@ -31,6 +31,7 @@ _VERSION_IN_KERNEL = re.compile(r"\((?:flashinfer-python|vLLM) (?P<version>[0-9]
 ACTIVATION_FORMULAS = {
     "silu": "silu(gate) * up",
     "swiglu_oai": "g = min(gate, limit); u = min(max(up, -limit), limit); (u + 1) * g * sigmoid(alpha * g)",
+    "silu_clamped": "g = min(gate, limit); u = min(max(up, -limit), limit); silu(g) * u",
 }
 FORMULA_NOTATION = ("per expert e: D_w13 = w13_global_scale_div[e], D_w2 = w2_global_scale_div[e], D_a13 = see "
                     "D_a13, D_a2 = input_scale_div2[e] (float64 divisors); fp32(x) rounds to nearest "
