@@ -150,3 +150,141 @@ def test_inspect_finds_a_bad_fp8_scale(mixed, tmp_path):
     problems = json.loads(run.stdout)["problems"]
     assert run.returncode == 1 and [(p["check"], p["module"]) for p in problems] == [
         ("bad_scale", "model.layers.0.self_attn.q_proj")], problems
+
+
+@pytest.mark.parametrize("scheme", ["fp8-dynamic", "fp8-block", "fp8-static"])
+def test_fp8_activation_emulation_is_vllms(scheme):
+    """fake_quantize_fp8_activation against vLLM 0.33's QuantFP8.forward_native (the reference path of its input
+    quantization), run on a stand-in for the CustomOp instance, which needs a device to build."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from helpers import vllm_module
+
+    from fp4kit.fp8 import fake_quantize_fp8_activation
+
+    input_quant = vllm_module("model_executor.layers.quantization.input_quant_fp8")
+    shapes = vllm_module("model_executor.layers.quantization.utils.quant_utils").GroupShape
+    group = {"fp8-dynamic": shapes.PER_TOKEN, "fp8-block": shapes(1, 128), "fp8-static": shapes.PER_TENSOR}[scheme]
+    op = SimpleNamespace(static=scheme == "fp8-static", group_shape=group, is_group_quant=scheme == "fp8-block",
+                         group_size=128, use_ue8m0=False, column_major_scales=False, num_token_padding=None)
+    op._quantize_group_native = lambda x: input_quant.QuantFP8._quantize_group_native(op, x)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 300, generator=generator) * torch.logspace(-3, 2, 6).unsqueeze(1)
+    x[2] = 0  # a token of zeros: the scale floor
+    x[3, 7] = 1e4  # beyond the static scale's range: clamped
+    divisor = torch.tensor(0.02, dtype=torch.float64)
+    codes, scale = input_quant.QuantFP8.forward_native(op, x, divisor.float().reshape(1) if op.static else None)
+    if scheme == "fp8-block":
+        expected = (F.pad(codes.float(), (0, 84)).unflatten(-1, (3, 128)) * scale.unsqueeze(-1)).flatten(-2)[:, :300]
+    else:
+        expected = codes.float() * scale
+    ours = fake_quantize_fp8_activation(x, scheme, divisor if op.static else None)
+    assert torch.equal(ours, expected)
+    assert not torch.equal(ours, x)
+
+
+@pytest.fixture(scope="module")
+def token_ids():
+    return torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _fp8_dense(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """codes x scale, each scale of a 2-D block grid spread over its 128x128 block (independent of Fp8Weight)."""
+    scale = scale.float()
+    if scale.dim() == 2 and scale.shape[1] != 1:
+        scale = torch.kron(scale, torch.ones(128, 128))[: codes.shape[0], : codes.shape[1]]
+    return codes.float() * scale
+
+
+def _dense_reference(root: Path, tmp_path: Path) -> tuple[Path, dict[str, tuple[str, torch.Tensor | None]]]:
+    """The mixed checkpoint's weights dequantized into a dense fp32 checkpoint with the source's config, for a
+    whole-model forward; and each FP8 module's (scheme, input divisor)."""
+    from safetensors.torch import save_file
+
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    with open_checkpoint(root, mixed=True) as ckpt:
+        tensors = {n: ckpt.reader.read(n) for n in ckpt.passthrough}
+        tensors = {n: t.float() if t.dtype.is_floating_point else t for n, t in tensors.items()}
+        tensors |= {f"{m.name}.weight": ckpt.read_weight(m).dequantize(torch.float32) for m in ckpt.modules}
+        fp8 = {}
+        for m in ckpt.fp8_modules:
+            weight, input_div = ckpt.read_fp8(m)
+            tensors[f"{m.name}.weight"] = _fp8_dense(weight.codes, weight.scale)
+            fp8[m.name] = (m.scheme, input_div)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dense / "model.safetensors"))
+    config = json.loads((root / "config.json").read_text())
+    config.pop("quantization_config")
+    (dense / "config.json").write_text(json.dumps(config))
+    return dense, fp8
+
+
+@pytest.mark.parametrize(("family", "dialect", "scheme"), [("qwen3_moe", "compressed-tensors", "nvfp4a16"),
+                                                           ("deepseek_v3", "modelopt", "nvfp4a16"),
+                                                           ("qwen3_moe", "modelopt", "nvfp4")])
+def test_eval_of_a_mixed_checkpoint_equals_a_whole_model_forward(mixed, tiny, token_ids, tmp_path, family, dialect,
+                                                                  scheme):
+    """eval streams a mixed checkpoint as transformers' whole model runs it: dequantized weights, FP8 Linears'
+    inputs quantized by vLLM's rule (and W4A4 NVFP4 ones as a single-scheme run's)."""
+    from helpers import text_forward
+
+    from fp4kit.families import detect
+    from fp4kit.tools.evaluate import _fp8_input_hook, _scores, emulate_w4a4, evaluate, input_divisors
+
+    rules = tuple(RULES[family]) if scheme == "nvfp4a16" else (r"self_attn\.(q|k|v)_proj=fp8-dynamic",
+                                                               r"self_attn\.o_proj=fp8-static")
+    root = mixed(family, dialect, rules, scheme)
+    result = evaluate(tiny(family), root, token_ids, batch_size=2)
+    assert result.scheme.startswith(f"mixed ({scheme} + fp8-"), result.scheme
+    dense, fp8 = _dense_reference(root, tmp_path)
+
+    import transformers
+
+    from fp4kit.testing.fixtures import fixture_spec
+
+    model_class = getattr(transformers, fixture_spec(family)["model_class"])
+    source, quantized = (model_class.from_pretrained(p, dtype=torch.float32).eval() for p in (tiny(family), dense))
+    with open_checkpoint(root, mixed=True) as ckpt:
+        divisors = input_divisors(ckpt)
+        family_of = detect(ckpt.config)
+    assert emulate_w4a4(quantized, "", divisors, family_of) == set(divisors)
+    hooked = set()
+    for name, module in quantized.named_modules():
+        if name in fp8:
+            module.register_forward_pre_hook(_fp8_input_hook(*fp8[name]))
+            hooked.add(name)
+    assert hooked == set(fp8)
+    totals = torch.zeros(4, dtype=torch.float64)
+    with torch.inference_mode():
+        for start in range(0, 4, 2):
+            ids = token_ids[start : start + 2]
+            logits = [text_forward(m)(input_ids=ids, use_cache=False).logits[:, :-1].reshape(-1, 256).float()
+                      for m in (source, quantized)]
+            totals += _scores(*logits, ids[:, 1:].reshape(-1))
+    reference = totals / (4 * 23)
+    streamed = torch.tensor([result.kl, result.ce_source, result.ce_quantized, result.top1], dtype=torch.float64)
+    assert torch.allclose(streamed, reference, rtol=1e-5, atol=0), (streamed, reference)
+
+
+def test_eval_of_fp8_attention_differs_sensibly_from_all_nvfp4(mixed, tiny, token_ids, tmp_path):
+    """FP8 attention beside NVFP4 experts errs less than NVFP4 everywhere, and more than nothing; an all-NVFP4 run
+    reads as its single scheme."""
+    from fp4kit.tools.evaluate import evaluate
+
+    plain = tmp_path / "plain"
+    quantize_checkpoint(tiny("qwen3_moe"), plain, QuantizeOptions())
+    nvfp4 = evaluate(tiny("qwen3_moe"), plain, token_ids, batch_size=2)
+    fp8_attention = evaluate(tiny("qwen3_moe"), mixed("qwen3_moe", "compressed-tensors",
+                                                      (r"self_attn\.=fp8-dynamic",)), token_ids, batch_size=2)
+    assert nvfp4.scheme == "nvfp4a16" and fp8_attention.scheme == "mixed (nvfp4a16 + fp8-dynamic)"
+    assert 0 < fp8_attention.kl < nvfp4.kl and fp8_attention.layers[0] < nvfp4.layers[0]
+
+
+def test_eval_refuses_fp8_routed_experts_in_one_line(mixed, tiny, token_ids):
+    from fp4kit.tools.evaluate import evaluate
+
+    root = mixed("qwen3_moe", "compressed-tensors", (r"experts\.=fp8-dynamic",))
+    with pytest.raises(Fp4kitError, match="not FP8 routed experts") as info:
+        evaluate(tiny("qwen3_moe"), root, token_ids, batch_size=2)
+    assert "\n" not in str(info.value)
