@@ -288,3 +288,32 @@ def test_eval_refuses_fp8_routed_experts_in_one_line(mixed, tiny, token_ids):
     with pytest.raises(Fp4kitError, match="not FP8 routed experts") as info:
         evaluate(tiny("qwen3_moe"), root, token_ids, batch_size=2)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("family", "dialect"), [("qwen3_moe", "compressed-tensors"), ("deepseek_v3", "modelopt")])
+def test_shard_carries_fp8_tensors_to_every_rank(mixed, family, dialect, tmp_path):
+    """An EP split of a mixed checkpoint: every rank holds each FP8 module's tensors byte for byte and reads as the
+    same mixed checkpoint with its share of the experts; inspect finds the root and the ranks clean."""
+    rules = (r"self_attn\.=fp8-dynamic",) + ((r"mlp\.(shared_experts|gate_proj|up_proj|down_proj)=fp8-block",)
+                                             if family == "deepseek_v3" else ())
+    root = mixed(family, dialect, rules)
+    dst = tmp_path / "ep"
+    run = subprocess.run([sys.executable, "-m", "fp4kit", "shard", str(root), str(dst), "--ep", "2", "-q"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    source = _source(root)
+    ranks = sorted(p for p in dst.iterdir() if p.name.startswith("rank-"))
+    assert len(ranks) == 2
+    with open_checkpoint(root, mixed=True) as whole:
+        fp8 = {m.name: m.scheme for m in whole.fp8_modules}
+        names = [n for m in whole.fp8_modules for n in (m.weight, m.scale)]
+    assert "fp8-dynamic" in fp8.values() and (family == "qwen3_moe" or "fp8-block" in fp8.values())
+    for rank in ranks:
+        with open_checkpoint(rank, mixed=True) as ckpt:
+            assert {m.name: m.scheme for m in ckpt.fp8_modules} == fp8
+            assert all(torch.equal(ckpt.reader.read(n).view(torch.uint8), source[n].view(torch.uint8))
+                       for n in names)
+    for path in (dst, ranks[1]):
+        run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", "--json", str(path)], capture_output=True,
+                             text=True)
+        assert run.returncode == 0 and json.loads(run.stdout)["module_schemes"], run.stdout + run.stderr
