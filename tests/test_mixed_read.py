@@ -317,3 +317,10 @@ def test_shard_carries_fp8_tensors_to_every_rank(mixed, family, dialect, tmp_pat
         run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", "--json", str(path)], capture_output=True,
                              text=True)
         assert run.returncode == 0 and json.loads(run.stdout)["module_schemes"], run.stdout + run.stderr
+
+
+def test_a_mixed_checkpoint_is_no_quantize_source(mixed, tmp_path):
+    for dialect in DIALECTS:
+        with pytest.raises(Fp4kitError, match="an NVFP4 checkpoint") as info:
+            quantize_checkpoint(mixed("qwen3_moe", dialect), tmp_path / dialect, QuantizeOptions())
+        assert "\n" not in str(info.value) and not (tmp_path / dialect).exists()
