@@ -149,8 +149,9 @@ def test_backend_table_says_what_layout_does(hidden, intermediate, monkeypatch, 
         table = inspect_checkpoint(ckpt).backends
         for backend in BACKENDS:
             out_dir = tmp_path_factory.mktemp(f"layout-{backend}") / "out"
-            code, out = run_cli(monkeypatch, capsys, "layout", str(ckpt), str(out_dir), "--backend", backend, "-q")
-            assert (code == 0) == (table[backend] == "ok"), (ckpt.name, backend, table[backend], out)
+            code, out, err = run_cli(monkeypatch, capsys, "layout", str(ckpt), str(out_dir), "--backend", backend,
+                                     "-q")
+            assert (code == 0) == (table[backend] == "ok"), (ckpt.name, backend, table[backend], out, err)
             if code:
-                assert code == 2 and table[backend] in out, (table[backend], out)
+                assert code == 2 and table[backend] in out + err, (table[backend], out, err)
     assert "weight-only" in inspect_checkpoint(w4a4.parent / "nvfp4a16").backends["trtllm"]
