@@ -17,6 +17,9 @@ from fp4kit.errors import Fp4kitError
 
 FP8_MAX = 448.0
 FP8_BLOCK = 128  # fp8-block's weight blocks are FP8_BLOCK x FP8_BLOCK
+ACTIVATION_GROUP = 128  # fp8-block's activations: one dynamic scale per token and 128 input features
+# the floor vLLM 0.33 puts under a dynamic activation scale (quantization/input_quant_fp8.py, _FP8_MIN_SCALING_FACTOR)
+MIN_DYNAMIC_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 @dataclass
@@ -109,3 +112,30 @@ def fp8_input_scale(amax: float) -> torch.Tensor:
     if not math.isfinite(amax):
         raise Fp4kitError(f"calibration gave a non-finite input amax ({amax})")
     return torch.tensor(amax / FP8_MAX if amax > 0 else 1.0, dtype=torch.float64)
+
+
+def fake_quantize_fp8_activation(x: torch.Tensor, scheme: str, input_scale_div: torch.Tensor | None = None
+                                 ) -> torch.Tensor:
+    """``x`` [..., K] quantized to E4M3 and dequantized (fp32) as vLLM 0.33 quantizes an FP8 Linear's input at run
+    time (quantization/input_quant_fp8.py, ``QuantFP8.forward_native``): fp8-dynamic per token, fp8-block per token
+    and 128-feature group (dynamic scales amax / 448, floored at ``MIN_DYNAMIC_SCALE``), fp8-static with the stored
+    per-tensor input scale ``input_scale_div``."""
+    xf = x.float()
+    if scheme == "fp8-block":
+        k = xf.shape[-1]
+        groups = -(-k // ACTIVATION_GROUP)
+        padded = torch.nn.functional.pad(xf, (0, groups * ACTIVATION_GROUP - k)).unflatten(-1, (groups,
+                                                                                               ACTIVATION_GROUP))
+        scale = (padded.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+        codes = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return (codes.float() * scale).flatten(-2)[..., :k]
+    if scheme == "fp8-dynamic":
+        scale = (xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=MIN_DYNAMIC_SCALE)
+    elif scheme == "fp8-static":
+        if input_scale_div is None:
+            raise ValueError("fp8-static activations need the stored input scale")
+        scale = input_scale_div.float().reshape(())
+    else:
+        raise ValueError(f"not an FP8 scheme: {scheme}")
+    codes = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.float() * scale

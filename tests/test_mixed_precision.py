@@ -250,11 +250,12 @@ def test_calibrated_mixed_run_keeps_w4a4_experts_and_calibrates_fp8_static(tiny,
 
 
 def test_mixed_checkpoints_are_refused_by_the_readers(mixed):
-    """inspect / convert / eval read single-scheme NVFP4 checkpoints: a mixed one is one error line, exit 2."""
+    """convert reads single-scheme NVFP4 checkpoints: a mixed one is one error line, exit 2."""
     import subprocess
     import sys
 
     for dialect in ("compressed-tensors", "modelopt"):
-        run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", str(mixed("qwen3_moe", dialect))],
+        run = subprocess.run([sys.executable, "-m", "fp4kit", "convert", str(mixed("qwen3_moe", dialect)),
+                              str(mixed("qwen3_moe", dialect).parent / "converted"), "--to", "compressed-tensors"],
                              capture_output=True, text=True)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and "single-scheme" in run.stderr, run.stderr

@@ -54,6 +54,8 @@ def inspect(
     if as_json:
         document = dataclasses.asdict(report)
         head = {key: document.pop(key) for key in ("format", "kind")}
+        if document["module_schemes"] is None:  # present for mixed-precision checkpoints only
+            del document["module_schemes"]
         typer.echo(json.dumps(head | document | {"clean": report.clean}, indent=2))
     else:
         for line in _text(report):
@@ -65,9 +67,16 @@ def inspect(
 SHOWN_MODULES = 6
 
 
+def _scheme(report) -> str:
+    if not report.module_schemes:
+        return report.scheme
+    schemes = dict.fromkeys(g["scheme"] for g in report.module_schemes if g["scheme"] != "kept")
+    return "mixed precision (" + " + ".join(schemes) + ")"
+
+
 def _text(report) -> list[str]:
     what = (f"{report.precision} source" if report.kind == "source" else
-            f"{report.dialect}, {report.scheme}" + ("" if report.kind == "checkpoint" else f", {report.kind}"))
+            f"{report.dialect}, {_scheme(report)}" + ("" if report.kind == "checkpoint" else f", {report.kind}"))
     lines = [
         f"{report.path}: {what}, family {report.family}",
         f"experts per layer {report.num_experts}, hidden {report.hidden_size}, "
@@ -85,6 +94,9 @@ def _text(report) -> list[str]:
             shapes = ", ".join(f"{k} {v}" for k, v in s.shapes.items())
             lines.append(f"{layer:>6} {s.quantized_linears:>8} {s.experts:>8} {human_bytes(s.quantized_bytes):>11} "
                          f"{human_bytes(s.other_bytes):>11}  {shapes}")
+    if report.module_schemes:
+        lines.append(f"{'scheme':>11} {'linears':>8}  modules")
+        lines.extend(f"{g['scheme']:>11} {g['count']:>8}  {g['modules']}" for g in report.module_schemes)
     if report.expert_parallel and "ranks" in report.expert_parallel:
         lines.append(f"{'rank':>6}  {'directory':<12} {'experts':>8} {'problems':>9}")
         for rank in report.expert_parallel["ranks"]:

@@ -50,6 +50,57 @@ class QuantModule:
     rows: tuple[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class Fp8Module:
+    """One FP8 Linear [N, K] of a mixed-precision checkpoint (fp4kit.quantize.schemes), with its scheme and the names
+    of its tensors on disk: E4M3 weight codes, the weight scale (per channel, per 128x128 block or per tensor) and,
+    for fp8-static, the input scale (a divisor)."""
+
+    name: str
+    scheme: str  # fp8-dynamic, fp8-block or fp8-static
+    weight: str
+    scale: str
+    input_scale: str | None
+    out_features: int
+    in_features: int
+
+
+FP8_SCHEMES = ("fp8-dynamic", "fp8-block", "fp8-static")
+
+
+def fp8_modules(reader: CheckpointReader, suffixes: dict[str, str],
+                scale_shape: Callable[[str, int, int], tuple[int, ...]]) -> list[Fp8Module]:
+    """One module per ``<m><suffixes['weight']>`` stored as E4M3 [N, K]; its scheme is the one whose weight scale
+    shape (``scale_shape(scheme, N, K)``, the dialect's spelling) the stored scale has, fp8-static exactly when an
+    input scale is stored."""
+    modules = []
+    for name in reader.names():
+        if not name.endswith(suffixes["weight"]) or reader.info(name).dtype != torch.float8_e4m3fn:
+            continue
+        base = name[: -len(suffixes["weight"])]
+        shape = reader.info(name).shape
+        if len(shape) != 2:
+            raise Fp4kitError(f"{name}: shape {list(shape)}, expected a 2-D FP8 weight")
+        scale_name, input_name = base + suffixes["scale"], base + suffixes["input"]
+        if scale_name not in reader:
+            raise Fp4kitError(f"{base}: missing FP8 weight scale tensor {scale_name}")
+        for tensor in (scale_name, input_name):
+            if tensor in reader and (not reader.info(tensor).dtype.is_floating_point
+                                     or reader.info(tensor).dtype.itemsize == 1):
+                raise Fp4kitError(f"{tensor}: dtype {reader.info(tensor).dtype}, expected a bf16/fp16/fp32 scale")
+        has_input = input_name in reader
+        if has_input and reader.info(input_name).shape not in ((), (1,)):
+            raise Fp4kitError(f"{input_name}: shape {list(reader.info(input_name).shape)}, expected a single value")
+        n, k = shape
+        found = [s for s in FP8_SCHEMES
+                 if scale_shape(s, n, k) == reader.info(scale_name).shape and (s == "fp8-static") == has_input]
+        if not found:
+            raise Fp4kitError(f"{scale_name}: shape {list(reader.info(scale_name).shape)} is no FP8 scheme's weight "
+                              f"scale of a [{n}, {k}] weight" + (" with an input scale" if has_input else ""))
+        modules.append(Fp8Module(base, found[0], name, scale_name, input_name if has_input else None, n, k))
+    return modules
+
+
 def check_tensor(reader: CheckpointReader, module: str, role: str, name: str | None,
                  shape: tuple[int, ...] | None) -> None:
     """``name`` exists with the dtype of ``role`` and, when given, ``shape`` (per-tensor scales: one value)."""
@@ -123,7 +174,16 @@ class Dialect:
         return qconfig
 
     def scheme(self, qconfig: dict) -> str:
-        """nvfp4 or nvfp4a16 from the declared config; an Fp4kitError when it is not NVFP4."""
+        """nvfp4 or nvfp4a16 from the declared config (of a mixed-precision one: its NVFP4 modules' scheme, nvfp4a16
+        when it has none); an Fp4kitError when it is not NVFP4."""
+        raise NotImplementedError
+
+    def is_mixed(self, qconfig: dict) -> bool:
+        """Whether the declared config gives modules different schemes (FP8 ones beside NVFP4 ones)."""
+        raise NotImplementedError
+
+    def find_fp8_modules(self, reader: CheckpointReader) -> list[Fp8Module]:
+        """Every FP8 Linear of a mixed-precision checkpoint, its tensors checked."""
         raise NotImplementedError
 
     def owns(self, tensor: str) -> bool:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.formats.base import Dialect, QuantModule, plain_modules
+from fp4kit.formats.base import Dialect, Fp8Module, QuantModule, fp8_modules, plain_modules
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
@@ -76,21 +76,30 @@ def decode(module: str, tensors: dict[str, torch.Tensor]) -> tuple[NVFP4Tensor, 
     return weight, None if input_mul is None else divisor_of(input_mul.reshape(()))
 
 
+def is_mixed(qconfig: dict) -> bool:
+    return qconfig.get("format") == MIXED_FORMAT
+
+
 def scheme_of(qconfig: dict) -> str:
-    """nvfp4 or nvfp4a16 from a compressed-tensors quantization_config (an error for any format but NVFP4)."""
-    if qconfig.get("format") == MIXED_FORMAT:
-        raise Fp4kitError(f"compressed-tensors format {MIXED_FORMAT!r} (several schemes, e.g. FP8 modules beside "
-                          "NVFP4 ones): fp4kit reads single-scheme NVFP4 checkpoints only")
-    formats = {qconfig.get("format")} | {g.get("format") for g in (qconfig.get("config_groups") or {}).values()}
-    formats.discard(None)
-    if formats - {FORMAT}:
-        raise Fp4kitError(f"compressed-tensors format {sorted(formats - {FORMAT})[0]!r} is not NVFP4 "
-                          f"(fp4kit reads {FORMAT})")
-    groups = (qconfig.get("config_groups") or {}).values()
+    """nvfp4 or nvfp4a16 from a compressed-tensors quantization_config (an error for any format but NVFP4, or, in
+    a mixed-precision one, NVFP4 and FP8): of a mixed-precision config, its NVFP4 groups' scheme."""
+    groups = list((qconfig.get("config_groups") or {}).values())
+    if is_mixed(qconfig):
+        formats = {g.get("format") for g in groups} - {FORMAT, FP8_FORMAT}
+        if formats:
+            raise Fp4kitError(f"compressed-tensors {MIXED_FORMAT} group format {sorted(map(str, formats))[0]!r} is "
+                              f"neither NVFP4 ({FORMAT}) nor FP8 ({FP8_FORMAT})")
+        groups = [g for g in groups if g.get("format") == FORMAT]
+    else:
+        formats = {qconfig.get("format")} | {g.get("format") for g in groups}
+        formats.discard(None)
+        if formats - {FORMAT}:
+            raise Fp4kitError(f"compressed-tensors format {sorted(formats - {FORMAT})[0]!r} is not NVFP4 "
+                              f"(fp4kit reads {FORMAT}, and {MIXED_FORMAT} of NVFP4 and FP8)")
     with_input = {bool(g.get("input_activations")) for g in groups}
     if len(with_input) > 1:
         raise Fp4kitError("compressed-tensors config groups mix NVFP4 (W4A4) and NVFP4A16 (weight-only): fp4kit reads "
-                          "single-scheme NVFP4 checkpoints only")
+                          "one NVFP4 scheme per checkpoint")
     return "nvfp4" if True in with_input else "nvfp4a16"
 
 
@@ -279,6 +288,14 @@ class CompressedTensors(Dialect):
 
     def scheme(self, qconfig: dict) -> str:
         return scheme_of(qconfig)
+
+    def is_mixed(self, qconfig: dict) -> bool:
+        return is_mixed(qconfig)
+
+    def find_fp8_modules(self, reader: CheckpointReader) -> list[Fp8Module]:
+        from fp4kit.fp8 import fp8_scale_shape
+
+        return fp8_modules(reader, FP8_SUFFIXES, fp8_scale_shape)
 
     def owns(self, tensor: str) -> bool:
         return tensor.endswith((SUFFIXES["packed"], SUFFIXES["global"], SUFFIXES["input"]))

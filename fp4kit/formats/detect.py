@@ -2,8 +2,10 @@
 
 Reads every dialect registered in fp4kit/registry.py (compressed-tensors: fp4kit's, llm-compressor's `oneshot` and
 `model_free_ptq`; ModelOpt: per-module names, and Llama-4's fused expert tensors, which are listed as per-expert
-modules here). The dialect is what its config files declare, checked against the tensor names; anything unusable
-(unknown or mixed dialects, a missing scale tensor, a wrong dtype or shape) is an Fp4kitError with one line.
+modules here), and mixed-precision ones (compressed-tensors ``mixed-precision``, ModelOpt ``MIXED_PRECISION``: FP8
+Linears beside the NVFP4 ones, read by the commands that pass ``mixed=True``). The dialect is what its config files
+declare, checked against the tensor names; anything unusable (unknown or mixed dialects, a missing scale tensor, a
+wrong dtype or shape) is an Fp4kitError with one line.
 
 Exact scales: each dialect stores its per-tensor scales as fp32, the multiplier G (compressed-tensors) or the
 divisor D (ModelOpt), and the canonical float64 divisor does not always survive a trip through the other form. A
@@ -23,13 +25,14 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect as detect_family
 from fp4kit.families.base import Family
 from fp4kit.families.grammar import DEFAULT, ExpertGrammar
-from fp4kit.formats.base import Dialect, QuantModule
+from fp4kit.formats.base import Dialect, Fp8Module, QuantModule
+from fp4kit.fp8 import Fp8Weight, fp8_scale_shape
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.safetensors_files import loads, read_json
 from fp4kit.nvfp4 import NVFP4Tensor
 from fp4kit.registry import dialect, dialects
 
-__all__ = ["EXACT_SCALES_KEY", "QuantModule", "QuantizedCheckpoint", "config_files", "decoded_scale",
+__all__ = ["EXACT_SCALES_KEY", "Fp8Module", "QuantModule", "QuantizedCheckpoint", "config_files", "decoded_scale",
            "needs_exact_record", "open_checkpoint", "stored_scale"]
 
 EXACT_SCALES_KEY = "fp4kit.exact_scales"
@@ -61,13 +64,15 @@ class QuantizedCheckpoint:
     root: Path
     config: dict
     dialect: str  # its registered name (fp4kit.registry)
-    scheme: str  # nvfp4 (W4A4) or nvfp4a16 (weight-only)
+    scheme: str  # nvfp4 (W4A4) or nvfp4a16 (weight-only): the NVFP4 modules'
     family: Family | None
     modules: list[QuantModule]
     passthrough: list[str]
     ignore: list[str]  # the source's own ignore / exclude_modules list
     reader: CheckpointReader
     exact_scales: dict[str, float] = field(default_factory=dict)
+    fp8_modules: list[Fp8Module] = field(default_factory=list)  # a mixed-precision checkpoint's FP8 Linears
+    mixed: bool = False  # the config gives modules different schemes
     _rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     _divisors: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -121,6 +126,19 @@ class QuantizedCheckpoint:
         packed.copy_(weight.packed)
         block_scale.copy_(weight.block_scale)
         return weight.global_scale_div
+
+    def module_schemes(self) -> dict[str, str]:
+        """Every quantized Linear -> its scheme (nvfp4 / nvfp4a16 / fp8-dynamic / fp8-block / fp8-static)."""
+        return {**{m.name: self.scheme for m in self.modules}, **{m.name: m.scheme for m in self.fp8_modules}}
+
+    def read_fp8(self, module: Fp8Module) -> tuple[Fp8Weight, torch.Tensor | None]:
+        """An FP8 Linear's weight (its scale in the canonical shape, ``fp8.fp8_scale_shape``, and the stored dtype;
+        ``Fp8Weight.dequantize`` is exact) and its float64 input divisor (fp8-static) or None."""
+        scale = self.reader.read(module.scale).reshape(fp8_scale_shape(module.scheme, module.out_features,
+                                                                       module.in_features))
+        weight = Fp8Weight(self.reader.read(module.weight), scale)
+        input_div = None if module.input_scale is None else self.reader.read(module.input_scale).reshape(()).double()
+        return weight, input_div
 
     def read(self, module: QuantModule) -> tuple[NVFP4Tensor, torch.Tensor | None]:
         input_div = None if module.input_scale is None else self.divisor(module.input_scale)
@@ -178,14 +196,15 @@ def _evidence(names: list[str]) -> dict[str, str]:
     return {d.name: found[d.name] for d in dialects() if d.name in found}
 
 
-def open_checkpoint(root: str | Path, strict: bool = True,
-                    reader: CheckpointReader | None = None, modules_required: bool = True) -> QuantizedCheckpoint:
+def open_checkpoint(root: str | Path, strict: bool = True, reader: CheckpointReader | None = None,
+                    modules_required: bool = True, mixed: bool = False) -> QuantizedCheckpoint:
     """Open an NVFP4 checkpoint directory of any registered dialect (raises Fp4kitError when it is not usable).
     ``strict``: a NaN or Inf value in a tensor read is an error; health checks that report them pass False.
     ``modules_required`` False: a directory whose quantized modules are all elsewhere (a layout's MoE layers in
     kernel form, when only the routed experts were quantized) opens with none.
     ``reader``: a reader of ``root`` the caller already holds open (``strict`` is then its own); the checkpoint
-    closes it."""
+    closes it.
+    ``mixed``: the caller reads mixed-precision checkpoints (their FP8 modules); without it one is an Fp4kitError."""
     root = Path(root)
     config = read_config(root)
     declared, qconfig = _declared(root, config)
@@ -204,14 +223,20 @@ def open_checkpoint(root: str | Path, strict: bool = True,
         fmt = declared or (dialect(found) if found else None)
         if fmt is None:
             raise Fp4kitError(f"{root}: unknown dialect: no NVFP4 quantization config and no quantized tensors")
+        is_mixed = bool(qconfig) and fmt.is_mixed(qconfig)
+        if is_mixed and not mixed:
+            raise Fp4kitError(f"{root}: a mixed-precision {fmt.title} checkpoint (FP8 modules beside NVFP4 ones): this "
+                              "command reads single-scheme NVFP4 checkpoints only")
         modules = fmt.find_modules(reader)
-        if not modules and modules_required:
+        fp8 = fmt.find_fp8_modules(reader) if is_mixed else []
+        if not modules and not fp8 and modules_required:
             raise Fp4kitError(f"{root}: declares {fmt.name} quantization but holds no quantized tensors")
         if qconfig:
             scheme = fmt.scheme(qconfig)
         else:
             scheme = "nvfp4" if any(m.input_scale for m in modules) else "nvfp4a16"
         used = {n for m in modules for n in (m.packed, m.block_scale, m.global_scale, m.input_scale) if n}
+        used |= {n for m in fp8 for n in (m.weight, m.scale, m.input_scale) if n}
         ignore = list(qconfig.get("ignore") or qconfig.get("exclude_modules") or [])
         try:
             family: Family | None = detect_family(config)
@@ -220,7 +245,7 @@ def open_checkpoint(root: str | Path, strict: bool = True,
         exact = _exact_scales(root, reader.metadata.get(EXACT_SCALES_KEY, "{}"))
         return QuantizedCheckpoint(root, config, fmt.name, scheme, family, modules,
                                    [n for n in names if n not in used], ignore, reader,
-                                   exact)
+                                   exact, fp8, is_mixed)
     except BaseException:
         reader.close()
         raise

@@ -32,7 +32,7 @@ import torch
 from fp4kit import __version__
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.grammar import DEFAULT as FUSED_GRAMMAR
-from fp4kit.formats.base import Dialect, QuantModule, check_tensor, plain_modules
+from fp4kit.formats.base import Dialect, Fp8Module, QuantModule, check_tensor, fp8_modules, plain_modules
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.nvfp4 import BLOCK, NVFP4Tensor, divisor_of, fp32_multiplier
 
@@ -332,14 +332,31 @@ def quantization_config(scheme: str, exclude_modules: list[str]) -> dict:
     }
 
 
+def is_mixed(qconfig: dict) -> bool:
+    return str(qconfig.get("quant_algo", "")).upper() == MIXED
+
+
 def scheme_of(qconfig: dict) -> str:
-    """nvfp4 or nvfp4a16 from hf_quant_config.json's quantization section (an error for any algorithm but NVFP4)."""
+    """nvfp4 or nvfp4a16 from hf_quant_config.json's quantization section (an error for any algorithm but NVFP4,
+    or, in a MIXED_PRECISION one, NVFP4 and FP8): of a MIXED_PRECISION config, its NVFP4 layers' scheme."""
     algo = str(qconfig.get("quant_algo", "")).upper()
     if algo == MIXED:
-        raise Fp4kitError(f"ModelOpt quant_algo {MIXED} (per-layer schemes, e.g. FP8 modules beside NVFP4 ones): "
-                          "fp4kit reads single-scheme NVFP4 checkpoints only")
+        layers = qconfig.get("quantized_layers")
+        if not isinstance(layers, dict) or not all(isinstance(e, dict) for e in layers.values()):
+            raise Fp4kitError(f"ModelOpt quant_algo {MIXED}: quantized_layers is not a map of module -> entry")
+        algos = {str(e.get("quant_algo", "")).upper() for e in layers.values()}
+        unknown = algos - set(SCHEMES) - set(FP8_QUANT_ALGOS.values())
+        if unknown:
+            raise Fp4kitError(f"ModelOpt {MIXED} layer quant_algo {sorted(unknown)[0]!r} is neither NVFP4 "
+                              f"({', '.join(SCHEMES)}) nor FP8 ({', '.join(FP8_QUANT_ALGOS.values())})")
+        nvfp4 = {SCHEMES[a] for a in algos if a in SCHEMES}
+        if len(nvfp4) > 1:
+            raise Fp4kitError(f"ModelOpt {MIXED} layers mix NVFP4 (W4A4) and NVFP4A16 (weight-only): fp4kit reads one "
+                              "NVFP4 scheme per checkpoint")
+        return nvfp4.pop() if nvfp4 else "nvfp4a16"
     if algo not in SCHEMES:
-        raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 (fp4kit reads {', '.join(SCHEMES)})")
+        raise Fp4kitError(f"ModelOpt quant_algo {algo or '?'!r} is not NVFP4 (fp4kit reads {', '.join(SCHEMES)}, and "
+                          f"{MIXED} of NVFP4 and FP8)")
     return SCHEMES[algo]
 
 
@@ -429,6 +446,13 @@ class ModelOpt(Dialect):
 
     def scheme(self, qconfig: dict) -> str:
         return scheme_of(qconfig)
+
+    def is_mixed(self, qconfig: dict) -> bool:
+        return is_mixed(qconfig)
+
+    def find_fp8_modules(self, reader: CheckpointReader) -> list[Fp8Module]:
+        return fp8_modules(reader, {"weight": f".{WEIGHT}", "scale": f".{BLOCK_SCALE}", "input": f".{INPUT_SCALE}"},
+                           fp8_scale_shape)
 
     def owns(self, tensor: str) -> bool:
         return tensor.endswith(GLOBAL_SCALE)  # `.weight_scale_2`, and the fused `_weight_scale_2`

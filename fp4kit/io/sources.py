@@ -224,6 +224,8 @@ def _modelopt_side_config(root: Path | None) -> str | None:
 def _nvfp4_or_refuse(algo, where: str, tensors) -> SourceFormat:
     if str(algo or "").upper() in ("NVFP4", "W4A16_NVFP4"):
         return SourceFormat("nvfp4 (ModelOpt)", nvfp4="ModelOpt NVFP4")
+    if str(algo or "").upper() == "MIXED_PRECISION":  # fp4kit's --scheme-for output: NVFP4 beside FP8 modules
+        return SourceFormat("nvfp4 (ModelOpt mixed precision)", nvfp4="ModelOpt mixed-precision NVFP4")
     raise Fp4kitError(f"{where}: {algo!r}; fp4kit reads no ModelOpt source but NVFP4 checkpoints (with fp4kit "
                       "convert / inspect / verify / eval as the quantized side)")
 

@@ -13,6 +13,7 @@ parameter, transposed fused tensors transposed back, exactly as transformers' lo
 from __future__ import annotations
 
 import copy
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,7 +169,10 @@ def _stack_experts(reader: CheckpointReader, name: str, expected: torch.Tensor, 
     names = [[f"{grammar.expert_linear(experts, e, part)}.weight" for part in parts] for e in range(expected.shape[0])]
     if not all(n in reader for per_expert in names for n in per_expert):
         return None
-    fused = torch.empty(expected.shape, dtype=reader.info(names[0][0]).dtype, device=device)
+    # the widest of the experts' dtypes: a mixed-precision checkpoint's kept (bf16) experts beside dequantized fp32
+    # ones must not round the latter to bf16
+    dtype = functools.reduce(torch.promote_types, {reader.info(n).dtype for per_expert in names for n in per_expert})
+    fused = torch.empty(expected.shape, dtype=dtype, device=device)
 
     @torch.inference_mode()  # per thread: the fused tensor may be an inference tensor of the caller's
     def place(e: int) -> None:

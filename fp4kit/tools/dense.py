@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fp4kit.families.base import layer_of
-from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.formats.detect import Fp8Module, QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, TensorInfo, copy_side_files
 from fp4kit.io.output import atomic_directory, check_destination
 from fp4kit.layouts.directory import MoELayer, find_moe_layers
@@ -33,7 +33,8 @@ TARGET = "bf16"
 
 
 class DenseView:
-    """Dense tensors of a quantized checkpoint: NVFP4 weights dequantized to ``dtype``, the rest as stored."""
+    """Dense tensors of a quantized checkpoint: NVFP4 (and a mixed-precision checkpoint's FP8) weights dequantized to
+    ``dtype``, the rest as stored."""
 
     def __init__(self, ckpt: QuantizedCheckpoint, dtype: torch.dtype = torch.bfloat16):
         self.ckpt, self.dtype = ckpt, dtype
@@ -46,18 +47,22 @@ class DenseView:
                     self.fused[self.grammar.fused_tensor(layer.experts, leaf)] = (layer, leaf)
                 in_fused.update(m.name for members in layer.members for m in members)
         self.modules: dict[str, QuantModule] = {f"{m.name}.weight": m for m in ckpt.modules if m.name not in in_fused}
+        self.fp8: dict[str, Fp8Module] = {m.weight: m for m in ckpt.fp8_modules}
         self._passthrough = set(ckpt.passthrough)
 
     def names(self) -> list[str]:
-        return [*self.ckpt.passthrough, *self.modules, *self.fused]
+        return [*self.ckpt.passthrough, *self.modules, *self.fused, *self.fp8]
 
     def __contains__(self, name: str) -> bool:
-        return name in self.modules or name in self.fused or name in self._passthrough
+        return name in self.modules or name in self.fused or name in self.fp8 or name in self._passthrough
 
     def info(self, name: str) -> TensorInfo | PlannedTensor:
         if name in self.modules:
             m = self.modules[name]
             return PlannedTensor(name, self.dtype, (m.out_features, m.in_features))
+        if name in self.fp8:
+            f = self.fp8[name]
+            return PlannedTensor(name, self.dtype, (f.out_features, f.in_features))
         if name in self.fused:
             layer, leaf = self.fused[name]
             gate_up = leaf == self.grammar.fused_gate_up
@@ -70,6 +75,8 @@ class DenseView:
             return self.ckpt.read_weight(self.modules[name]).dequantize(self.dtype)
         if name in self.fused:
             return self._read_fused(name)
+        if name in self.fp8:
+            return self.ckpt.read_fp8(self.fp8[name])[0].dequantize(self.dtype)
         return self.ckpt.reader.read(name)
 
     def _read_fused(self, name: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Family
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
+from fp4kit.fp8 import fake_quantize_fp8_activation
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.sources import DequantizedView, detect_source
@@ -48,7 +49,9 @@ _COMPATIBLE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "vocab_siz
 class EvalResult:
     source: str
     checkpoint: str
-    scheme: str  # nvfp4 (W4A4, activations emulated), nvfp4a16, dense (not quantized), or a source format (fp8-block)
+    # nvfp4 (W4A4, activations emulated), nvfp4a16, dense (not quantized), a source format (fp8-block), or for a
+    # mixed-precision checkpoint "mixed (<its schemes>)"
+    scheme: str
     samples: int
     seq_len: int
     tokens: int  # positions scored: samples x (seq_len - 1)
@@ -68,6 +71,32 @@ class EvalResult:
 def input_divisors(ckpt: QuantizedCheckpoint) -> dict[str, torch.Tensor]:
     """Module name -> float64 divisor of its static input global scale (empty for weight-only checkpoints)."""
     return {m.name: ckpt.divisor(m.input_scale) for m in ckpt.modules if m.input_scale is not None}
+
+
+def fp8_activations(ckpt: QuantizedCheckpoint) -> dict[str, tuple[str, torch.Tensor | None]]:
+    """FP8 module name -> (its scheme, the float64 input divisor of fp8-static or None)."""
+    return {m.name: (m.scheme, ckpt.read_fp8(m)[1]) for m in ckpt.fp8_modules}
+
+
+def _fp8_input_hook(scheme: str, divisor: torch.Tensor | None):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (fake_quantize_fp8_activation(args[0], scheme, divisor).to(args[0].dtype), *args[1:])
+
+    return hook
+
+
+def emulate_fp8(module: nn.Module, prefix: str, fp8: dict[str, tuple[str, torch.Tensor | None]],
+                family: Family) -> set[str]:
+    """Quantize the inputs of every FP8 Linear under ``module`` (checkpoint name ``prefix``) in place; returns the
+    module names covered."""
+    moe = family.moe_modules()
+    covered: set[str] = set()
+    for name, sub in module.named_modules():
+        full = prefix + moe.checkpoint_name(name)
+        if isinstance(sub, nn.Linear) and full in fp8:
+            sub.register_forward_pre_hook(_fp8_input_hook(*fp8[full]))
+            covered.add(full)
+    return covered
 
 
 def _fake_quantized(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
@@ -109,12 +138,18 @@ def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tenso
     return covered
 
 
-def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor], family: Family) -> None:
+def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor],
+                   fp8: dict[str, tuple[str, torch.Tensor | None]], family: Family) -> None:
     covered = emulate_w4a4(layer, prefix, divisors, family)
     missed = sorted(n for n in divisors if n.startswith(prefix) and n not in covered)
     if missed:
         raise Fp4kitError(f"{missed[0]}: has an input scale but is neither a Linear nor a routed expert of "
                           f"transformers' {type(layer).__name__}, so its activations cannot be emulated")
+    covered = emulate_fp8(layer, prefix, fp8, family)
+    missed = sorted(n for n in fp8 if n.startswith(prefix) and n not in covered)
+    if missed:
+        raise Fp4kitError(f"{missed[0]}: an FP8 module that is not a Linear of transformers' {type(layer).__name__} "
+                          f"(eval emulates FP8 Linears, not FP8 routed experts), so its activations cannot be emulated")
 
 
 class _Model:
@@ -128,6 +163,7 @@ class _Model:
         self.config = read_config(root)
         self.family = detect(self.config)
         self.divisors: dict[str, torch.Tensor] = {}
+        self.fp8: dict[str, tuple[str, torch.Tensor | None]] = {}
         self.reader: CheckpointReader | DenseView | DequantizedView
         stored = stack.enter_context(CheckpointReader(root))  # the directory's one reader
         source = detect_source(self.config, {n: (i.dtype, i.shape) for n, i in stored.tensors.items()})
@@ -135,9 +171,11 @@ class _Model:
             self.scheme = source.name
             self.reader = DequantizedView(stored, source, torch.float32)
         elif _is_quantized(root, self.config, stored):
-            ckpt = stack.enter_context(open_checkpoint(root, reader=stored))
-            self.scheme = ckpt.scheme
+            ckpt = stack.enter_context(open_checkpoint(root, reader=stored, mixed=True))
+            schemes = dict.fromkeys(ckpt.module_schemes().values())
+            self.scheme = f"mixed ({' + '.join(schemes)})" if ckpt.mixed else ckpt.scheme
             self.divisors = input_divisors(ckpt)
+            self.fp8 = fp8_activations(ckpt)
             self.reader = DenseView(ckpt, torch.float32)
         else:
             self.scheme = "dense"
@@ -178,9 +216,18 @@ def _final(reader, text, dtype: torch.dtype, device: torch.device) -> tuple[nn.M
     return norm.eval(), text.model.embed_tokens.weight
 
 
-def _lm_head_divisor(reader, divisors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def _lm_head_input(reader, divisors: dict[str, torch.Tensor], fp8: dict[str, tuple[str, torch.Tensor | None]]
+                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How a quantized lm_head's input is quantized (None: not quantized, or W4A16)."""
     heads = [n[: -len(".weight")] for n in reader.names() if n.endswith("lm_head.weight")]
-    return divisors.get(heads[0]) if heads else None
+    if not heads:
+        return None
+    if heads[0] in fp8:
+        scheme, divisor = fp8[heads[0]]
+        return lambda x: fake_quantize_fp8_activation(x, scheme, divisor).to(x.dtype)
+    if heads[0] in divisors:
+        return lambda x: _fake_quantized(x, divisors[heads[0]])
+    return None
 
 
 def _token_chunks(count: int, vocab: int) -> Iterator[slice]:
@@ -235,8 +282,8 @@ def evaluate(
         for index in range(len(texts[0].layers)):
             for side, (model, text) in enumerate(zip(models, texts, strict=True)):
                 layer = text.load_layer(model.reader, index, dtype, torch_device)
-                if model.divisors:
-                    _emulate_layer(layer, text.layer_prefix(index), model.divisors, text.family)
+                if model.divisors or model.fp8:
+                    _emulate_layer(layer, text.layer_prefix(index), model.divisors, model.fp8, text.family)
                 layer_args = inputs[side][1]
                 for b, states in enumerate(hidden[side]):
                     args, kwargs = layer_args[tuple(states.shape)][index]
@@ -249,7 +296,7 @@ def evaluate(
                 memory.trim_freed_memory()
             layer_errors.append(_relative_error(hidden[0], hidden[1]))
         finals = [_final(m.reader, text, dtype, torch_device) for m, text in zip(models, texts, strict=True)]
-        head_divisors = [_lm_head_divisor(m.reader, m.divisors) for m in models]
+        head_inputs = [_lm_head_input(m.reader, m.divisors, m.fp8) for m in models]
         totals = torch.zeros(4, dtype=torch.float64)  # kl, ce source, ce quantized, top-1 agreements
         for b in range(len(hidden[0])):
             targets = ids[b * batch_size : (b + 1) * batch_size, 1:].reshape(-1)
@@ -258,8 +305,8 @@ def evaluate(
                 logits = []
                 for side, (norm, head) in enumerate(finals):
                     x = norm(states[side][chunk])
-                    if head_divisors[side] is not None:
-                        x = _fake_quantized(x, head_divisors[side])
+                    if head_inputs[side] is not None:
+                        x = head_inputs[side](x)
                     logits.append(F.linear(x, head).float())
                 totals += _scores(logits[0], logits[1], targets[chunk])
             done += 1

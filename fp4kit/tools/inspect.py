@@ -9,7 +9,9 @@ Checks (each finding names the check, the module and a ratio where one applies):
   parallelism each rank reduces them over its own experts, so results depend on the EP size.
 - quantized_router / quantized_embedding: a router / gate or an embedding stored quantized (engines load them
   unquantized; llm-compressor 0.14's model_free_ptq quantizes embed_tokens).
-- nonfinite_weight: NaN or Inf in an unquantized floating tensor.
+- nonfinite_weight: NaN or Inf in an unquantized floating tensor, NaN in an FP8 module's weight codes.
+- A mixed-precision checkpoint's FP8 modules: bad_scale for a zero, negative, Inf or NaN weight or input scale; the
+  report lists every module group's scheme (``module_schemes``).
 - backend_constraint: only for the backends / EP size asked for: what `fp4kit layout --backend` refuses (the
   backend's shape rules and a W4A4 kernel on a weight-only checkpoint; fp4kit.layouts.layout_refusal), and E % ep
   for TRT-LLM and FlashInfer CUTLASS. Without a request they are listed, not counted.
@@ -32,7 +34,7 @@ import torch
 
 from fp4kit.families.base import ROUTER_RE, expert_module, layer_of, weight_scale_group
 from fp4kit.families.grammar import ExpertGrammar
-from fp4kit.formats.detect import QuantizedCheckpoint, QuantModule, open_checkpoint
+from fp4kit.formats.detect import Fp8Module, QuantizedCheckpoint, QuantModule, open_checkpoint
 from fp4kit.layouts import marlin
 from fp4kit.registry import BACKEND_NAMES, backends
 
@@ -90,6 +92,8 @@ class InspectReport:
     expert_parallel: dict | None = None  # an EP root's or rank's split: ranks, placement, expert map
     routing: dict | None = None  # the routing statistics beside the checkpoint, summarised
     notes: list[str] = field(default_factory=list)  # what is worth knowing and is not a problem
+    # a mixed-precision checkpoint's module groups (module_scheme_groups); None for a single-scheme one
+    module_schemes: list[dict] | None = None
 
     @property
     def clean(self) -> bool:
@@ -137,6 +141,34 @@ def _block_scale_problems(ckpt: QuantizedCheckpoint, m: QuantModule, problems: l
         problems.append(Finding("bad_block_scale", m.name, f"{nan} NaN and {negative} negative FP8 block scales "
                                                             f"of {raw.numel()}"))
     return counts
+
+
+def _fp8_problems(ckpt: QuantizedCheckpoint, m: Fp8Module, problems: list[Finding]) -> None:
+    weight, input_div = ckpt.read_fp8(m)
+    counts = numpy.bincount(weight.codes.view(torch.uint8).numpy().reshape(-1), minlength=256)
+    if nan := int(counts[0x7F] + counts[0xFF]):
+        problems.append(Finding("nonfinite_weight", m.name, f"{nan} NaN FP8 weight codes of {weight.codes.numel()}"))
+    scale = weight.scale.float()
+    for why, bad in (("NaN", scale.isnan()), ("Inf", scale.isinf()), ("zero", scale == 0), ("negative", scale < 0)):
+        if count := int(bad.sum()):
+            problems.append(Finding("bad_scale", m.name, f"{count} of {scale.numel()} {m.scheme} weight scales are "
+                                                         f"{why}"))
+    if input_div is not None and (why := _scale_problem(float(input_div))):
+        problems.append(Finding("bad_scale", m.name, f"input scale (as divisor) is {why}"))
+
+
+_NUMBER = re.compile(r"\.\d+(?=\.|$)")
+
+
+def module_scheme_groups(ckpt: QuantizedCheckpoint) -> list[dict]:
+    """Every Linear by group (its name with each layer and expert number as ``*``) and scheme, in the order first
+    seen: ``{"modules", "scheme", "count"}``; Linears stored unquantized have scheme ``kept``."""
+    groups: dict[tuple[str, str], int] = {}
+    schemes = {**ckpt.module_schemes(), **dict.fromkeys(unquantized_modules(ckpt), "kept")}
+    for name, scheme in schemes.items():
+        key = (_NUMBER.sub(".*", name), scheme)
+        groups[key] = groups.get(key, 0) + 1
+    return [{"modules": modules, "scheme": scheme, "count": count} for (modules, scheme), count in groups.items()]
 
 
 def _marlin_zeroed(histograms: dict[str, numpy.ndarray]) -> dict[str, int]:
@@ -230,6 +262,11 @@ def _layers(ckpt: QuantizedCheckpoint) -> list[LayerSummary]:
             if name and name not in counted:
                 counted.add(name)
                 summary.quantized_bytes += ckpt.reader.info(name).nbytes
+    for f in ckpt.fp8_modules:
+        summary = entry(f.name)
+        summary.quantized_linears += 1
+        summary.shapes.setdefault(f.name.rsplit(".", 1)[-1], [f.out_features, f.in_features])
+        summary.quantized_bytes += sum(ckpt.reader.info(n).nbytes for n in (f.weight, f.scale, f.input_scale) if n)
     for name in ckpt.passthrough:
         entry(name).other_bytes += ckpt.reader.info(name).nbytes
     for key, found in experts.items():
@@ -268,7 +305,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     if ep is not None and ep < 1:
         raise Fp4kitError(f"--ep {ep}: must be at least 1")
     problems: list[Finding] = []
-    with open_checkpoint(path, strict=False, modules_required=not layout) as ckpt:
+    with open_checkpoint(path, strict=False, modules_required=not layout, mixed=True) as ckpt:
         # Every per-tensor scale first (tiny reads, cached as small tensors): created one per module between the
         # block-scale buffers below, they left that heap unreusable and inspect grew ~15 MB per 350 MB layer.
         for m in ckpt.modules:
@@ -288,6 +325,8 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
         if progress:
             progress(len(ckpt.modules), len(ckpt.modules))
         _group_checks(scales, problems, ckpt.grammar)
+        for m in ckpt.fp8_modules:
+            _fp8_problems(ckpt, m, problems)
         notes: list[str] = []
         if engine is not None:
             sources = engines()[engine][1]
@@ -318,4 +357,5 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
             hidden, inter, _layers(ckpt), problems, compat,
             [s for s in EP_SIZES if num_experts and num_experts % s == 0], _marlin_zeroed(histograms), engine,
             unquantized_modules=unquantized_modules(ckpt), notes=notes,
+            module_schemes=module_scheme_groups(ckpt) if ckpt.mixed else None,
         )

@@ -343,6 +343,7 @@ def _ep_root(path: Path, backends: list[str] | None, ep: int | None, engine: str
         _backends(num_experts, base.hidden_size, base.moe_intermediate_size, base.scheme == "nvfp4a16"),
         [s for s in EP_SIZES if num_experts % s == 0], engine=engine, kind="ep-root",
         unquantized_modules=base.unquantized_modules, expert_parallel=split, notes=notes,
+        module_schemes=base.module_schemes,  # the first rank's groups, counted on that rank
     )
 
 
