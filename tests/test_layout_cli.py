@@ -11,24 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_moe_only_source, shared_source
+from helpers import random_moe_only_source, run_cli, shared_source
 from safetensors.torch import load_file, save_file
 
 from fp4kit.io.checkpoint import DTYPES, CheckpointReader
 from fp4kit.io.output import leftovers
 from fp4kit.layouts.manifest import MANIFEST
-
-
-def run_cli(monkeypatch, capsys, *args: object) -> tuple[int, str]:
-    from fp4kit import cli
-
-    monkeypatch.setattr(sys, "argv", ["fp4kit", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    return code, capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +36,7 @@ def raw(reader: CheckpointReader, name: str) -> bytes:
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass", "marlin"])
 def test_layout_replaces_experts_and_copies_everything_else(monkeypatch, capsys, w4a4, tmp_path, backend):
     out = tmp_path / "out"
-    code, err = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", backend, "--quiet")
+    code, _, err = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", backend, "--quiet")
     manifest = json.loads((out / MANIFEST).read_text())
     # the source's experts have their own gate/up input scales: the W4A4 kernels get the layer's largest, said once
     collapsed = [layer["options"].get("collapsed_input_scales13", 0) for layer in manifest["layers"].values()]
@@ -79,9 +67,9 @@ def test_overwrite_replaces_a_non_empty_destination(monkeypatch, capsys, w4a4, t
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    code, err = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", "cutlass")
+    code, _, err = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", "cutlass")
     assert code == 2 and "--overwrite" in err
-    code, _ = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", "cutlass", "--overwrite", "-q")
+    code, _, _ = run_cli(monkeypatch, capsys, "layout", w4a4, out, "--backend", "cutlass", "--overwrite", "-q")
     assert code == 0 and not (out / "stale.txt").exists() and (out / MANIFEST).exists()
 
 
@@ -101,7 +89,7 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(monkeypatch, capsys, w4
     which, extra, needles = BAD[case]
     source = {"w4a4": w4a4, "padded": padded, "a16": w4a4.parent / "nvfp4a16", "bf16": w4a4.parent / "bf16"}[which]
     out = tmp_path / "out"
-    code, err = run_cli(monkeypatch, capsys, "layout", source, out, *extra)
+    code, _, err = run_cli(monkeypatch, capsys, "layout", source, out, *extra)
     assert code == 2
     assert err.startswith("error: ") and err.count("\n") == 1, err
     for needle in needles:
@@ -120,7 +108,7 @@ def test_a_layer_failing_mid_stream_leaves_no_output(monkeypatch, capsys, w4a4, 
     save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
     (source / "config.json").write_bytes((w4a4 / "config.json").read_bytes())
     out = tmp_path / "out"
-    code, err = run_cli(monkeypatch, capsys, "layout", source, out, "--backend", "trtllm")
+    code, _, err = run_cli(monkeypatch, capsys, "layout", source, out, "--backend", "trtllm")
     assert code == 2 and "experts.5: gate and up have different weight global scales" in err
     assert not out.exists() and not leftovers(out)
 

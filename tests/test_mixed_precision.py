@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from helpers import load_all
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.fp8 import quantize_fp8
@@ -26,12 +26,6 @@ RULES = {
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
-def _tensors(root: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(root.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ def mixed(tiny, tmp_path_factory):
 
 def _expected(root: Path) -> dict[str, str]:
     """module -> scheme, from the tensors on disk: FP8 weights (by the scale's shape) and NVFP4 ones."""
-    tensors = _tensors(root)
+    tensors = load_all(root)
     out = {}
     for name, t in tensors.items():
         module, leaf = name.rsplit(".", 1)
@@ -147,7 +141,7 @@ def test_fp8_tensors_have_the_shapes_vllm_registers(mixed, monkeypatch, dialect)
     from helpers import vllm_module
 
     root = mixed("deepseek_v3", dialect)
-    tensors = _tensors(root)
+    tensors = load_all(root)
     expected = _expected(root)
     param = vllm_module("model_executor.parameter")
     monkeypatch.setattr(param, "get_tensor_model_parallel_rank", lambda: 0)
@@ -189,7 +183,7 @@ def test_nvfp4_modules_unchanged_and_fp8_modules_quantized_from_source(mixed, ti
     root = mixed("qwen3_moe", dialect)
     plain = tmp_path / "plain"
     quantize_checkpoint(tiny("qwen3_moe"), plain, QuantizeOptions(format=dialect))
-    ours, single, source = _tensors(root), _tensors(plain), _tensors(tiny("qwen3_moe"))
+    ours, single, source = load_all(root), load_all(plain), load_all(tiny("qwen3_moe"))
     expected = _expected(root)
     nvfp4 = [n for n in ours if n.rsplit(".", 1)[0] in expected and expected[n.rsplit(".", 1)[0]] == "nvfp4a16"]
     assert nvfp4 and all(torch.equal(ours[n].reshape(-1).view(torch.uint8), single[n].reshape(-1).view(torch.uint8))
@@ -234,7 +228,7 @@ def test_calibrated_mixed_run_keeps_w4a4_experts_and_calibrates_fp8_static(tiny,
     quantize_checkpoint(src, mixed_dst, QuantizeOptions(
         **options, scheme_for=[r"self_attn\.(q|k|v)_proj=fp8-dynamic", r"self_attn\.o_proj=fp8-static"]))
     quantize_checkpoint(src, plain_dst, QuantizeOptions(**options))
-    ours, plain = _tensors(mixed_dst), _tensors(plain_dst)
+    ours, plain = load_all(mixed_dst), load_all(plain_dst)
     experts = [n for n in ours if ".experts." in n]
     assert any(n.endswith(".input_global_scale") for n in experts)
     assert all(torch.equal(ours[n].reshape(-1).view(torch.uint8), plain[n].reshape(-1).view(torch.uint8))

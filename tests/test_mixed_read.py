@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from helpers import load_all
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import open_checkpoint
@@ -45,19 +45,13 @@ def mixed(tiny, tmp_path_factory):
     return get
 
 
-def _source(root: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(root.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118
-    return out
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)
 @pytest.mark.parametrize("family", sorted(RULES))
 def test_mixed_checkpoint_opens_with_fp8_modules_exact(mixed, tiny, tmp_path, family, dialect):
     root = mixed(family, dialect)
-    source = _source(tiny(family))
+    source = load_all(tiny(family))
     plain = tmp_path / "plain"
     quantize_checkpoint(tiny(family), plain, QuantizeOptions(format=dialect))
     with open_checkpoint(root, mixed=True) as ckpt, open_checkpoint(plain) as single:
@@ -140,7 +134,7 @@ def test_inspect_finds_a_bad_fp8_scale(mixed, tmp_path):
 
     root = tmp_path / "bad"
     shutil.copytree(mixed("qwen3_moe", "compressed-tensors"), root)
-    tensors = _source(root)
+    tensors = load_all(root)
     name = "model.layers.0.self_attn.q_proj.weight_scale"
     tensors[name] = tensors[name].clone()
     tensors[name][3] = 0
@@ -301,7 +295,7 @@ def test_shard_carries_fp8_tensors_to_every_rank(mixed, family, dialect, tmp_pat
     run = subprocess.run([sys.executable, "-m", "fp4kit", "shard", str(root), str(dst), "--ep", "2", "-q"],
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    source = _source(root)
+    source = load_all(root)
     ranks = sorted(p for p in dst.iterdir() if p.name.startswith("rank-"))
     assert len(ranks) == 2
     with open_checkpoint(root, mixed=True) as whole:
