@@ -65,8 +65,9 @@ def test_mse_never_worse_than_rtn_per_block(weighted):
     assert (q.block_scale.float() == nvfp4.ZERO_BLOCK_SCALE).all() and (q.packed == 0).all()
 
 
+@pytest.mark.parametrize("search", [None, ScaleSearch(), ScaleSearch(0.5, 3.0)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_native_mse_makes_the_torch_choices(weighted):
+def test_native_mse_makes_the_torch_choices(weighted, search):
     """fp4kit's C search loop (fp4kit/native/nvfp4_cpu.c) picks the same scales, so writes the same bytes."""
     from fp4kit.native import nvfp4_cpu
 
@@ -77,8 +78,8 @@ def test_native_mse_makes_the_torch_choices(weighted):
     for weight in [*_adversarial_weights(), big]:
         importance = torch.rand(weight.shape[-1], generator=gen) ** 4 if weighted else None
         global_mul = nvfp4.global_scale_mul(weight.abs().amax())
-        torch_path = quantize_mse(weight, global_mul, importance)
-        native = quantize_mse(weight, global_mul, importance, native=True)
+        torch_path = quantize_mse(weight, global_mul, importance, search=search)
+        native = quantize_mse(weight, global_mul, importance, native=True, search=search)
         assert torch.equal(torch_path.packed, native.packed)
         assert torch.equal(torch_path.block_scale.view(torch.uint8), native.block_scale.view(torch.uint8))
 

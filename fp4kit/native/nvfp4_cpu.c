@@ -454,12 +454,14 @@ static inline const v16s *wide_thresholds(Tables *t, v16s (*wide)[7], uint8_t *w
 }
 
 /* The mse block-scale search (fp4kit.quantize.scale_search.search_block_scales) and the encode with the chosen scales:
- * per block, the RTN code, the codes offset by each of n_offsets offsets (clamped to [1, 0x7E]) and "max to 4"
- * (fp8(G * amax / 4)); the first of the smallest errors wins. importance: fp32 weights per input channel of one
- * row (k_blocks blocks), or NULL. */
+ * per block, the RTN code, then the codes offset by each of n_offsets offsets; the first of the smallest errors wins.
+ * With high == 0 the offset codes are clamped to [1, 0x7E] and "max to 4" (fp8(G * amax / 4)) is tried last; with
+ * high > 0 (the range search) an offset code counts only where it lies in [1, 0x7E] and its value within
+ * [low, high] x G * (amax / 6). importance: fp32 weights per input channel of one row (k_blocks blocks), or NULL. */
 VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax, int64_t n_blocks, float global_mul,
-                                         const int32_t *offsets, int n_offsets, const float *importance,
-                                         int64_t k_blocks, uint8_t *packed, uint8_t *block_scale) {
+                                         const int32_t *offsets, int n_offsets, float low, float high,
+                                         const float *importance, int64_t k_blocks, uint8_t *packed,
+                                         uint8_t *block_scale) {
     Tables *t = malloc(sizeof *t);
     if (t == NULL) return -1;
     t->global_mul = global_mul;
@@ -486,11 +488,19 @@ VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax
         uint8_t rtn = block_scale_code(t, amax[b]);
         uint8_t best = rtn;
         float best_error = block_error(magnitude, xf, wide_thresholds(t, wide, wide_ready, rtn), divisors[rtn], w);
-        for (int k = 0; k <= n_offsets; k++) {
+        const int ranged = high > 0.0f;
+        const float exact = global_mul * (bf16_to_f32(amax[b]) / 6.0f), lowest = exact * low, highest = exact * high;
+        for (int k = 0; k < n_offsets + !ranged; k++) {
             int code;
             if (k < n_offsets) {
                 code = (int)rtn + offsets[k];
-                code = code < 1 ? 1 : (code > 0x7E ? 0x7E : code);
+                if (ranged) {
+                    if (code < 1 || code > 0x7E || !(e4m3_to_f32((uint8_t)code) >= lowest) ||
+                        !(e4m3_to_f32((uint8_t)code) <= highest))
+                        continue;
+                } else {
+                    code = code < 1 ? 1 : (code > 0x7E ? 0x7E : code);
+                }
             } else {
                 float max_to_4 = global_mul * (bf16_to_f32(amax[b]) / 4.0f);
                 code = f32_to_e4m3(max_to_4 > 448.0f ? 448.0f : max_to_4);

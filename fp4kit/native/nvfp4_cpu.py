@@ -148,7 +148,8 @@ def _load() -> ctypes.CDLL | None:
                     library.fp4kit_mse_encode_bf16.restype = ctypes.c_int
                     library.fp4kit_mse_encode_bf16.argtypes = [
                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p,
-                        ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                        ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64,
+                        ctypes.c_void_p, ctypes.c_void_p,
                     ]
                     library.fp4kit_mxfp4_top.restype = ctypes.c_int
                     library.fp4kit_mxfp4_top.argtypes = [
@@ -329,15 +330,19 @@ _pool: ThreadPoolExecutor | None = None
 
 
 def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offsets: tuple[int, ...],
-               importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode() with block scales chosen by fp4kit.quantize.scale_search's search (same bytes): the RTN code, the codes
-    ``offsets`` away, and max-to-4, by squared error weighted by ``importance`` (fp32 [K], one per input channel)."""
+               importance: torch.Tensor | None, bounds: tuple[float, float] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode() with block scales chosen by fp4kit.quantize.scale_search's search (same bytes): the RTN code and the
+    codes ``offsets`` away, by squared error weighted by ``importance`` (fp32 [K], one per input channel); with
+    ``bounds`` (low, high) only the offset codes within that range of the unrounded RTN scale (the range search),
+    else also max-to-4."""
     global _pool
     if not amax.is_contiguous() or amax.dtype != torch.bfloat16:
         raise ValueError("amax must be the contiguous bf16 block amax of the weight")
     packed = torch.empty((*weight.shape[:-1], weight.shape[-1] // 2), dtype=torch.uint8)
     block_scale = torch.empty(amax.shape, dtype=torch.uint8)
     offsets_c = (ctypes.c_int32 * len(offsets))(*offsets)
+    low, high = bounds if bounds is not None else (0.0, 0.0)
     if importance is not None:
         importance = importance.to(torch.float32).contiguous()
         if importance.shape != (weight.shape[-1],):
@@ -351,8 +356,8 @@ def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offs
         blocks = first * k_blocks
         _load().fp4kit_mse_encode_bf16(
             weight.data_ptr() + blocks * BLOCK * 2, amax.data_ptr() + blocks * 2, (last - first) * k_blocks,
-            ctypes.c_float(global_mul), offsets_c, len(offsets), None if importance is None else importance.data_ptr(),
-            k_blocks, packed.data_ptr() + blocks * (BLOCK // 2), block_scale.data_ptr() + blocks)
+            ctypes.c_float(global_mul), offsets_c, len(offsets), ctypes.c_float(low), ctypes.c_float(high),
+            None if importance is None else importance.data_ptr(), k_blocks, packed.data_ptr() + blocks * (BLOCK // 2), block_scale.data_ptr() + blocks)
 
     if parts == 1:
         run(0, rows)

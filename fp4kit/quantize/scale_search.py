@@ -190,14 +190,15 @@ def quantize_mse(
     search: ScaleSearch | None = None,
 ) -> NVFP4Tensor:
     """fp4kit.nvfp4.quantize with searched block scales instead of RTN ones (same global scale). ``native``: a bf16
-    weight on the CPU goes through fp4kit's C loop (fp4kit.native.nvfp4_cpu), which makes the same choices (the
-    RTN-neighbour candidates only; a range ``search`` runs in torch)."""
+    weight on the CPU goes through fp4kit's C loop (fp4kit.native.nvfp4_cpu), which makes the same choices (squared
+    error only: a range ``search`` with another norm runs in torch)."""
     global_shape = global_mul.shape
-    if search is None and native and nvfp4_cpu.handles_mse(weight) and global_mul.dim() == 0 and (importance is None or
-                                                                           importance.dim() == 1):
+    if (native and nvfp4_cpu.handles_mse(weight) and global_mul.dim() == 0
+            and (importance is None or importance.dim() == 1) and (search is None or search.norm == 2.0)):
         amax, _ = _native_block_amax(weight)
-        packed, block_scale = nvfp4_cpu.mse_encode(weight, amax, float(global_mul), CODE_OFFSETS,
-                                                   None if importance is None else importance.cpu())
+        offsets, bounds = (CODE_OFFSETS, None) if search is None else (search.offsets, (search.low, search.high))
+        packed, block_scale = nvfp4_cpu.mse_encode(weight, amax, float(global_mul), offsets,
+                                                   None if importance is None else importance.cpu(), bounds)
         return NVFP4Tensor(packed, block_scale, divisor_of(global_mul.cpu()))
     scales = search_block_scales(weight, global_mul, importance, search=search)
     global_mul = _per_leading_index(global_mul.to(device=weight.device, dtype=torch.float32), scales.dim())
