@@ -175,8 +175,8 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
-    if options.gptq_scales not in ("mse", "rtn"):
-        raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
+    if options.gptq_scales not in ("mse", "objective", "rtn"):
+        raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse, objective or rtn")
     options.scale_search  # noqa: B018 (a bad --mse-range / --mse-norm: one line, before any work)
     if options.gptq_min_tokens < 1:
         raise Fp4kitError(f"--gptq-min-tokens must be at least 1, got {options.gptq_min_tokens}")
@@ -547,8 +547,8 @@ def _quantize_calibrated(
     quantizer = LayerQuantizer(
         reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
-        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens,
-                    options.scale_search),
+        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales != "rtn", options.gptq_min_tokens,
+                    options.scale_search, options.gptq_scales == "objective"),
         native=options.native_cpu,
     )
     with_input = static_inputs(options)
