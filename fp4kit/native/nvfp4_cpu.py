@@ -357,7 +357,8 @@ def mse_encode(weight: torch.Tensor, amax: torch.Tensor, global_mul: float, offs
         _load().fp4kit_mse_encode_bf16(
             weight.data_ptr() + blocks * BLOCK * 2, amax.data_ptr() + blocks * 2, (last - first) * k_blocks,
             ctypes.c_float(global_mul), offsets_c, len(offsets), ctypes.c_float(low), ctypes.c_float(high),
-            None if importance is None else importance.data_ptr(), k_blocks, packed.data_ptr() + blocks * (BLOCK // 2), block_scale.data_ptr() + blocks)
+            None if importance is None else importance.data_ptr(), k_blocks,
+            packed.data_ptr() + blocks * (BLOCK // 2), block_scale.data_ptr() + blocks)
 
     if parts == 1:
         run(0, rows)
