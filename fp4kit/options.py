@@ -99,9 +99,9 @@ QUANTIZE: tuple[Option, ...] = (
     Option("gptq_scales", Literal["mse", "objective", "rtn"], "mse",
            "GPTQ block scales: mse (searched on the error-compensated weights), objective (each candidate scored by "
            "GPTQ's own objective over its 16 columns) or rtn"),
-    Option("mse_range", str, "codes",
-           "mse search candidates (mse, gptq's mse block scales): codes (the RTN FP8 code +-1 and max-to-4) or "
-           "LOW:HIGH, every E4M3 block-scale code within LOW..HIGH x the block's RTN scale (e.g. 0.8:1.8)"),
+    Option("mse_range", str, "0.8:1.8",
+           "mse search candidates (mse, gptq's searched block scales): LOW:HIGH, every E4M3 block-scale code within "
+           "LOW..HIGH x the block's RTN scale, or codes (the RTN FP8 code +-1 and max-to-4)"),
     Option("mse_norm", float, 2.0, "error exponent of the LOW:HIGH search (2: squared error)"),
     Option("input_scales_from", Literal["auto", "quantized", "source"], "auto",
            "gptq/mse W4A4 input scales: quantized (the calibrated pass's forward of the quantized model, the "

@@ -76,10 +76,12 @@ class QuantizeOptions:
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
-    gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
-    # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "codes" (the RTN code +-1 and
-    # max-to-4, squared error) or "LOW:HIGH" (every E4M3 code in that range of the RTN scale, error exponent mse_norm)
-    mse_range: str = "codes"
+    # GPTQ block scales: "mse" (search on the error-compensated weights), "objective" (candidates scored by GPTQ's
+    # objective over their 16 columns) or "rtn"
+    gptq_scales: str = "mse"
+    # the mse search's candidates (mse, gptq's searched block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in
+    # that range of the RTN scale, error exponent mse_norm) or "codes" (the RTN code +-1 and max-to-4, squared error)
+    mse_range: str = "0.8:1.8"
     mse_norm: float = 2.0
 
     @property
