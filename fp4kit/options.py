@@ -96,9 +96,8 @@ QUANTIZE: tuple[Option, ...] = (
     Option("gptq_damp", float, 0.01, "GPTQ damping, a fraction of the Hessian's mean diagonal", positive=True),
     Option("gptq_min_tokens", int, 32, "GPTQ: routed experts with fewer calibration tokens fall back to mse",
            minimum=1),
-    Option("gptq_scales", Literal["mse", "objective", "rtn"], "mse",
-           "GPTQ block scales: mse (searched on the error-compensated weights), objective (each candidate scored by "
-           "GPTQ's own objective over its 16 columns) or rtn"),
+    Option("gptq_scales", Literal["mse", "rtn"], "mse",
+           "GPTQ block scales: mse (searched on the error-compensated weights) or rtn"),
     Option("mse_range", str, "0.8:1.8",
            "mse search candidates (mse, gptq's searched block scales): LOW:HIGH, every E4M3 block-scale code within "
            "LOW..HIGH x the block's RTN scale, or codes (the RTN FP8 code +-1 and max-to-4)"),

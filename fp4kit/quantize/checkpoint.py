@@ -76,9 +76,7 @@ class QuantizeOptions:
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
-    # GPTQ block scales: "mse" (search on the error-compensated weights), "objective" (candidates scored by GPTQ's
-    # objective over their 16 columns) or "rtn"
-    gptq_scales: str = "mse"
+    gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
     # the mse search's candidates (mse, gptq's searched block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in
     # that range of the RTN scale, error exponent mse_norm) or "codes" (the RTN code +-1 and max-to-4, squared error)
     mse_range: str = "0.8:1.8"
@@ -177,8 +175,8 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
-    if options.gptq_scales not in ("mse", "objective", "rtn"):
-        raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse, objective or rtn")
+    if options.gptq_scales not in ("mse", "rtn"):
+        raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
     options.scale_search  # noqa: B018 (a bad --mse-range / --mse-norm: one line, before any work)
     if options.gptq_min_tokens < 1:
         raise Fp4kitError(f"--gptq-min-tokens must be at least 1, got {options.gptq_min_tokens}")
@@ -549,8 +547,8 @@ def _quantize_calibrated(
     quantizer = LayerQuantizer(
         reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
-        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales != "rtn", options.gptq_min_tokens,
-                    options.scale_search, options.gptq_scales == "objective"),
+        GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens,
+                    options.scale_search),
         native=options.native_cpu,
     )
     with_input = static_inputs(options)

@@ -25,7 +25,6 @@ from fp4kit.quantize.plan import QuantGroup, read_group_weights
 from fp4kit.quantize.scale_search import (
     GPTQ_CODE_OFFSETS,
     ScaleSearch,
-    candidate_block_scales,
     group_global_mul,
     quantize_mse,
     round_e2m1_magnitude_,
@@ -44,7 +43,6 @@ class GptqOptions:
     mse_scales: bool = True  # block scales by the diag-H-weighted mse search, else round-to-nearest
     min_tokens: int = 32  # routed experts that saw fewer calibration tokens fall back to mse
     search: ScaleSearch | None = None  # the range search for the mse block scales (and the fallbacks' mse)
-    objective_scales: bool = False  # each block's candidate scales scored by GPTQ's own objective over the block
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -67,33 +65,9 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
     raise Fp4kitError("GPTQ: a Hessian is not positive definite even with 1000x the damping; raise --gptq-damp")
 
 
-def _objective_scale(block: torch.Tensor, u_block: torch.Tensor, global_f32: torch.Tensor, amax: torch.Tensor,
-                     search: ScaleSearch | None) -> torch.Tensor:
-    """The block scale [B, N, 1] of one 16-column group, block [B, N, 16] of compensated weights, whose GPTQ pass over
-    the group adds the least to GPTQ's objective: each candidate runs the group's 16 column steps (rounding, error
-    spread over the group's later columns through u_block [B, 16, 16]) and is scored by sum_j |error_j / u_jj|^norm,
-    the objective's increase (norm 2) the group's rounding costs once the columns after it absorb its error."""
-    global_mul = _per_leading_index(global_f32, 3)
-    scales, allowed = candidate_block_scales(amax, global_mul, GPTQ_CODE_OFFSETS, search)  # [C, B, N, 1]
-    norm = 2.0 if search is None else search.norm
-    divisor = scales / global_mul
-    work = block.unsqueeze(0).repeat(scales.shape[0], 1, 1, 1)  # [C, B, N, 16]
-    loss = torch.zeros_like(scales)
-    for j in range(BLOCK):
-        column = work[..., j : j + 1]
-        q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
-        error = (column - q) / u_block[:, j, j].reshape(1, -1, 1, 1)
-        loss += error.square() if norm == 2.0 else error.abs().pow(norm)
-        if j + 1 < BLOCK:
-            work[..., j + 1 :] -= error * u_block[:, j, j + 1 :].unsqueeze(0).unsqueeze(2)
-    loss = torch.where(allowed, loss, torch.full_like(loss, float("inf")))
-    best = loss.argmin(dim=0, keepdim=True)  # the first of the smallest: RTN on a tie
-    return scales.gather(0, best).squeeze(0)
-
-
 def _lazy_block(
     w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor, mse_scales: bool,
-    search: ScaleSearch | None = None, objective_scales: bool = False,
+    search: ScaleSearch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One lazy block of the pass, columns [W] of weights w1 [B, N, W] (updated in place) against its diagonal
     block u1 [B, W, W] of the factor: the scaled rounding errors [B, N, W], each column as the pass rounded it
@@ -107,9 +81,7 @@ def _lazy_block(
     for g in range(0, width, BLOCK):
         block = w1[:, :, g : g + BLOCK]
         amax = block.abs().amax(dim=-1, keepdim=True)  # finite: checked up front
-        if objective_scales:
-            scale = _objective_scale(block, u1[:, g : g + BLOCK, g : g + BLOCK], global_f32, amax, search)
-        elif mse_scales:
+        if mse_scales:
             scale = search_block_scales(block, global_f32, importance[:, g : g + BLOCK], amax, GPTQ_CODE_OFFSETS,
                                         search)
         else:
@@ -152,16 +124,15 @@ class LazyBlocks:
         self._seen: set[tuple] = set()
 
     def __call__(self, w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
-                 mse_scales: bool, search: ScaleSearch | None = None, objective_scales: bool = False
+                 mse_scales: bool, search: ScaleSearch | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        key = (tuple(w1.shape), w1.device, mse_scales, search, objective_scales)
+        key = (tuple(w1.shape), w1.device, mse_scales, search)
         if not self.graphs or w1.device.type != "cuda" or key not in self._seen:
             self._seen.add(key)
-            return _lazy_block(w1.clone(), u1, importance, global_f32, mse_scales, search, objective_scales)
+            return _lazy_block(w1.clone(), u1, importance, global_f32, mse_scales, search)
         graphed = self._graphs.get(key)
         if graphed is None:
-            graphed = self._graphs[key] = self._capture(w1, u1, importance, global_f32, mse_scales, search,
-                                                        objective_scales)
+            graphed = self._graphs[key] = self._capture(w1, u1, importance, global_f32, mse_scales, search)
         for static, value in zip(graphed.inputs, (w1, u1, importance, global_f32), strict=True):
             static.copy_(value)
         graphed.graph.replay()
@@ -169,12 +140,11 @@ class LazyBlocks:
 
     @staticmethod
     def _capture(w1: torch.Tensor, u1: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
-                 mse_scales: bool, search: ScaleSearch | None, objective_scales: bool) -> _Graphed:
+                 mse_scales: bool, search: ScaleSearch | None) -> _Graphed:
         inputs = tuple(t.clone() for t in (w1, u1, importance, global_f32))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            outputs = _lazy_block(inputs[0].clone(), inputs[1], inputs[2], inputs[3], mse_scales, search,
-                                  objective_scales)
+            outputs = _lazy_block(inputs[0].clone(), inputs[1], inputs[2], inputs[3], mse_scales, search)
         return _Graphed(graph, inputs, outputs)
 
 
@@ -207,7 +177,7 @@ def gptq_quantize(
         end = min(start + options.block_size, k)
         errors, block_compensated, block_scales = blocks(
             w[:, :, start:end], upper[:, start:end, start:end], importance[:, start:end], global_f32,
-            options.mse_scales, options.search, options.objective_scales)
+            options.mse_scales, options.search)
         compensated[:, :, start:end] = block_compensated
         scales[:, :, start // BLOCK : end // BLOCK] = block_scales
         if end < k:

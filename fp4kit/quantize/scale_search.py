@@ -185,28 +185,6 @@ def _range_search(magnitudes: torch.Tensor, amax: torch.Tensor, global_mul: torc
     return best_scale
 
 
-def candidate_block_scales(amax: torch.Tensor, global_mul: torch.Tensor, offsets: tuple[int, ...],
-                           search: ScaleSearch | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every block's candidate FP8 scales [C, ...] (fp32 values) and which of them the search allows [C, ...] (bool),
-    for block amax [...] under the fp32 multiplier ``global_mul`` (broadcasting against it): the RTN scale first
-    (always allowed), then those search_block_scales tries, in its order."""
-    rtn = rtn_block_scale(amax, global_mul)
-    if search is None:
-        candidates = [rtn, *_candidate_scales(rtn, amax, global_mul, offsets)]
-        return torch.stack(candidates), torch.ones((len(candidates), *rtn.shape), dtype=torch.bool,
-                                                   device=rtn.device)
-    exact = global_mul * (amax.to(torch.float32) / FP4_MAX)
-    low, high = exact * search.low, exact * search.high
-    codes = rtn.to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int16)
-    scales, allowed = [rtn], [torch.ones_like(rtn, dtype=torch.bool)]
-    for offset in search.offsets:
-        code = codes + offset
-        candidate = code.clamp(1, MAX_FP8_CODE).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-        scales.append(candidate)
-        allowed.append((candidate >= low) & (candidate <= high) & (code >= 1) & (code <= MAX_FP8_CODE))
-    return torch.stack(scales), torch.stack(allowed)
-
-
 def quantize_mse(
     weight: torch.Tensor, global_mul: torch.Tensor, importance: torch.Tensor | None = None, native: bool = False,
     search: ScaleSearch | None = None,
