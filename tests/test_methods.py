@@ -166,7 +166,9 @@ def _norm_errors(weight: torch.Tensor, q: nvfp4.NVFP4Tensor, importance: torch.T
 
 
 def test_scale_search_options():
-    assert QuantizeOptions().scale_search == ScaleSearch(0.8, 1.8, 2.0)  # the default: llm-compressor's span
+    assert QuantizeOptions(method="mse").scale_search == ScaleSearch(0.8, 1.8, 2.0)  # llm-compressor's span
+    assert QuantizeOptions(method="gptq").scale_search is None  # the RTN code's neighbours
+    assert QuantizeOptions(method="gptq", mse_range="0.7:2", mse_norm=2.4).scale_search == ScaleSearch(0.7, 2, 2.4)
     assert parse_scale_search("codes", 2.0) is None
     assert parse_scale_search("0.8:1.8", 2.4) == ScaleSearch(0.8, 1.8, 2.4)
     from fp4kit.errors import Fp4kitError

@@ -26,7 +26,7 @@ LIBRARY = {"quantize": ("fp4kit.quantize.checkpoint", "quantize_checkpoint", 2),
 WIRING = {"quantize": {"overwrite", "command", "cast_mxfp4", "gptq_block_size"}, "layout": {"overwrite"},
           "shard": {"overwrite"}, "verify": {"source", "ep_shards", "layouts"}}
 # values other than each default, where the type alone does not give one
-SAMPLES = {"device": "cuda:1", "max_shard_size": "7MB", "mse_range": "0.7:2", "ep": 2}
+SAMPLES = {"device": "cuda:1", "max_shard_size": "7MB", "mse_range": "0.8:1.8", "ep": 2}
 
 
 def _commands() -> dict[str, typer.core.TyperCommand]:

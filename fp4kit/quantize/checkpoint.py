@@ -34,6 +34,9 @@ from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 METHODS = ("rtn", "mse", "gptq")
+# --mse-range auto: llm-compressor's expanded-MSE span for mse (on the reference model it beat the RTN code's
+# neighbours, docs/quality_methods.md); inside GPTQ the range measured no better than the neighbours, at more cost
+AUTO_MSE_RANGE = {"mse": "0.8:1.8", "gptq": "codes"}
 # where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
 # the source model's (a separate calibration pass first, as rtn does)
 INPUT_SCALE_SOURCES = ("auto", "source", "quantized")
@@ -77,14 +80,16 @@ class QuantizeOptions:
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
-    # the mse search's candidates (mse, gptq's searched block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in
-    # that range of the RTN scale, error exponent mse_norm) or "codes" (the RTN code +-1 and max-to-4, squared error)
-    mse_range: str = "0.8:1.8"
+    # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in that
+    # range of the RTN scale, error exponent mse_norm), "codes" (the RTN code and its neighbours, max-to-4, squared
+    # error) or "auto" (AUTO_MSE_RANGE per method)
+    mse_range: str = "auto"
     mse_norm: float = 2.0
 
     @property
     def scale_search(self) -> ScaleSearch | None:
-        return parse_scale_search(self.mse_range, self.mse_norm)
+        span = AUTO_MSE_RANGE.get(self.method, AUTO_MSE_RANGE["mse"]) if self.mse_range == "auto" else self.mse_range
+        return parse_scale_search(span, self.mse_norm)
     input_scales_from: str = "auto"  # quantized, but source for ModelOpt output (see input_scale_source)
     # MXFP4 source groups under rtn: cast to NVFP4 without rounding (fp4kit.nvfp4.cast_mxfp4_group); False: RTN from
     # their exact values (the CLI's explicit --method rtn)
