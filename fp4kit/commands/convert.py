@@ -48,7 +48,8 @@ def convert(
     fp8 = f", {report.fp8_modules} FP8 Linears" if report.fp8_modules else ""
     typer.echo(
         f"{report.family} {report.scheme}: {report.source_dialect} -> {report.target_dialect}, "
-        f"{report.quantized_modules} quantized Linears{fp8}{fused}, {report.passthrough_tensors} tensors copied{exact}, "
+        f"{report.quantized_modules} quantized Linears{fp8}{fused}, {report.passthrough_tensors} tensors copied"
+        f"{exact}, "
         f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
     )
 

@@ -177,7 +177,7 @@ class QuantizedModel:
             from fp4kit.layouts.manifest import read_manifest
 
             self.layout = read_manifest(self.root)
-        self.ckpt = open_checkpoint(self.root)
+        self.ckpt = open_checkpoint(self.root, mixed=True)
         if self.layout is not None:
             self.experts_modules = {int(k): v["module"] for k, v in self.layout["layers"].items()}
             self._layers = {}
@@ -293,7 +293,7 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
         )
     local_index = torch.tensor([int(local) for local in expert_map], dtype=torch.int64)
     mapped = local_index >= 0
-    with open_checkpoint(rank_dir) as ckpt:
+    with open_checkpoint(rank_dir, mixed=True) as ckpt:
         grammar = ckpt.grammar
         found = group_experts(((m.name, m) for m in ckpt.modules), grammar).get(experts_module, {})
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])
