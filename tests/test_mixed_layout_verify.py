@@ -58,8 +58,8 @@ def test_layout_carries_fp8_tensors_as_stored_and_verify_passes(mixed_w4a4, tmp_
     assert report["passed"]
     notes = [n for n in report["notes"] if n.startswith("mixed precision:")]
     assert notes == [f"mixed precision: {len([n for n in fp8 if n.endswith('.weight')])} FP8 Linears "
-                     "(fp8-block, fp8-dynamic) not run: verify runs the fused NVFP4 MoE kernels (fp4kit eval "
-                     "measures FP8 modules)"]
+                     "(fp8-block, fp8-dynamic) not run: verify runs the fused NVFP4 MoE kernels (an FP8 shared "
+                     "expert joins the reference at its exact dequantized weights; fp4kit eval measures FP8 modules)"]
 
 
 def test_fp8_routed_experts_travel_as_stored_and_verify_names_them(tiny, tmp_path):

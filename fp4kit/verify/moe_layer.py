@@ -142,6 +142,9 @@ def _dense_or_quantized(
 ) -> Tensor | None:
     if module in quantized and ckpt is not None:
         return ckpt.read_weight(quantized[module]).dequantize()
+    fp8 = next((m for m in ckpt.fp8_modules if m.name == module), None) if ckpt is not None else None
+    if fp8 is not None:  # a mixed-precision checkpoint's FP8 shared expert: its exact dequantized weight
+        return ckpt.read_fp8(fp8)[0].dequantize()  # type: ignore[union-attr]
     if source is not None and module in source.linears:  # a quantized --source: its dequantized weight
         return read_linear_weight(reader, source, module)
     return reader.read(f"{module}.weight").float() if f"{module}.weight" in reader else None

@@ -213,13 +213,15 @@ def verify_checkpoint(
 
 
 def fp8_notes(ckpt: QuantizedCheckpoint) -> list[str]:
-    """What verify does with a mixed-precision checkpoint's FP8 Linears: nothing, said in a note (it runs the fused
-    NVFP4 MoE kernels; eval measures FP8 modules), and which MoE layers it leaves out for FP8 routed experts."""
+    """What verify does with a mixed-precision checkpoint's FP8 Linears, said in notes: it runs no FP8 GEMM (it runs
+    the fused NVFP4 MoE kernels; eval measures FP8 modules), and leaves out the MoE layers whose routed experts are
+    FP8."""
     if not ckpt.fp8_modules:
         return []
     schemes = sorted({m.scheme for m in ckpt.fp8_modules})
     notes = [f"mixed precision: {len(ckpt.fp8_modules)} FP8 Linears ({', '.join(schemes)}) not run: verify runs "
-             f"the fused NVFP4 MoE kernels (fp4kit eval measures FP8 modules)"]
+             f"the fused NVFP4 MoE kernels (an FP8 shared expert joins the reference at its exact dequantized "
+             f"weights; fp4kit eval measures FP8 modules)"]
     fp8_experts = group_experts(((m.name, m) for m in ckpt.fp8_modules), ckpt.grammar)
     if fp8_experts:
         notes.append(f"routed experts in FP8, not verified (no NVFP4 MoE kernel runs them): "
