@@ -21,6 +21,7 @@ from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.formats.modelopt import HF_QUANT_CONFIG
 from fp4kit.formats.modelopt import NAME as MO
+from fp4kit.tools.trtllm_checks import ENGINE as TRTLLM
 
 VERSION = "0.33.0"
 _Q = "vllm/model_executor/layers/quantization"
@@ -50,10 +51,10 @@ def engines() -> dict[str, tuple[str, dict[str, str]]]:
     from fp4kit.tools import sglang_checks, trtllm_checks
 
     return {"vllm": (VERSION, SOURCES), "sglang": (sglang_checks.VERSION, sglang_checks.SOURCES),
-            "trtllm": (trtllm_checks.VERSION, trtllm_checks.SOURCES)}
+            trtllm_checks.ENGINE: (trtllm_checks.VERSION, trtllm_checks.SOURCES)}
 
 
-ENGINES = ("vllm", "sglang", "trtllm")
+ENGINES = ("vllm", "sglang", TRTLLM)
 
 
 def _finite_positive(value: float | None) -> bool:

@@ -295,6 +295,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     from fp4kit.errors import Fp4kitError
     from fp4kit.tools.engine_checks import ENGINES, engines, vllm_checks
     from fp4kit.tools.sglang_checks import sglang_checks
+    from fp4kit.tools.trtllm_checks import ENGINE as TRTLLM
     from fp4kit.tools.trtllm_checks import trtllm_checks
 
     if engine is not None and engine not in ENGINES:
@@ -337,7 +338,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
 
             if engine == "vllm":
                 vllm_checks(ckpt, scales, found)
-            elif engine == "trtllm":
+            elif engine == TRTLLM:
                 trtllm_checks(ckpt, found)
             else:
                 sglang_checks(ckpt, scales, found, notes.append)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fp4kit.formats.compressed_tensors import NAME as CT
 from fp4kit.formats.detect import QuantizedCheckpoint
 
+ENGINE = "trtllm"  # inspect --engine: the engine TensorRT-LLM, not the layout backend of that name
 VERSION = "main (2026-08)"
 _UTILS = "tensorrt_llm/models/quant_config_utils.py"
 SOURCES = {
