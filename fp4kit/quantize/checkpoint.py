@@ -36,7 +36,7 @@ SCHEMES = ("nvfp4a16", "nvfp4")
 METHODS = ("rtn", "mse", "gptq")
 # --mse-range auto: llm-compressor's expanded-MSE span for mse (on the reference model it beat the RTN code's
 # neighbours, docs/quality_methods.md); inside GPTQ the range measured no better than the neighbours, at more cost
-AUTO_MSE_RANGE = {"mse": "0.8:1.8", "gptq": "codes"}
+AUTO_MSE_RANGE = {"mse": "0.8:1.8"}  # else codes
 # where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
 # the source model's (a separate calibration pass first, as rtn does)
 INPUT_SCALE_SOURCES = ("auto", "source", "quantized")
@@ -87,9 +87,13 @@ class QuantizeOptions:
     mse_norm: float = 2.0
 
     @property
+    def mse_span(self) -> str:
+        """--mse-range with auto resolved for the method (what the provenance records)."""
+        return AUTO_MSE_RANGE.get(self.method, "codes") if self.mse_range == "auto" else self.mse_range
+
+    @property
     def scale_search(self) -> ScaleSearch | None:
-        span = AUTO_MSE_RANGE.get(self.method, AUTO_MSE_RANGE["mse"]) if self.mse_range == "auto" else self.mse_range
-        return parse_scale_search(span, self.mse_norm)
+        return parse_scale_search(self.mse_span, self.mse_norm)
     input_scales_from: str = "auto"  # quantized, but source for ModelOpt output (see input_scale_source)
     # MXFP4 source groups under rtn: cast to NVFP4 without rounding (fp4kit.nvfp4.cast_mxfp4_group); False: RTN from
     # their exact values (the CLI's explicit --method rtn)

@@ -91,6 +91,8 @@ def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, c
     settings = {key: (str(value) if isinstance(value, Path) else value)
                 for key, value in dataclasses.asdict(options).items()
                 if key not in NOT_RECORDED and not (key in RECORDED_WHEN_SET and not value)}
+    if "mse_range" in settings:  # the search it ran, not "auto"
+        settings["mse_range"] = options.mse_span  # type: ignore[attr-defined]
     return {
         "format": FORMAT,
         "producer": {"name": "fp4kit", "version": __version__},
