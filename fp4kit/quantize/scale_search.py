@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import lru_cache
 
 import torch
 
@@ -64,23 +64,28 @@ class ScaleSearch:
             raise Fp4kitError(f"mse search range {self.low}:{self.high} (needs 0 < LOW <= 1 <= HIGH <= 8) or norm "
                               f"{self.norm} (needs > 0) out of bounds")
 
-    @cached_property
+    @property
     def offsets(self) -> tuple[int, ...]:
-        """Code offsets from the RTN code that can land in the range for some block: from each code's rounding
-        interval [v_lo, v_hi] (the unrounded scales that round to it), the codes with value in
-        [low * v_lo, high * v_hi]."""
-        values = torch.arange(MAX_FP8_CODE + 1, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-        found: set[int] = set()
-        for code in range(1, MAX_FP8_CODE + 1):
-            v_lo = (values[code - 1] + values[code]) / 2
-            v_hi = (values[code] + values[code + 1]) / 2 if code < MAX_FP8_CODE else values[code] * 2
-            inside = ((values >= self.low * v_lo) & (values <= self.high * v_hi)).nonzero().flatten()
-            found.update(int(c) - code for c in inside if int(c) >= 1)
-        found.discard(0)
-        return tuple(sorted(found))
+        return _range_offsets(self.low, self.high)
 
     def describe(self) -> str:
         return f"{self.low:g}:{self.high:g}, norm {self.norm:g}"
+
+
+@lru_cache
+def _range_offsets(low: float, high: float) -> tuple[int, ...]:
+    """Code offsets from the RTN code that can land in [low, high] x the unrounded RTN scale for some block: from each
+    code's rounding interval [v_lo, v_hi] (the unrounded scales that round to it), the codes with value in
+    [low * v_lo, high * v_hi]. Cached: options build a ScaleSearch per tensor group."""
+    values = torch.arange(MAX_FP8_CODE + 1, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    found: set[int] = set()
+    for code in range(1, MAX_FP8_CODE + 1):
+        v_lo = (values[code - 1] + values[code]) / 2
+        v_hi = (values[code] + values[code + 1]) / 2 if code < MAX_FP8_CODE else values[code] * 2
+        inside = ((values >= low * v_lo) & (values <= high * v_hi)).nonzero().flatten()
+        found.update(int(c) - code for c in inside if int(c) >= 1)
+    found.discard(0)
+    return tuple(sorted(found))
 
 
 def parse_scale_search(span: str, norm: float) -> ScaleSearch | None:
