@@ -1,8 +1,10 @@
 """`fp4kit quantize`: stream a BF16 checkpoint into an NVFP4 one, one fused group at a time.
 
-Reading, quantizing and writing overlap: a reader thread prefetches the next group's tensors and a writer thread
-places finished tensors in the output shards, both through queues of bounded depth, so at most a few groups are
-in memory whatever the model's size.
+Reading, quantizing and writing overlap, so at most a few groups are in memory whatever the model's size. On the
+CPU, data-free, each group is read, quantized and written by one of a pool of threads, one per CPU (the reads, the
+C loops and the writes release the GIL; fp4kit.io.streaming.produced_in_parallel bounds the groups in flight). On a
+GPU, and in the calibrated methods' layer pass, a reader thread prefetches the next group's tensors and a writer
+thread places finished tensors in the output shards, both through queues of bounded depth.
 """
 
 from __future__ import annotations
@@ -746,12 +748,14 @@ def _quantize_checkpoint(
                 return _read_job(reader, job, options.device, encoded and _quantizes_fp8_codes(options),
                                  encoded and _casts_mxfp4(options))
 
-            def output(job: QuantGroup | str) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-                """A job read and, a group, quantized, on one of the worker threads; its MXFP4 cast counts."""
+            def output(job: QuantGroup | str) -> dict[str, int]:
+                """A job read, quantized (a group) and written, on one of the worker threads; its MXFP4 cast counts.
+                Every output tensor has its planned place, so the threads write in any order and the same bytes."""
                 data, counts = read(job), {}
-                if isinstance(job, QuantGroup):
-                    return batcher.alone(job, data, counts), counts  # type: ignore[arg-type]
-                return {job: data}, counts  # type: ignore[dict-item]
+                tensors = batcher.alone(job, data, counts) if isinstance(job, QuantGroup) else {job: data}
+                for name, tensor in tensors.items():  # type: ignore[union-attr]
+                    writer.write(name, tensor)
+                return counts
 
             def cost(job: QuantGroup | str) -> int:
                 return _job_bytes(reader, job)
@@ -765,10 +769,9 @@ def _quantize_checkpoint(
                     done += _job_bytes(reader, job)
                     if progress:
                         progress(min(done, share_bytes), share_bytes)
-            elif not calibrated:  # on the CPU: reads and C loops release the GIL: whole jobs on a pool of threads
-                for job, (tensors, counts) in produced_in_parallel(jobs, output, cpu_workers(), QUEUE_DEPTH, cost,
-                                                                   PARALLEL_BYTES):
-                    background.put(tensors)
+            elif not calibrated:  # on the CPU: reads, C loops and writes release the GIL: whole jobs on a pool
+                for job, counts in produced_in_parallel(jobs, output, cpu_workers(), QUEUE_DEPTH, cost,
+                                                        PARALLEL_BYTES):
                     batcher.count(counts)
                     done += _job_bytes(reader, job)
                     if progress:
