@@ -2,7 +2,8 @@
 
     python scripts/bench_quantize.py --layers 2 [--model qwen3-30b-a3b|qwen3.6-35b-a3b|glm-5] [--experts E]
                                      [--device cpu|cuda] [--repeats 3] [--workdir DIR] [--skip-oneshot] [--nproc N]
-                                     [--tools copy,fp4kit,...] [--base-tree DIR]
+                                     [--tools copy,fp4kit,...] [--format compressed-tensors|modelopt]
+                                     [--base-tree DIR]
 
 Builds a bf16 checkpoint with N layers of the model's layer shapes (default Qwen3-30B-A3B: hidden 2048,
 moe_intermediate 768, 128 experts, 32/4 heads of 128; the others from fp4kit.testing.synthetic.PUBLISHED, in the
@@ -10,7 +11,7 @@ release's on-disk layout; ``--experts`` keeps every matrix shape and stores fewe
 tool as a whole subprocess (docs/BENCHMARKS.md):
 
   copy            plain safetensors read (safe_open/get_tensor) + tensor-by-tensor write: the I/O floor
-  fp4kit          fp4kit quantize --scheme nvfp4a16
+  fp4kit          fp4kit quantize --scheme nvfp4a16 --format F (default compressed-tensors)
   model_free_ptq  llmcompressor.model_free_ptq(scheme="NVFP4A16")
   oneshot         llmcompressor.oneshot NVFP4A16 on AutoModelForCausalLM, save_pretrained(save_compressed=True)
 
@@ -247,10 +248,11 @@ def fp4kit_launcher(nproc: int) -> list[str]:
             "-m", "fp4kit"]
 
 
-def tool_command(tool: str, src: Path, dst: Path, device: str, nproc: int = 0) -> list[str]:
+def tool_command(tool: str, src: Path, dst: Path, device: str, nproc: int = 0,
+                 dialect: str = "compressed-tensors") -> list[str]:
     if tool in ("fp4kit", BASE_TOOL):
         return [*fp4kit_launcher(nproc), "quantize", str(src), str(dst), "--scheme", "nvfp4a16", "--device", device,
-                "--quiet"]
+                "--format", dialect, "--quiet"]
     child = {"copy": "copy", "model_free_ptq": "model-free", "oneshot": "oneshot"}[tool]
     return [sys.executable, str(Path(__file__).resolve()), "--child", child, "--src", str(src), "--dst", str(dst),
             "--device", device]
@@ -281,7 +283,7 @@ def _mem_available_bytes() -> int:
 
 
 def bench_run(result: ToolResult, src: Path, workdir: Path, device: str, attempt: int, repeats: int, nproc: int = 0,
-              env: dict[str, str] | None = None) -> None:
+              env: dict[str, str] | None = None, dialect: str = "compressed-tensors") -> None:
     """One timed run of ``result.tool`` into ``workdir/out-<tool>``, added to ``result`` (or its failure noted)."""
     tool = result.tool
     dst = workdir / f"out-{tool}"
@@ -289,7 +291,7 @@ def bench_run(result: ToolResult, src: Path, workdir: Path, device: str, attempt
     warm_page_cache(src)
     log = workdir / f"{tool}-{attempt}.log"
     try:
-        run = time_process(tool_command(tool, src, dst, device, nproc), dst, log, env)
+        run = time_process(tool_command(tool, src, dst, device, nproc, dialect), dst, log, env)
     except RuntimeError as exc:
         result.note = f"failed: {exc}"
         print(f"  {tool}: FAILED\n{exc}", flush=True)
@@ -300,7 +302,7 @@ def bench_run(result: ToolResult, src: Path, workdir: Path, device: str, attempt
 
 
 def bench_interleaved(tools: list[str], src: Path, workdir: Path, device: str, repeats: int, nproc: int = 0,
-                      base_tree: Path | None = None) -> list[ToolResult]:
+                      base_tree: Path | None = None, dialect: str = "compressed-tensors") -> list[ToolResult]:
     """Each round runs every tool once, in turn, so that a change in the machine's load falls on all of them alike.
     ``base_tree``: the fp4kit-base tool runs fp4kit from that source tree (PYTHONPATH), the others from this one."""
     results = [ToolResult(tool) for tool in tools]
@@ -311,7 +313,7 @@ def bench_interleaved(tools: list[str], src: Path, workdir: Path, device: str, r
             env = None
             if result.tool == BASE_TOOL and base_tree is not None:
                 env = {**os.environ, "PYTHONPATH": str(base_tree.resolve())}
-            bench_run(result, src, workdir, device, attempt, repeats, nproc, env)
+            bench_run(result, src, workdir, device, attempt, repeats, nproc, env, dialect)
     return results
 
 
@@ -435,6 +437,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the outputs in the workdir")
     parser.add_argument("--nproc", type=int, default=0,
                         help="run fp4kit under torchrun with N ranks (0: a plain process)")
+    parser.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelopt"),
+                        help="the dialect fp4kit writes (modelopt where compressed-tensors is not installed)")
     parser.add_argument("--base-tree", type=Path,
                         help=f"also time fp4kit from this source tree as {BASE_TOOL} (e.g. a worktree of main)")
     parser.add_argument("--child", choices=("copy", "model-free", "oneshot"), help=argparse.SUPPRESS)
@@ -503,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
         tools.append(tool)
     if args.base_tree is not None:
         tools.insert(tools.index("fp4kit") if "fp4kit" in tools else len(tools), BASE_TOOL)
-    results = bench_interleaved(tools, src, args.workdir, args.device, args.repeats, args.nproc, args.base_tree)
+    results = bench_interleaved(tools, src, args.workdir, args.device, args.repeats, args.nproc, args.base_tree,
+                                args.format)
     results += skipped
     ok = {r.tool for r in results if r.ok}
     identity = {ref: compare_outputs(args.workdir / "out-fp4kit", args.workdir / f"out-{ref}")
