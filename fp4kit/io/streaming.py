@@ -49,8 +49,13 @@ def prefetched(jobs: list, produce: Callable[[object], object], depth: int) -> I
                 thread.join(0.05)
 
 
+# each job's Python holds the GIL for a part of its time, so threads beyond this add contention, not speed
+MAX_CPU_WORKERS = 16
+
+
 def cpu_workers() -> int:
-    """Threads for CPU work: the CPUs this process may run on, shared among the ranks torchrun started on this node."""
+    """Threads for CPU work: the CPUs this process may run on, shared among the ranks torchrun started on this node,
+    at most MAX_CPU_WORKERS."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -59,7 +64,7 @@ def cpu_workers() -> int:
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks_here = 1
-    return max(1, cpus // ranks_here)
+    return max(1, min(MAX_CPU_WORKERS, cpus // ranks_here))
 
 
 def produced_in_parallel(jobs: list, produce: Callable[[object], object], workers: int, depth: int,
