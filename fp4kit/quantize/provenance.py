@@ -80,6 +80,7 @@ def module_groups(plan: ModelPlan) -> list[tuple[str, int, str]]:
 
     quantized = Counter((pattern(m.linear.module), PRECISIONS.get(plan.schemes.get(m.linear.module), "NVFP4"))
                         for group in plan.groups for m in group.members)
+    quantized.update((pattern(job.linear.module), "FP8 as stored in the source") for job in plan.stored_fp8)
     kept = Counter(pattern(module) for module in plan.ignored_modules)
     return ([(p, n, precision) for (p, precision), n in sorted(quantized.items())]
             + [(p, n, "kept (source precision)") for p, n in sorted(kept.items())])
@@ -140,7 +141,8 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines += ["```bash", record["command"], "```", ""]
     lines += [f"Every option and the calibration data's hashes: `{PROVENANCE_NAME}`.", "", "## Serving", "",
               "DST is this directory, or its Hub id once uploaded.", "",
-              "```bash", *serving_lines(dialect, not single_nvfp4(plan.schemes.values())), "```", ""]
+              "```bash", *serving_lines(dialect, bool(plan.stored_fp8) or not single_nvfp4(plan.schemes.values())),
+              "```", ""]
     return "\n".join(lines)
 
 
