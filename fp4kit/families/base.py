@@ -422,6 +422,6 @@ def engine_fused_name(modules: list[str]) -> str | None:
     """The name an engine serves fused siblings ``modules`` under where no packed-module mapping gives it
     (``ENGINE_FUSED_NAMES``), e.g. ``model.layers.0.self_attn.fused_qkv_a_proj``; None for any other group."""
     parents = {m.rsplit(".", 1)[0] for m in modules}
-    leaves = tuple(m.rsplit(".", 1)[-1] for m in modules)
-    fused = ENGINE_FUSED_NAMES.get(leaves)
+    leaves = sorted(m.rsplit(".", 1)[-1] for m in modules)
+    fused = next((name for parts, name in ENGINE_FUSED_NAMES.items() if sorted(parts) == leaves), None)
     return f"{parents.pop()}.{fused}" if fused and len(parents) == 1 else None

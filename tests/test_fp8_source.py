@@ -1,0 +1,230 @@
+"""quantize --scheme-for REGEX=fp8-source: an FP8 source's modules kept as stored (weight and scale bytes) beside
+NVFP4 experts, in both dialects, also where the ignores keep them out of NVFP4 (DeepSeek's MTP layer); vLLM 0.33's
+config parsers give them its FP8 block method; open_checkpoint and eval read them; forms a dialect cannot hold are
+refused in one line. And the ue8m0 (power-of-two) FP8-block scales DeepSeek-V3.1 ships, read bit for bit as
+transformers' FP8 dequantization reads them, and kept as powers of two."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_all
+from safetensors.torch import save_file
+
+from fp4kit.errors import Fp4kitError
+from fp4kit.formats.detect import open_checkpoint
+from fp4kit.quantize.checkpoint import QuantizeOptions, quantize_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+DIALECTS = ("compressed-tensors", "modelopt")
+# decoder-layer attention (planned for NVFP4, kept as stored instead) and the MTP layer's attention (default-ignored)
+RULES = (r"self_attn\.=fp8-source",)
+# vLLM's packed_modules_mapping (deepseek_v2.py), and the name it serves q_a / kv_a under
+PACKED = {"gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+@pytest.fixture(scope="module")
+def fp8_source(tiny, tmp_path_factory):
+    """The tiny DeepSeek-V3 (3 decoder layers and an MTP layer) written as its FP8-block release stores it."""
+    from fp4kit.testing.fixtures import write_fp8_block_source
+
+    return write_fp8_block_source(tiny("deepseek_v3"), tmp_path_factory.mktemp("fp8src") / "src")
+
+
+@pytest.fixture(scope="module")
+def kept(fp8_source, tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def get(dialect: str) -> Path:
+        if dialect not in built:
+            dst = tmp_path_factory.mktemp(f"fp8-source-{dialect}") / "out"
+            quantize_checkpoint(fp8_source, dst, QuantizeOptions(format=dialect, scheme_for=list(RULES)))
+            built[dialect] = dst
+        return built[dialect]
+
+    return get
+
+
+def _source_attention(source: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(n[: -len(".weight")] for n, t in source.items()
+                  if ".self_attn." in n and n.endswith(".weight") and t.dtype == torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_kept_modules_are_the_source_bytes(fp8_source, kept, dialect):
+    """Every FP8 attention Linear (decoder layers and MTP layer) is the source's weight bytes and scale values;
+    compressed-tensors holds the scale bytes as the source does, ModelOpt the same fp32 bytes in its block shape."""
+    source, ours = load_all(fp8_source), load_all(kept(dialect))
+    modules = _source_attention(source)
+    assert any(m.startswith("model.layers.3.") for m in modules)  # the MTP layer's, which the ignores keep
+    for module in modules:
+        assert torch.equal(ours[f"{module}.weight"].view(torch.uint8), source[f"{module}.weight"].view(torch.uint8))
+        scale, stored = ours[f"{module}.weight_scale"], source[f"{module}.weight_scale_inv"]
+        assert scale.dtype == torch.float32 and scale.numel() == stored.numel(), module
+        assert torch.equal(scale.reshape(stored.shape).view(torch.int32), stored.view(torch.int32)), module
+        assert f"{module}.weight_scale_inv" not in ours and f"{module}.weight_packed" not in ours
+    # the routed experts are NVFP4, the rest of the MTP layer dequantized as before
+    assert any(n.endswith("experts.0.gate_proj.weight_scale_2") or n.endswith("experts.0.gate_proj.weight_packed")
+               for n in ours)
+    assert ours["model.layers.3.mlp.experts.0.gate_proj.weight"].dtype == torch.bfloat16
+
+
+def test_compressed_tensors_config_resolves_in_vllm(kept):
+    from compressed_tensors.quantization import QuantizationConfig
+    from helpers import vllm_module
+
+    ct_config = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors")
+    root = kept("compressed-tensors")
+    config = json.loads((root / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    QuantizationConfig.model_validate(config)
+    parsed = ct_config.CompressedTensorsConfig.from_config(config)
+    parsed.packed_modules_mapping = dict(PACKED)
+
+    class RowParallelLinear(torch.nn.Module):
+        pass
+
+    modules = _source_attention(load_all(root))
+    for name in [*modules, *{f"{m.rsplit('.', 1)[0]}.fused_qkv_a_proj" for m in modules}]:
+        scheme = parsed.get_scheme_dict(RowParallelLinear(), name)
+        assert scheme is not None and scheme["weights"].num_bits == 8, name
+        assert scheme["weights"].block_structure == [128, 128] and scheme["input_activations"].dynamic, name
+    experts = parsed.get_scheme_dict(RowParallelLinear(), "model.layers.1.mlp.experts.0.gate_proj")
+    assert experts["weights"].num_bits == 4
+    assert "model.layers.3.self_attn.q_a_proj" not in config["ignore"]
+
+
+def test_modelopt_config_resolves_in_vllm(kept):
+    from helpers import vllm_module
+
+    modelopt_config = vllm_module("model_executor.layers.quantization.modelopt")
+    root = kept("modelopt")
+    hf_quant = json.loads((root / "hf_quant_config.json").read_text())
+    parsed = modelopt_config.ModelOptMixedPrecisionConfig.from_config(hf_quant)
+    parsed.packed_modules_mapping = dict(PACKED)
+    modules = _source_attention(load_all(root))
+    for module in modules:
+        assert not parsed.is_layer_excluded(module), module
+        assert parsed._resolve_quant_algo(module) == "FP8_PB_WO", module
+    assert parsed._resolve_quant_algo("model.layers.3.self_attn.fused_qkv_a_proj") == "FP8_PB_WO"
+    assert parsed._resolve_quant_algo("model.layers.1.mlp.experts") == "W4A16_NVFP4"
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_open_checkpoint_reads_the_source_values(fp8_source, kept, dialect):
+    """The kept modules read back as fp8-block modules whose dequantization is the source's, bit for bit."""
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
+    from fp4kit.io.sources import read_source
+    from fp4kit.quantize.plan import read_linear_weight
+
+    with open_checkpoint(kept(dialect), mixed=True) as ckpt, CheckpointReader(fp8_source) as reader:
+        source = read_source(reader, read_config(fp8_source))
+        modules = {m.name: m for m in ckpt.fp8_modules}
+        assert sorted(modules) == _source_attention(load_all(fp8_source))
+        for name, module in modules.items():
+            assert module.scheme == "fp8-block"
+            weight, input_div = ckpt.read_fp8(module)
+            assert input_div is None
+            assert torch.equal(weight.dequantize(), read_linear_weight(reader, source, name)), name
+
+
+def test_eval_reads_it(fp8_source, kept):
+    """`fp4kit eval SRC DST` against the FP8 source: the kept attention read as FP8 blocks, the experts NVFP4."""
+    from fp4kit.tools.evaluate import evaluate
+
+    token_ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    result = evaluate(fp8_source, kept("compressed-tensors"), token_ids, batch_size=2)
+    assert result.scheme == "mixed (nvfp4a16 + fp8-block)"
+    assert 0 < result.kl < 0.1 and math.isfinite(result.ce_quantized)
+
+
+def test_refusals_are_one_line(tiny, fp8_source, tmp_path):
+    """fp8-source of a module the source does not store as FP8, of E8M0 scales (DeepSeek-V4's) in a dialect whose
+    FP8 scales are floats, and a fused sibling left out: one line, exit 2, no DST."""
+    from fp4kit.testing.fixtures import write_deepseek_v4_release_source
+
+    release = write_deepseek_v4_release_source(tiny("deepseek_v4"), tmp_path / "release")
+    cases = [
+        (tiny("deepseek_v3"), [r"self_attn\.=fp8-source"], "is not quantized in the source"),
+        (release, [r"attn\.w(q_a|kv)$=fp8-source"], "E8M0"),
+        (fp8_source, [r"self_attn\.q_a_proj=fp8-source"], "must share one scheme"),
+    ]
+    for i, (src, rules, message) in enumerate(cases):
+        dst = tmp_path / f"out{i}"
+        run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst),
+                              *[a for r in rules for a in ("--scheme-for", r)]], capture_output=True, text=True)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+        assert not dst.exists()
+
+
+def test_a_rule_that_keeps_nothing_is_refused(fp8_source, tmp_path):
+    with pytest.raises(Fp4kitError, match="matches no module"):
+        quantize_checkpoint(fp8_source, tmp_path / "x", QuantizeOptions(scheme_for=[r"no_such_module=fp8-source"]))
+
+
+def _ue8m0_source(bf16: Path, dst: Path) -> Path:
+    """bf16 checkpoint ``bf16`` written as DeepSeek-V3.1 stores FP8 (``scale_fmt: ue8m0``): F32 ``weight_scale_inv``
+    per 128x128 block holding powers of two (the block amax / 448 rounded up to one), E4M3 codes under them."""
+    from fp4kit.io.sources import FP8_SCALE_SUFFIX
+    from fp4kit.testing.fixtures import write_fp8_block_source
+
+    write_fp8_block_source(bf16, dst)
+    source = load_all(bf16)
+    tensors = load_all(dst)
+    for name in [n for n in tensors if n.endswith(FP8_SCALE_SUFFIX)]:
+        weight = source[name.removesuffix(FP8_SCALE_SUFFIX) + ".weight"].float()
+        n, k = weight.shape
+        padded = torch.nn.functional.pad(weight, (0, -k % 128, 0, -n % 128))
+        amax = padded.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).abs().amax(dim=(1, 3))
+        scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448, min=2.0**-126))))
+        expanded = torch.kron(scale, torch.ones(128, 128))[:n, :k]
+        tensors[name] = scale
+        tensors[name.removesuffix(FP8_SCALE_SUFFIX) + ".weight"] = (weight / expanded).to(torch.float8_e4m3fn)
+    for shard in dst.glob("*.safetensors"):
+        shard.unlink()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["scale_fmt"] = "ue8m0"
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def test_ue8m0_block_scales_read_as_transformers_reads_them_and_kept_as_powers_of_two(tiny, tmp_path):
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from fp4kit.io.checkpoint import CheckpointReader, read_config
+    from fp4kit.io.sources import read_source
+    from fp4kit.quantize.plan import read_linear_weight
+
+    src = _ue8m0_source(tiny("deepseek_v3"), tmp_path / "v31")
+    stored = load_all(src)
+    op = Fp8Dequantize(None)
+    with CheckpointReader(src) as reader:
+        source = read_source(reader, read_config(src))
+        assert source.name == "fp8-block 128x128 ue8m0"
+        assert source.linears
+        for module in source.linears:
+            weight, scale = stored[f"{module}.weight"], stored[f"{module}.weight_scale_inv"]
+            assert torch.equal(torch.frexp(scale).mantissa.abs(), torch.full_like(scale, 0.5))  # powers of two
+            # transformers' Fp8Dequantize takes whole blocks only: a partial edge block is its elements of the
+            # zero-padded weight's block
+            n, k = weight.shape
+            padded = torch.zeros(scale.shape[0] * 128, scale.shape[1] * 128, dtype=weight.dtype)
+            padded[:n, :k] = weight
+            expected = op._dequantize_one(padded, scale, torch.float32)[:n, :k]
+            assert torch.equal(read_linear_weight(reader, source, module), expected), module
+    dst = tmp_path / "out"
+    quantize_checkpoint(src, dst, QuantizeOptions(scheme_for=[r"self_attn\.=fp8-source"]))
+    ours = load_all(dst)
+    attention = _source_attention(stored)
+    assert attention
+    for module in attention:
+        assert torch.equal(ours[f"{module}.weight_scale"].view(torch.int32),
+                           stored[f"{module}.weight_scale_inv"].view(torch.int32)), module
