@@ -81,6 +81,9 @@ class Family:
     # transformers' decoder layers of the family load one at a time from the checkpoint's names
     # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
     streams_layers: bool = True
+    # the key of an FP8 release's own quantization_config under which an engine reads NVFP4 routed experts beside
+    # the release's FP8 Linears (quantize --source-config); None: no engine reads such a form for the family
+    source_config_moe_key: str | None = None
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
         """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after

@@ -110,6 +110,9 @@ class QuantizeOptions:
     mtp: str = "keep"
     # per-module schemes, REGEX=SCHEME, first match wins (fp4kit.quantize.schemes); the rest get `scheme`
     scheme_for: list[str] = field(default_factory=list)
+    # an FP8 release: its own quantization_config with the NVFP4 routed experts declared in it (the family's
+    # source_config_moe_key), every other FP8 Linear as stored under the release's names
+    source_config: bool = False
     command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
@@ -450,6 +453,8 @@ def stored_fp8_planned(reader: CheckpointReader, job: StoredFp8, options: Quanti
     dialect cannot hold its stored form."""
     fmt = _format_module(options)
     weight, scale = job.tensors
+    if options.source_config:  # the release's own tensors under its own config
+        return [planned_passthrough(reader, weight), planned_passthrough(reader, scale)]
     info = reader.info(scale)
     if job.scheme is None:
         raise Fp4kitError(f"--scheme-for fp8-source: {scale} {list(info.shape)} scales {weight} "
@@ -469,6 +474,8 @@ def passthrough_tensors(job: str, data: object, options: QuantizeOptions) -> dic
     if not isinstance(job, StoredFp8):
         return {job: data}  # type: ignore[dict-item]
     stored: dict[str, torch.Tensor] = data  # type: ignore[assignment]
+    if options.source_config:
+        return stored
     weight, scale = job.tensors
     n, k = job.linear.out_features, job.linear.in_features
     canonical = Fp8Weight(stored[weight], stored[scale].reshape(fp8_scale_shape(job.scheme, n, k)))  # type: ignore[arg-type]
@@ -652,7 +659,11 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     fmt = _format_module(options)
     ignore = fmt.exclusions(plan.ignored_modules, [m.linear.module for g in plan.groups for m in g.members]
                             + [job.linear.module for job in plan.stored_fp8])
-    if single_nvfp4(plan.schemes.values()) and not plan.stored_fp8:
+    if options.source_config:
+        side_configs = {}
+        quantization_config = {**config["quantization_config"],
+                               plan.family.source_config_moe_key: fmt.fp8_release_moe_algo}  # type: ignore[dict-item]
+    elif single_nvfp4(plan.schemes.values()) and not plan.stored_fp8:
         scheme = next(iter(set(plan.schemes.values())), options.scheme)
         side_configs = fmt.side_configs(scheme, ignore)
         quantization_config = fmt.quantization_config(scheme, ignore)
@@ -703,6 +714,8 @@ def _plan(reader: CheckpointReader, config: dict, options: QuantizeOptions) -> M
 
     plan = build()
     smap = scheme_map(options)
+    if options.source_config:
+        return build(stored=_source_config_stored(plan, smap, options))
     if not smap.rules:
         return plan
     planned = {c.linear.module for g in plan.groups for c in g.members}
@@ -715,6 +728,43 @@ def _plan(reader: CheckpointReader, config: dict, options: QuantizeOptions) -> M
         plan = build(kept, stored)
     plan.schemes = {m: s for m, s in schemes.items() if s not in (KEPT, STORED)}
     return plan
+
+
+def _source_config_stored(plan: ModelPlan, smap: SchemeMap, options: QuantizeOptions) -> frozenset[str]:
+    """--source-config: every FP8 Linear the plan leaves unquantized, kept as stored; an error where the output
+    would not be the form the family's engine reads (the family's ``source_config_moe_key``)."""
+    from fp4kit.families.base import expert_module
+    from fp4kit.registry import dialects
+
+    family, fmt = plan.family, _format_module(options)
+    if family.source_config_moe_key is None:
+        raise Fp4kitError(f"--source-config: no engine reads NVFP4 experts declared in a {family.name} release's own "
+                          "config; drop it to write a compressed-tensors or ModelOpt config")
+    if fmt.fp8_release_moe_algo is None:
+        names = [d.name for d in dialects() if d.fp8_release_moe_algo]
+        raise Fp4kitError(f"--source-config: the engine reads the NVFP4 experts in {names[0]}'s tensor names, not "
+                          f"{fmt.title}'s; add --format {names[0]}")
+    method = (plan.config.get("quantization_config") or {}).get("quant_method")
+    if plan.source is None or method != "fp8":
+        raise Fp4kitError(f"--source-config: config.json: quantization_config.quant_method is {method!r}; the form "
+                          "keeps an FP8 release's own config (quant_method fp8)")
+    if smap.rules:
+        raise Fp4kitError("--source-config: every Linear but the routed experts stays as the release stores it; "
+                          "--scheme-for does not apply")
+    planned = set()
+    for group in plan.groups:
+        for c in group.members:
+            if expert_module(c.linear.module, family.grammar) is None:
+                raise Fp4kitError(f"--source-config: {c.linear.module} would be NVFP4, but the release's config "
+                                  "gives NVFP4 to routed experts only; keep it with --ignore")
+            planned.add(c.linear.module)
+    for module, linear in plan.source.linears.items():
+        if module not in planned and not isinstance(linear.encoding, Fp8Block):
+            raise Fp4kitError(f"--source-config: {linear.tensor} ({module}) stays {type(linear.encoding).__name__}, "
+                              f"but {family.source_config_moe_key} {fmt.fp8_release_moe_algo} makes the engine read "
+                              "every routed expert as NVFP4; quantize it (--mtp quantize for the MTP block's)")
+    return frozenset(m for m, linear in plan.source.linears.items()
+                     if m not in planned and isinstance(linear.encoding, Fp8Block))
 
 
 def config_schemes(plan: ModelPlan, options: QuantizeOptions) -> dict[str, str]:
@@ -771,6 +821,10 @@ def _quantize_checkpoint(
             warn_progress(progress, text)
 
         token_ids, calibration = _calibration_data(src, plan, options, warn)
+        if options.source_config and not static_inputs(options):
+            warn("--source-config: vLLM 0.33 runs these NVFP4 experts with NVFP4 activations (ModelOpt's W4A4 MoE "
+                 "method) and this output has no input scales: serve it with per-token activation scales "
+                 "(docs/serving.md, DeepSeek-V4)")
         fp8_static = "fp8-static" in plan.schemes.values()
         source_scales = not calibrated or (static_inputs(options) and (input_scale_source(options) == "source"
                                                                        or fp8_static))
