@@ -228,3 +228,24 @@ def test_ue8m0_block_scales_read_as_transformers_reads_them_and_kept_as_powers_o
     for module in attention:
         assert torch.equal(ours[f"{module}.weight_scale"].view(torch.int32),
                            stored[f"{module}.weight_scale_inv"].view(torch.int32)), module
+
+
+def test_source_config_refusals_are_one_line(tiny, fp8_source, tmp_path):
+    """--source-config of a family no engine reads so, in a dialect whose expert names the engine does not read, or
+    leaving MXFP4 experts (the MTP block's) unquantized: one line, exit 2, no DST."""
+    from fp4kit.testing.fixtures import write_deepseek_v4_release_source
+
+    release = write_deepseek_v4_release_source(tiny("deepseek_v4"), tmp_path / "release")
+    cases = [
+        (fp8_source, ["--format", "modelopt"], "no engine reads"),
+        (release, ["--mtp", "quantize"], "add --format modelopt"),
+        (release, ["--format", "modelopt"], "mtp.0.ffn.experts.0.w1"),
+        (release, ["--format", "modelopt", "--mtp", "quantize", "--scheme-for", r"attn\.=fp8-source"],
+         "--scheme-for does not apply"),
+    ]
+    for i, (src, args, message) in enumerate(cases):
+        dst = tmp_path / f"out{i}"
+        run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst), "--source-config",
+                              *args], capture_output=True, text=True)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+        assert not dst.exists()
