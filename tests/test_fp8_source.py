@@ -249,3 +249,38 @@ def test_source_config_refusals_are_one_line(tiny, fp8_source, tmp_path):
                               *args], capture_output=True, text=True)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
         assert not dst.exists()
+
+
+def test_compressed_tensors_fp8_sources_keep_their_bytes(tiny, tmp_path):
+    """llm-compressor's FP8_DYNAMIC (per channel, bf16 scales) kept as stored: the same bytes in compressed-tensors,
+    the same values in ModelOpt's fp32; a per-tensor FP8 source has no dynamic per-tensor scheme to be kept as."""
+    pytest.importorskip("llmcompressor")
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import model_free_ptq
+
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    channel, tensor = tmp_path / "channel", tmp_path / "tensor"
+    model_free_ptq(tiny("qwen3_moe"), channel, scheme="FP8_DYNAMIC", ignore=ignore)
+    fp8 = dict(num_bits=8, type="float", strategy="tensor", symmetric=True)
+    model_free_ptq(tiny("qwen3_moe"), tensor, ignore=ignore, scheme=QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(**fp8, dynamic=False),
+        input_activations=QuantizationArgs(**fp8, dynamic=True)))
+    source = load_all(channel)
+    modules = _source_attention(source)
+    assert modules and source[f"{modules[0]}.weight_scale"].dtype == torch.bfloat16
+    for dialect in DIALECTS:
+        dst = tmp_path / dialect
+        quantize_checkpoint(channel, dst, QuantizeOptions(format=dialect, scheme_for=list(RULES)))
+        ours = load_all(dst)
+        with open_checkpoint(dst, mixed=True) as ckpt:
+            assert {m.name: m.scheme for m in ckpt.fp8_modules} == dict.fromkeys(modules, "fp8-dynamic")
+        for module in modules:
+            assert torch.equal(ours[f"{module}.weight"].view(torch.uint8), source[f"{module}.weight"].view(torch.uint8))
+            scale, stored = ours[f"{module}.weight_scale"], source[f"{module}.weight_scale"]
+            if dialect == "compressed-tensors":
+                assert scale.dtype == stored.dtype and torch.equal(scale.view(torch.int16), stored.view(torch.int16))
+            else:
+                assert scale.dtype == torch.float32 and torch.equal(scale, stored.float().flatten())
+    with pytest.raises(Fp4kitError, match="128x128 blocks or one scale per output channel"):
+        quantize_checkpoint(tensor, tmp_path / "refused", QuantizeOptions(scheme_for=list(RULES)))
+    assert not (tmp_path / "refused").exists()
