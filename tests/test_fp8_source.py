@@ -284,3 +284,24 @@ def test_compressed_tensors_fp8_sources_keep_their_bytes(tiny, tmp_path):
     with pytest.raises(Fp4kitError, match="128x128 blocks or one scale per output channel"):
         quantize_checkpoint(tensor, tmp_path / "refused", QuantizeOptions(scheme_for=list(RULES)))
     assert not (tmp_path / "refused").exists()
+
+
+def test_source_config_output_is_the_release_but_its_experts(tiny, tmp_path):
+    """--source-config on DeepSeek-V4's release: the release's config with moe_quant_algo, its non-expert tensors
+    byte for byte, a warning about the missing input scales; fp4kit's readers refuse the form in one line."""
+    from fp4kit.testing.fixtures import write_deepseek_v4_release_source
+
+    release = write_deepseek_v4_release_source(tiny("deepseek_v4"), tmp_path / "release")
+    dst = tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(release), str(dst), "--source-config",
+                          "--format", "modelopt", "--mtp", "quantize"], capture_output=True, text=True)
+    assert run.returncode == 0 and "no input scales" in run.stderr, run.stderr
+    config, source_config = (json.loads((p / "config.json").read_text()) for p in (dst, release))
+    assert config["quantization_config"] == {**source_config["quantization_config"], "moe_quant_algo": "NVFP4"}
+    ours, stored = load_all(dst), load_all(release)
+    kept = [n for n in stored if ".ffn.experts." not in n]
+    assert kept and all(torch.equal(ours[n].view(torch.uint8), stored[n].view(torch.uint8)) for n in kept)
+    assert not any(n.endswith(".scale") for n in ours if ".ffn.experts." in n)
+    assert "vllm serve DST --quantization-config" in (dst / "README.md").read_text()
+    inspect = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", str(dst)], capture_output=True, text=True)
+    assert inspect.returncode == 2 and inspect.stderr.count("\n") == 1 and "moe_quant_algo" in inspect.stderr
