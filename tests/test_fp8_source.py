@@ -305,3 +305,42 @@ def test_source_config_output_is_the_release_but_its_experts(tiny, tmp_path):
     assert "vllm serve DST --quantization-config" in (dst / "README.md").read_text()
     inspect = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", str(dst)], capture_output=True, text=True)
     assert inspect.returncode == 2 and inspect.stderr.count("\n") == 1 and "moe_quant_algo" in inspect.stderr
+
+
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_kept_tensors_have_the_shapes_vllm_registers(kept, monkeypatch, dialect):
+    """Each kept module's tensors by name, shape and dtype as vLLM 0.33's FP8 block methods create their parameters
+    (ModelOpt's ``KFp8Block128`` refuses an input size that is not a multiple of 128, as for fp8-block)."""
+    from helpers import vllm_module
+
+    param = vllm_module("model_executor.parameter")
+    monkeypatch.setattr(param, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(param, "get_tensor_model_parallel_world_size", lambda: 1)
+    tensors = load_all(kept(dialect))
+    checked = 0
+    for module in _source_attention(tensors):
+        n, k = tensors[f"{module}.weight"].shape
+        layer = torch.nn.Module()
+        if dialect == "modelopt":
+            mo = vllm_module("model_executor.layers.quantization.modelopt")
+            shapes = mo.Shapes([n], k, torch.bfloat16)
+            if k % 128:
+                with pytest.raises(ValueError, match="divisible by 128"):
+                    mo.KFp8Block128().create_weights(layer, mo.WEIGHT, mo.CkptCtx(), shapes, lambda *a, **kw: None)
+                continue
+            mo.KFp8Block128().create_weights(layer, mo.WEIGHT, mo.CkptCtx(), shapes, lambda *a, **kw: None)
+        else:
+            from compressed_tensors.quantization import QuantizationStrategy
+
+            fp8_utils = vllm_module("model_executor.layers.quantization.utils.fp8_utils")
+            ct_utils = vllm_module("model_executor.layers.quantization.compressed_tensors.utils")
+            layer.register_parameter("weight", fp8_utils.create_fp8_weight_parameter(n, k, lambda *a, **kw: None))
+            layer.register_parameter("weight_scale", fp8_utils.create_fp8_scale_parameter(
+                ct_utils.STRATEGY_TO_PARAMETER_TYPE[QuantizationStrategy.BLOCK], [n], k, [128, 128],
+                lambda *a, **kw: None))
+        ours = {name.removeprefix(module + "."): (tuple(t.shape), t.dtype) for name, t in tensors.items()
+                if name.rsplit(".", 1)[0] == module}
+        theirs = {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters()}
+        assert ours == theirs, module
+        checked += 1
+    assert checked
