@@ -344,3 +344,20 @@ def test_kept_tensors_have_the_shapes_vllm_registers(kept, monkeypatch, dialect)
         assert ours == theirs, module
         checked += 1
     assert checked
+
+
+def test_calibrated_runs_keep_the_bytes_too(tiny, tmp_path):
+    """W4A4 with gptq (the layer pass writes kept tensors itself): the kept modules are still the source's bytes and
+    the experts carry input scales."""
+    from fp4kit.testing.fixtures import write_fp8_block_source
+
+    src = write_fp8_block_source(tiny("qwen3_moe"), tmp_path / "src")
+    dst = tmp_path / "out"
+    quantize_checkpoint(src, dst, QuantizeOptions(scheme="nvfp4", method="gptq", samples=4, seq_len=16,
+                                                  scheme_for=list(RULES)))
+    source, ours = load_all(src), load_all(dst)
+    modules = _source_attention(source)
+    assert modules and any(n.endswith(".input_global_scale") for n in ours)
+    for module in modules:
+        assert torch.equal(ours[f"{module}.weight"].view(torch.uint8), source[f"{module}.weight"].view(torch.uint8))
+        assert torch.equal(ours[f"{module}.weight_scale"], source[f"{module}.weight_scale_inv"])
