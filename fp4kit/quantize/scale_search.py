@@ -8,11 +8,12 @@ below. The error of a block is sum_k w_k (x_k - dq(x_k))^2 with w the input chan
 (llm-compressor's imatrix weighting) when calibration data is given, else 1. All blocks are searched at once, one
 candidate at a time (memory: a few tensors of the weight's size), in fp32 on the weight's device.
 
-A wider search (``ScaleSearch``) tries every representable E4M3 code whose value lies within [low, high] x the
-block's unrounded RTN scale G * amax_blk / 6 (e.g. 0.8 to 1.8: clipping the largest weights a little up to mapping
-them to 3.3), besides the RTN code, under the error sum_k w_k |x_k - dq(x_k)|^norm. The codes are enumerated
-exactly (no float grid to round afterwards), as a fixed list of code offsets from the RTN code with a per-block mask,
-so its shapes are static (GPTQ replays it in a CUDA graph).
+A wider search (``ScaleSearch``, ``--mse-range``; the mse method's default) tries every representable E4M3 code
+whose value lies within [low, high] x the block's unrounded RTN scale G * amax_blk / 6 (e.g. 0.8 to 1.8: clipping
+the largest weights a little up to mapping them to 3.3), besides the RTN code, under the error
+sum_k w_k |x_k - dq(x_k)|^norm. The codes are enumerated exactly (no float grid to round afterwards), as a fixed
+list of code offsets from the RTN code with a per-block mask, so its shapes are static (GPTQ replays it in a CUDA
+graph).
 
 The output is a plain NVFP4 tensor: only the block scale bytes (and so the codes) differ from RTN.
 """
