@@ -101,7 +101,7 @@ QUANTIZE: tuple[Option, ...] = (
     Option("mse_range", str, "auto",
            "mse search candidates (mse, gptq's mse block scales): LOW:HIGH, every E4M3 block-scale code within "
            "LOW..HIGH x the block's RTN scale; codes, the RTN FP8 code's neighbours and max-to-4; auto: 0.8:1.8 for "
-           "mse, codes for gptq"),
+           "data-free mse, else codes"),
     Option("mse_norm", float, 2.0, "error exponent of the LOW:HIGH search (2: squared error)"),
     Option("input_scales_from", Literal["auto", "quantized", "source"], "auto",
            "gptq/mse W4A4 input scales: quantized (the calibrated pass's forward of the quantized model, the "

@@ -166,8 +166,11 @@ def _norm_errors(weight: torch.Tensor, q: nvfp4.NVFP4Tensor, importance: torch.T
 
 
 def test_scale_search_options():
-    assert QuantizeOptions(method="mse").scale_search == ScaleSearch(0.8, 1.8, 2.0)  # llm-compressor's span
-    assert QuantizeOptions(method="gptq").scale_search is None  # the RTN code's neighbours
+    data_free = QuantizeOptions(method="mse", scheme="nvfp4a16")
+    assert data_free.scale_search == ScaleSearch(0.8, 1.8, 2.0)  # llm-compressor's span
+    for calibrated in (QuantizeOptions(method="gptq"), QuantizeOptions(method="mse", scheme="nvfp4"),
+                       QuantizeOptions(method="mse", scheme="nvfp4a16", calib="calib.jsonl")):
+        assert calibrated.scale_search is None  # the RTN code's neighbours
     assert QuantizeOptions(method="gptq", mse_range="0.7:2", mse_norm=2.4).scale_search == ScaleSearch(0.7, 2, 2.4)
     assert parse_scale_search("codes", 2.0) is None
     assert parse_scale_search("0.8:1.8", 2.4) == ScaleSearch(0.8, 1.8, 2.4)

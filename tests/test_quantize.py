@@ -245,7 +245,7 @@ def test_the_output_records_how_it_was_made(tiny, tmp_path, capsys, monkeypatch)
         "dtype": record["calibration"]["dtype"]}
     assert record["calibration"]["dtype"] in ("bfloat16", "float32")  # --dtype auto: the hardware's choice
     assert record["options"]["samples"] == 4 and "device" not in record["options"]
-    assert record["options"]["mse_range"] == "0.8:1.8"  # the search --mse-range auto ran for mse
+    assert record["options"]["mse_range"] == "codes"  # the search --mse-range auto ran for calibrated mse
     assert record["command"] == " ".join(["fp4kit", "quantize", "SRC", "DST", *argv[3:]])
 
     card = (dst / "README.md").read_text()

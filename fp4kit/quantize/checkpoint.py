@@ -53,9 +53,9 @@ from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
 METHODS = ("rtn", "mse", "gptq")
-# --mse-range auto: llm-compressor's expanded-MSE span for mse (on the reference model it beat the RTN code's
-# neighbours, docs/quality_methods.md); inside GPTQ the range measured no better than the neighbours, at more cost
-AUTO_MSE_RANGE = {"mse": "0.8:1.8"}  # else codes
+# --mse-range auto: llm-compressor's expanded-MSE span for data-free mse (on the reference model it beat the RTN
+# code's neighbours, docs/quality_methods.md); for calibrated mse and inside GPTQ it measured no better: codes
+AUTO_MSE_RANGE = "0.8:1.8"
 # where W4A4 input scales of the calibrated methods come from: the quantized model's forward (the pass's own), or
 # the source model's (a separate calibration pass first, as rtn does)
 INPUT_SCALE_SOURCES = ("auto", "source", "quantized")
@@ -103,14 +103,16 @@ class QuantizeOptions:
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
     # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in that
     # range of the RTN scale, error exponent mse_norm), "codes" (the RTN code and its neighbours, max-to-4, squared
-    # error) or "auto" (AUTO_MSE_RANGE per method)
+    # error) or "auto" (AUTO_MSE_RANGE for data-free mse, else codes)
     mse_range: str = "auto"
     mse_norm: float = 2.0
 
     @property
     def mse_span(self) -> str:
         """--mse-range with auto resolved for the method (what the provenance records)."""
-        return AUTO_MSE_RANGE.get(self.method, "codes") if self.mse_range == "auto" else self.mse_range
+        if self.mse_range != "auto":
+            return self.mse_range
+        return AUTO_MSE_RANGE if self.method == "mse" and not calibrated_method(self) else "codes"
 
     @property
     def scale_search(self) -> ScaleSearch | None:
