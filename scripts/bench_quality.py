@@ -200,7 +200,12 @@ def independent_kl(src: Path, ckpt: Path, windows: list[list[int]], batch: int) 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     params = dict(model.named_parameters())
     input_g: dict[str, torch.Tensor] = {}
+    quantized = {k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")}
     with torch.no_grad():
+        # tensors stored unquantized come from the checkpoint too: AWQ folds its scales into the norms and the router
+        for name, tensor in tensors.items():
+            if name.rpartition(".")[0] not in quantized:
+                params[name].copy_(tensor.float())
         for name in [k for k in tensors if k.endswith(".weight_packed")]:
             module = name.removesuffix(".weight_packed")
             packed = tensors[name]
