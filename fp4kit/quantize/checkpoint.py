@@ -1,8 +1,10 @@
 """`fp4kit quantize`: stream a BF16 checkpoint into an NVFP4 one, one fused group at a time.
 
-Reading, quantizing and writing overlap: a reader thread prefetches the next group's tensors and a writer thread
-places finished tensors in the output shards, both through queues of bounded depth, so at most a few groups are
-in memory whatever the model's size.
+Reading, quantizing and writing overlap, so at most a few groups are in memory whatever the model's size. On the
+CPU, data-free, each group is read, quantized and written by one of a pool of threads, one per CPU (the reads, the
+C loops and the writes release the GIL; fp4kit.io.streaming.produced_in_parallel bounds the groups in flight). On a
+GPU, and in the calibrated methods' layer pass, a reader thread prefetches the next group's tensors and a writer
+thread places finished tensors in the output shards, both through queues of bounded depth.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from fp4kit.families.base import engine_fused_name
 from fp4kit.formats.base import Dialect
 from fp4kit.fp8 import fp8_input_scale, quantize_fp8
 from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
-from fp4kit.io.streaming import BackgroundWriter, prefetched
+from fp4kit.io.streaming import BackgroundWriter, cpu_workers, prefetched, produced_in_parallel
 from fp4kit.native import nvfp4_cpu
 from fp4kit.nvfp4 import Mxfp4Weight, NonFiniteError, NVFP4Tensor, cast_mxfp4_group, quantize_group, quantize_stacked
 from fp4kit.progress import start_phase
@@ -44,6 +46,8 @@ MXFP4_CAST_NAME = "fp4kit_mxfp4_cast.json"
 # bf16 bytes of same-shape groups quantized in one stacked call: on a GPU enough to amortize launches and downloads
 # (the host holds only the prefetched groups); on the CPU one group at a time keeps memory at one group
 STACK_BYTES = {"cpu": 0, "cuda": 1 << 26}
+# source bytes of the jobs in flight on the CPU's worker threads (one larger job still runs, alone)
+PARALLEL_BYTES = 1 << 29
 
 
 @dataclass
@@ -353,14 +357,23 @@ class GroupBatcher:
         self.pending: dict[tuple, tuple[list[QuantGroup], list[torch.Tensor]]] = {}
         self.cast_counts: dict[str, int] = {}  # MXFP4 groups cast: their 16-blocks, exact and re-quantized
 
-    def add(self, group: QuantGroup, weights: list[torch.Tensor]) -> None:
+    def alone(self, group: QuantGroup, weights: list[torch.Tensor], cast_counts: dict[str, int]) -> dict:
+        """The output tensors of one group quantized by itself (what ``add`` emits for a group it does not stack);
+        safe to call from several threads at once, each with its own ``cast_counts``."""
         scheme = group_scheme(self.plan, group, self.options) if self.plan else self.options.scheme
         if scheme in FP8_SCHEMES:
-            self.emit(fp8_group_tensors(group, weights, scheme, self.options, self.input_divs))
-            return
-        if (not self.max_bytes or len({w.shape[-1] for w in weights}) != 1
+            return fp8_group_tensors(group, weights, scheme, self.options, self.input_divs)
+        return quantize_tensors(group, weights, self.options, self.input_divs, cast_counts)
+
+    def count(self, cast_counts: dict[str, int]) -> None:
+        for key, value in cast_counts.items():
+            self.cast_counts[key] = self.cast_counts.get(key, 0) + value
+
+    def add(self, group: QuantGroup, weights: list[torch.Tensor]) -> None:
+        scheme = group_scheme(self.plan, group, self.options) if self.plan else self.options.scheme
+        if (scheme in FP8_SCHEMES or not self.max_bytes or len({w.shape[-1] for w in weights}) != 1
                 or _fused_output(group, self.options) is not None or isinstance(weights[0], Mxfp4Weight)):
-            self.emit(quantize_tensors(group, weights, self.options, self.input_divs, self.cast_counts))
+            self.emit(self.alone(group, weights, self.cast_counts))
             return
         signature = (tuple(w.shape for w in weights), weights[0].dtype)
         groups, rows = self.pending.setdefault(signature, ([], []))
@@ -735,16 +748,34 @@ def _quantize_checkpoint(
                 return _read_job(reader, job, options.device, encoded and _quantizes_fp8_codes(options),
                                  encoded and _casts_mxfp4(options))
 
-            streamed = [] if calibrated else prefetched(jobs, read, QUEUE_DEPTH)
-            for job, data in streamed:
-                if isinstance(job, QuantGroup):
-                    batcher.add(job, data)  # type: ignore[arg-type]
+            def output(job: QuantGroup | str) -> dict[str, int]:
+                """A job read, quantized (a group) and written, on one of the worker threads; its MXFP4 cast counts.
+                Every output tensor has its planned place, so the threads write in any order and the same bytes."""
+                data, counts = read(job), {}
+                tensors = batcher.alone(job, data, counts) if isinstance(job, QuantGroup) else {job: data}
+                for name, tensor in tensors.items():  # type: ignore[union-attr]
+                    writer.write(name, tensor)
+                return counts
+
+            def cost(job: QuantGroup | str) -> int:
+                return _job_bytes(reader, job)
+
+            if not calibrated and stack_bytes:  # on a GPU: groups gathered into stacks, one job at a time
+                for job, data in prefetched(jobs, read, QUEUE_DEPTH):
+                    if isinstance(job, QuantGroup):
+                        batcher.add(job, data)  # type: ignore[arg-type]
+                    else:
+                        background.put({job: data})  # type: ignore[dict-item]
                     done += _job_bytes(reader, job)
-                else:
-                    background.put({job: data})  # type: ignore[dict-item]
+                    if progress:
+                        progress(min(done, share_bytes), share_bytes)
+            elif not calibrated:  # on the CPU: reads, C loops and writes release the GIL: whole jobs on a pool
+                for job, counts in produced_in_parallel(jobs, output, cpu_workers(), QUEUE_DEPTH, cost,
+                                                        PARALLEL_BYTES):
+                    batcher.count(counts)
                     done += _job_bytes(reader, job)
-                if progress:
-                    progress(min(done, share_bytes), share_bytes)
+                    if progress:
+                        progress(min(done, share_bytes), share_bytes)
             batcher.flush()
         finally:
             background.close()
