@@ -116,6 +116,9 @@ QUANTIZE: tuple[Option, ...] = (
     Option("scheme_for", list[str], (),
            "give modules matching REGEX another scheme: nvfp4, nvfp4a16, fp8-dynamic, fp8-block, fp8-static or bf16 "
            "(kept); the first matching rule wins, the rest get --scheme (repeatable)", metavar="REGEX=SCHEME"),
+    Option("kv_cache", Literal["fp8"] | None, None,
+           "fp8: calibrate per-layer k_scale / v_scale for vLLM's FP8 KV cache (full-attention layers; calibrates on "
+           "--calib, also for weight-only schemes) [default: none]", show_default=False),
 )
 # where a recipe's default differs from the command's: a recipe is usually the whole job, calibrated W4A4
 RECIPE_DEFAULTS = {("quantize", "scheme"): "nvfp4"}

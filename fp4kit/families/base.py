@@ -81,6 +81,9 @@ class Family:
     # transformers' decoder layers of the family load one at a time from the checkpoint's names
     # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
     streams_layers: bool = True
+    # MLA attention (DeepSeek's): vLLM caches the compressed latent and the rotary key under one scale, not keys and
+    # values (model_executor/layers/attention/mla_attention.py), so `quantize --kv-cache fp8` refuses the family
+    mla_attention: bool = False
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
         """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after

@@ -82,4 +82,5 @@ FAMILY = Family(
     # its decoder layers run [B, S, hc_mult, H] streams, hash layers take the token ids, and the release's names are
     # not transformers' (conversion_mapping.py merges the experts): not streamed yet
     streams_layers=False,
+    mla_attention=True,
 )

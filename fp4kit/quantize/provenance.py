@@ -28,7 +28,7 @@ SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16"
 # calibration record replaces by the dtype the forward ran in
 NOT_RECORDED = ("device", "native_cpu", "overwrite", "command", "dtype")
 # options recorded only when given, so that a run without them records what it did before they existed
-RECORDED_WHEN_SET = ("scheme_for",)
+RECORDED_WHEN_SET = ("scheme_for", "kv_cache")
 # a module group's precision in the model card, by its --scheme-for scheme (NVFP4 otherwise)
 PRECISIONS = {"fp8-dynamic": "FP8 (per-channel weights, dynamic per-token activations)",
               "fp8-block": "FP8 (128x128 weight blocks, dynamic activations)",
