@@ -26,8 +26,8 @@ from fp4kit.nvfp4 import Mxfp4Weight, NonFiniteError, NVFP4Tensor, cast_mxfp4_gr
 from fp4kit.progress import start_phase
 from fp4kit.progress import warn as warn_progress
 from fp4kit.quantize import distributed
-from fp4kit.quantize.kv_cache import check_kv_cache, kv_cache_attention, kv_scales
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
+from fp4kit.quantize.kv_cache import check_kv_cache, kv_cache_attention, kv_scales
 from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
 from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_group_mse, quantize_stacked_mse
 from fp4kit.quantize.schemes import FP8_SCHEMES, KEPT, STATIC_INPUT_SCHEMES, SchemeMap, module_schemes, single_nvfp4
@@ -471,8 +471,8 @@ def _calibrate(
     statistics are combined. Returns the input divisors, the routing counts and the KV-cache amax."""
     if not (static_inputs(options) or kv_attention) or token_ids is None:
         return {}, {}, {}
-    from fp4kit.quantize.kv_cache import kv_name
     from fp4kit.quantize.calibrate import calibrate
+    from fp4kit.quantize.kv_cache import kv_name
 
     modules = {c.linear.module for g in _static_input_groups(plan, options) for c in g.members}
     batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)

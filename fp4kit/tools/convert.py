@@ -213,9 +213,13 @@ def convert_checkpoint(
         ignore = _ignore_for(target, ckpt)
         # before any data moves: a config that cannot be built then costs no copying
         quant_config = target.quantization_config(ckpt.scheme, ignore)
+        side_configs = target.side_configs(ckpt.scheme, ignore)
+        if ckpt.kv_cache is not None:
+            target.add_kv_cache(quant_config, side_configs)
+        kv_planned = [t for attention in ckpt.kv_scales for t in target.kv_planned(attention)]
         with atomic_directory(dst, src, overwrite) as work:
-            writer = ShardWriter(work, [t for job in jobs for t in _planned(job, target, ckpt)], max_shard_bytes,
-                                 metadata=metadata)
+            writer = ShardWriter(work, [t for job in jobs for t in _planned(job, target, ckpt)] + kv_planned,
+                                 max_shard_bytes, metadata=metadata)
             done = 0
             try:
                 produce = lambda job: _encode(job, target, ckpt, scales, repaired)  # noqa: E731
@@ -225,13 +229,16 @@ def convert_checkpoint(
                         done += tensor.numel() * tensor.element_size()
                     if progress:
                         progress(min(done, writer.total_bytes), writer.total_bytes)
+                for attention in ckpt.kv_scales:  # the FP8 KV cache's scales: the same fp32 divisors, respelled
+                    for name, tensor in target.kv_encode(attention, *ckpt.read_kv_scales(attention)).items():
+                        writer.write(name, tensor)
             except BaseException:
                 writer.abort()
                 raise
             writer.finish()
             config = dict(ckpt.config)
             config["quantization_config"] = quant_config
-            for name, document in target.side_configs(ckpt.scheme, ignore).items():
+            for name, document in side_configs.items():
                 (work / name).write_text(json.dumps(document, indent=4) + "\n")
             (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             copy_side_files(src, work, skip={PROVENANCE_NAME})  # it describes SRC's dialect
