@@ -282,7 +282,8 @@ class Dialect:
         raise NotImplementedError
 
     def kv_cache_of(self, qconfig: dict) -> str | None:
-        """The KV-cache scheme the config declares (``fp8``), or None."""
+        """``fp8`` where the config declares a per-tensor FP8 KV cache, else None (no KV cache, or one fp4kit does
+        not read: its scales are then passthrough tensors)."""
         raise NotImplementedError
 
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:

@@ -331,11 +331,10 @@ class CompressedTensors(Dialect):
 
     def kv_cache_of(self, qconfig: dict) -> str | None:
         scheme = qconfig.get("kv_cache_scheme")
-        if scheme is None:
-            return None
-        if scheme != kv_cache_scheme():
-            raise Fp4kitError(f"config.json: kv_cache_scheme {scheme} is not the per-tensor FP8 one fp4kit reads")
-        return "fp8"
+        per_tensor_fp8 = (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
+                          and scheme.get("strategy") in ("tensor", None) and not scheme.get("dynamic")
+                          and scheme.get("symmetric", True))
+        return "fp8" if per_tensor_fp8 else None  # any other: its scales stay passthrough tensors
 
     # writing and reading by module name: the module functions of the same names
     planned = staticmethod(planned)

@@ -253,8 +253,8 @@ def open_checkpoint(root: str | Path, strict: bool = True, reader: CheckpointRea
         used |= {n for m in fp8 for n in (m.weight, m.scale, m.input_scale) if n}
         kv_cache = fmt.kv_cache_of(qconfig) if qconfig else None
         kv_scales = fmt.find_kv_scales(names) if kv_cache else {}
-        if kv_cache and not kv_scales:
-            raise Fp4kitError(f"{root}: declares an {kv_cache} KV cache but holds no {fmt.kv_suffixes[0]} tensor")
+        if not kv_scales:  # declared without scales: vLLM caches with scale 1 (inspect --engine vllm says so)
+            kv_cache = None
         used |= {n for pair in kv_scales.values() for n in pair}
         ignore = list(qconfig.get("ignore") or qconfig.get("exclude_modules") or [])
         try:
