@@ -133,6 +133,10 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines.append(f"| calibration | {data} |")
     else:
         lines.append("| calibration | none (the weights alone) |")
+    kv_cache = record["options"].get("kv_cache")
+    if kv_cache:
+        lines.append(f"| KV cache | {kv_cache.upper()}, per-layer calibrated `k_scale` / `v_scale` (serve with "
+                     f"`--kv-cache-dtype {kv_cache}`) |")
     lines += ["", "## Precision by module group", "", "| modules | count | precision |", "|---|---|---|"]
     lines += [f"| `{pattern}` | {count} | {precision} |" for pattern, count, precision in module_groups(plan)]
     lines += ["", "## How it was made", ""]
