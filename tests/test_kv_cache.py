@@ -178,6 +178,17 @@ def test_eval_emulates_the_fp8_kv_cache(kv, tiny, tmp_path):
     assert fake_quantize_fp8_kv(x, torch.tensor(0.5)).tolist() == [1.0, -224.0, 0.3125]
 
 
+def test_gptq_records_the_quantized_layers_keys_and_values(tiny, kv, tmp_path):
+    """--method gptq: the scales come from its pass's forward of the quantized layers (their k_proj / v_proj
+    already quantized), one per attention module as rtn's, in the same form."""
+    dst = tmp_path / "gptq"
+    quantize_checkpoint(tiny("qwen3_moe"), dst, QuantizeOptions(method="gptq", kv_cache="fp8", **CALIB))
+    ours, rtn = _kv_tensors(dst, "compressed-tensors"), _kv_tensors(kv("qwen3_moe", "compressed-tensors"),
+                                                                   "compressed-tensors")
+    assert set(ours) == set(rtn) and all(float(t) > 0 and t.shape == (1,) for t in ours.values())
+    assert any(not torch.equal(ours[n], rtn[n]) for n in ours)
+
+
 def test_refusals_are_one_line(tiny, tmp_path):
     with pytest.raises(Fp4kitError, match="MLA attention"):
         quantize_checkpoint(tiny("deepseek_v3"), tmp_path / "a", QuantizeOptions(kv_cache="fp8", **CALIB))

@@ -54,8 +54,8 @@ def kv_cache_attention(names: Iterable[str], num_hidden_layers: int) -> list[str
     for name in names:
         match = _ATTENTION_KEY.match(name)
         if match and match["prefix"] == text_prefix and int(match["layer"]) < num_hidden_layers:
-            found.append(name[: -len(".k_proj.weight")])
-    return sorted(found, key=lambda n: int(_ATTENTION_KEY.match(n + ".k_proj.weight")["layer"]))  # type: ignore[index]
+            found.append((int(match["layer"]), name[: -len(".k_proj.weight")]))
+    return [attention for _, attention in sorted(found)]
 
 
 def _hooked_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
