@@ -41,10 +41,9 @@ def _kv_tensors(root, dialect: str) -> dict[str, torch.Tensor]:
 @pytest.mark.pinned
 def test_scales_equal_llm_compressor_kv_cache_scheme(tiny, kv, tmp_path):
     """llm-compressor's oneshot with a per-tensor FP8 kv_cache_scheme (observer static_minmax: the running max, as
-    fp4kit's pass) on the same windows, both in fp32: every k_scale / v_scale equal within fp32 rounding. Its
-    default sequential pipeline propagates each layer's output after applying its quantized weights, so from layer 1
-    on its keys differ from the source model's that fp4kit's rtn pass (and llm-compressor's basic pipeline, one
-    forward of the source model) calibrates on; layer 0 is equal under both."""
+    fp4kit's pass) on the same windows, both in fp32: with its basic pipeline (one forward of the source model, as
+    fp4kit's rtn pass) every k_scale / v_scale equal within fp32 rounding; its default sequential pipeline
+    propagates other inputs than the source model's forward from layer to layer, so only layer 0 is compared."""
     pytest.importorskip("llmcompressor")
     from datasets import Dataset
     from llmcompressor import oneshot
