@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_all
+from helpers import cli_result, load_all
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.fp8 import quantize_fp8
@@ -245,11 +245,7 @@ def test_calibrated_mixed_run_keeps_w4a4_experts_and_calibrates_fp8_static(tiny,
 
 def test_mixed_checkpoints_are_refused_by_the_readers(mixed):
     """convert reads single-scheme NVFP4 checkpoints: a mixed one is one error line, exit 2."""
-    import subprocess
-    import sys
-
     for dialect in ("compressed-tensors", "modelopt"):
-        run = subprocess.run([sys.executable, "-m", "fp4kit", "convert", str(mixed("qwen3_moe", dialect)),
-                              str(mixed("qwen3_moe", dialect).parent / "converted"), "--to", "compressed-tensors"],
-                             capture_output=True, text=True)
+        src = mixed("qwen3_moe", dialect)
+        run = cli_result("convert", str(src), str(src.parent / "converted"), "--to", "compressed-tensors")
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and "single-scheme" in run.stderr, run.stderr
