@@ -232,7 +232,7 @@ def mixed_quantization_config(schemes: dict[str, str], exclude_modules: list[str
 
 
 def fused_names(experts: str, leaf: str) -> dict[str, str]:
-    """Tensor names of one fused expert tensor (`leaf` gate_up_proj or down_proj under module `experts`)."""
+    """Tensor names of one fused expert tensor (`leaf`: fused gate-up or down, under module `experts`)."""
     base = f"{experts}.{leaf}"
     return {WEIGHT: base, BLOCK_SCALE: f"{base}_{BLOCK_SCALE}", GLOBAL_SCALE: f"{base}_{GLOBAL_SCALE}",
             INPUT_SCALE: f"{base}_{INPUT_SCALE}"}

@@ -420,7 +420,7 @@ class LoadedLayer:
 
     def weight(self, name: str) -> torch.Tensor:
         """The [N, K] weight of module ``name`` as a view of the layer's parameters: an nn.Linear's weight, or a
-        routed expert's gate rows, up rows (of transformers' fused gate_up_proj) or down_proj."""
+        routed expert's gate rows, up rows (of transformers' fused gate-up tensor) or the down projection."""
         relative = self.moe.module_name(name[len(self.prefix):])
         head, _, leaf = relative.rpartition(".")
         experts_path, _, expert = head.rpartition(".")

@@ -68,7 +68,7 @@ RECIPE_STAND_INS = {
     "qwen3_5_moe": {"moe_intermediate_size": 64, "num_experts": 8},
     "qwen3_5_moe_text": {"moe_intermediate_size": 64, "num_experts": 8},
     "minimax_m2": {"intermediate_size": 64, "num_local_experts": 8},
-    "gpt_oss": {"intermediate_size": 64, "num_local_experts": 8},  # down_proj [E, 64, 64] square, as the 120b's
+    "gpt_oss": {"intermediate_size": 64, "num_local_experts": 8},  # down projection [E, 64, 64] square, as the 120b's
     "deepseek_v4": {},  # H 128, I 128, 8 experts already: whole 128x128 FP8 blocks, as the release's
 }
 
