@@ -418,6 +418,21 @@ def sub_config(config: dict, key: str = "text_config") -> dict:
     return config.get(key) or config
 
 
+def fused_siblings(modules: list[str], grammar: ExpertGrammar = DEFAULT) -> list[list[str]]:
+    """Module names grouped as ``fused_groups`` groups candidates (by ``weight_scale_group``), each group in its
+    sibling order, groups in the order of their first member."""
+    groups: dict[str, list[str]] = {}
+    for module in modules:
+        groups.setdefault(weight_scale_group(module, grammar), []).append(module)
+
+    def position(module: str) -> int:
+        leaf = module.rsplit(".", 1)[-1]
+        sibling = _sibling_set(leaf, grammar)
+        return 0 if sibling is None else _siblings(grammar)[sibling].index(leaf)
+
+    return [sorted(group, key=position) for group in groups.values()]
+
+
 def engine_fused_name(modules: list[str]) -> str | None:
     """The name an engine serves fused siblings ``modules`` under where no packed-module mapping gives it
     (``ENGINE_FUSED_NAMES``), e.g. ``model.layers.0.self_attn.fused_qkv_a_proj``; None for any other group."""
