@@ -2,6 +2,8 @@
 
     python scripts/bench_quantize.py --layers 2 [--model qwen3-30b-a3b|qwen3.6-35b-a3b|glm-5] [--experts E]
                                      [--device cpu|cuda] [--repeats 3] [--workdir DIR] [--skip-oneshot] [--nproc N]
+                                     [--tools copy,fp4kit,...] [--format compressed-tensors|modelopt]
+                                     [--base-tree DIR]
 
 Builds a bf16 checkpoint with N layers of the model's layer shapes (default Qwen3-30B-A3B: hidden 2048,
 moe_intermediate 768, 128 experts, 32/4 heads of 128; the others from fp4kit.testing.synthetic.PUBLISHED, in the
@@ -9,15 +11,19 @@ release's on-disk layout; ``--experts`` keeps every matrix shape and stores fewe
 tool as a whole subprocess (docs/BENCHMARKS.md):
 
   copy            plain safetensors read (safe_open/get_tensor) + tensor-by-tensor write: the I/O floor
-  fp4kit          fp4kit quantize --scheme nvfp4a16
+  fp4kit          fp4kit quantize --scheme nvfp4a16 --format F (default compressed-tensors)
   model_free_ptq  llmcompressor.model_free_ptq(scheme="NVFP4A16")
   oneshot         llmcompressor.oneshot NVFP4A16 on AutoModelForCausalLM, save_pretrained(save_compressed=True)
 
-Each tool's time is the median of R runs; one run = the process's wall time plus an fsync of every file it wrote
-(fp4kit fsyncs itself; the others do not, so without it they would be credited with unflushed writes). Before every
-timed run the source shards are read once into the page cache (untimed) and the previous output is deleted; the
-page cache is never dropped. Peak RSS is `/usr/bin/time -v`'s maximum resident set size (or getrusage of the child
-in a wrapper process when /usr/bin/time is missing); the median run's value is reported.
+``--base-tree DIR`` adds the tool fp4kit-base: fp4kit run from the source tree DIR (PYTHONPATH), e.g. a worktree of
+main, so that a change and the code before it are timed in the same rounds, and their outputs compared file by file.
+
+The tools run in rounds, each tool once per round in turn, so that a change in the machine's load falls on all of
+them alike. Each tool's time is the median of R runs; one run = the process's wall time plus an fsync of every file
+it wrote (fp4kit fsyncs itself; the others do not, so without it they would be credited with unflushed writes).
+Before every timed run the source shards are read once into the page cache (untimed) and the previous output is
+deleted; the page cache is never dropped. Peak RSS is `/usr/bin/time -v`'s maximum resident set size (or getrusage
+of the child in a wrapper process when /usr/bin/time is missing); the median run's value is reported.
 
 ``--nproc N`` starts fp4kit under torchrun with N ranks on this node (``--device cuda``: one GPU per rank) instead of
 as a plain process, for scaling figures; the other tools are unchanged (``--tools copy,fp4kit`` to skip them). Peak
@@ -45,6 +51,8 @@ TIME_BIN = "/usr/bin/time"
 LLMC_IGNORE = ["lm_head", "re:.*mlp.gate$"]
 MODELS = ("qwen3-30b-a3b", "qwen3.6-35b-a3b", "glm-5")
 TOOLS = ("copy", "fp4kit", "model_free_ptq", "oneshot")
+# fp4kit from another source tree (--base-tree): the code before a change, timed in the same rounds as the change
+BASE_TOOL = "fp4kit-base"
 # Rough peak of oneshot over the bf16 model size: the loaded model, the linearized experts, the compressed copy.
 ONESHOT_MEMORY_FACTOR = 3.0
 CHECK_TENSOR_SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale")
@@ -207,7 +215,7 @@ def warm_page_cache(directory: Path) -> None:
                     pass
 
 
-def time_process(command: list[str], dst: Path, log: Path) -> RunResult:
+def time_process(command: list[str], dst: Path, log: Path, env: dict[str, str] | None = None) -> RunResult:
     """Wall time of ``command`` plus the fsync of what it wrote under ``dst``, and its peak RSS."""
     if os.path.exists(TIME_BIN):
         wrapped = [TIME_BIN, "-v", *command]
@@ -215,7 +223,7 @@ def time_process(command: list[str], dst: Path, log: Path) -> RunResult:
         wrapped = _rss_wrapper(command)
     start = time.perf_counter()
     with open(log, "w") as out:
-        completed = subprocess.run(wrapped, stdout=out, stderr=subprocess.STDOUT, check=False)
+        completed = subprocess.run(wrapped, stdout=out, stderr=subprocess.STDOUT, check=False, env=env)
     if dst.exists():
         fsync_tree(dst)
     seconds = time.perf_counter() - start
@@ -240,10 +248,11 @@ def fp4kit_launcher(nproc: int) -> list[str]:
             "-m", "fp4kit"]
 
 
-def tool_command(tool: str, src: Path, dst: Path, device: str, nproc: int = 0) -> list[str]:
-    if tool == "fp4kit":
+def tool_command(tool: str, src: Path, dst: Path, device: str, nproc: int = 0,
+                 dialect: str = "compressed-tensors") -> list[str]:
+    if tool in ("fp4kit", BASE_TOOL):
         return [*fp4kit_launcher(nproc), "quantize", str(src), str(dst), "--scheme", "nvfp4a16", "--device", device,
-                "--quiet"]
+                "--format", dialect, "--quiet"]
     child = {"copy": "copy", "model_free_ptq": "model-free", "oneshot": "oneshot"}[tool]
     return [sys.executable, str(Path(__file__).resolve()), "--child", child, "--src", str(src), "--dst", str(dst),
             "--device", device]
@@ -273,23 +282,39 @@ def _mem_available_bytes() -> int:
     return 0
 
 
-def bench_tool(tool: str, src: Path, workdir: Path, device: str, repeats: int, nproc: int = 0) -> ToolResult:
-    result = ToolResult(tool)
+def bench_run(result: ToolResult, src: Path, workdir: Path, device: str, attempt: int, repeats: int, nproc: int = 0,
+              env: dict[str, str] | None = None, dialect: str = "compressed-tensors") -> None:
+    """One timed run of ``result.tool`` into ``workdir/out-<tool>``, added to ``result`` (or its failure noted)."""
+    tool = result.tool
     dst = workdir / f"out-{tool}"
+    shutil.rmtree(dst, ignore_errors=True)
+    warm_page_cache(src)
+    log = workdir / f"{tool}-{attempt}.log"
+    try:
+        run = time_process(tool_command(tool, src, dst, device, nproc, dialect), dst, log, env)
+    except RuntimeError as exc:
+        result.note = f"failed: {exc}"
+        print(f"  {tool}: FAILED\n{exc}", flush=True)
+        return
+    result.runs.append(run)
+    print(f"  {tool} run {attempt + 1}/{repeats}: {run.seconds:.1f} s, {run.cpu_seconds:.1f} CPU s, "
+          f"peak RSS {run.peak_rss_bytes / 1e9:.2f} GB, load {run.load_average:.1f}", flush=True)
+
+
+def bench_interleaved(tools: list[str], src: Path, workdir: Path, device: str, repeats: int, nproc: int = 0,
+                      base_tree: Path | None = None, dialect: str = "compressed-tensors") -> list[ToolResult]:
+    """Each round runs every tool once, in turn, so that a change in the machine's load falls on all of them alike.
+    ``base_tree``: the fp4kit-base tool runs fp4kit from that source tree (PYTHONPATH), the others from this one."""
+    results = [ToolResult(tool) for tool in tools]
     for attempt in range(repeats):
-        shutil.rmtree(dst, ignore_errors=True)
-        warm_page_cache(src)
-        log = workdir / f"{tool}-{attempt}.log"
-        try:
-            run = time_process(tool_command(tool, src, dst, device, nproc), dst, log)
-        except RuntimeError as exc:
-            result.note = f"failed: {exc}"
-            print(f"  {tool}: FAILED\n{exc}", flush=True)
-            break
-        result.runs.append(run)
-        print(f"  {tool} run {attempt + 1}/{repeats}: {run.seconds:.1f} s, {run.cpu_seconds:.1f} CPU s, "
-              f"peak RSS {run.peak_rss_bytes / 1e9:.2f} GB, load {run.load_average:.1f}", flush=True)
-    return result
+        for result in results:
+            if result.note:
+                continue
+            env = None
+            if result.tool == BASE_TOOL and base_tree is not None:
+                env = {**os.environ, "PYTHONPATH": str(base_tree.resolve())}
+            bench_run(result, src, workdir, device, attempt, repeats, nproc, env, dialect)
+    return results
 
 
 def _differing(ours: object, theirs: object, names: list[str]) -> list[str]:
@@ -334,6 +359,18 @@ def compare_outputs(fp4kit_dir: Path, reference_dir: Path) -> str:
             verdict = "identical" if not differing else f"{len(differing)}/{len(names)} tensors DIFFER"
             verdicts.append(f"{label} {verdict}")
     return "; ".join(verdicts)
+
+
+def same_files(ours: Path, theirs: Path) -> str:
+    """Whether two output directories hold the same files with the same bytes (the provenance record aside: it
+    names the command line and the output directory)."""
+    import filecmp
+
+    names = sorted({p.name for p in ours.iterdir()} | {p.name for p in theirs.iterdir()})
+    differing = [n for n in names if n != "fp4kit_provenance.json"
+                 and not ((ours / n).is_file() and (theirs / n).is_file()
+                          and filecmp.cmp(ours / n, theirs / n, shallow=False))]
+    return "every file identical" if not differing else f"{len(differing)} files DIFFER: {', '.join(differing)}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -400,6 +437,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the outputs in the workdir")
     parser.add_argument("--nproc", type=int, default=0,
                         help="run fp4kit under torchrun with N ranks (0: a plain process)")
+    parser.add_argument("--format", default="compressed-tensors", choices=("compressed-tensors", "modelopt"),
+                        help="the dialect fp4kit writes (modelopt where compressed-tensors is not installed)")
+    parser.add_argument("--base-tree", type=Path,
+                        help=f"also time fp4kit from this source tree as {BASE_TOOL} (e.g. a worktree of main)")
     parser.add_argument("--child", choices=("copy", "model-free", "oneshot"), help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dst", type=Path, help=argparse.SUPPRESS)
@@ -455,20 +496,27 @@ def main(argv: list[str] | None = None) -> None:
     print(f"source: {src.name}, {input_bytes / 1e9:.2f} GB bf16; device {args.device}{ranks}; "
           f"median of {args.repeats}; source read into page cache before each run, nothing dropped; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
-    results = []
+    tools, skipped = [], []
     for tool in selected_tools(args):
         if tool == "oneshot":
             fits, note = oneshot_fits(input_bytes)
             if not fits:
                 print(f"  oneshot: {note}", flush=True)
-                results.append(ToolResult(tool, note=note))
+                skipped.append(ToolResult(tool, note=note))
                 continue
-        results.append(bench_tool(tool, src, args.workdir, args.device, args.repeats, args.nproc))
+        tools.append(tool)
+    if args.base_tree is not None:
+        tools.insert(tools.index("fp4kit") if "fp4kit" in tools else len(tools), BASE_TOOL)
+    results = bench_interleaved(tools, src, args.workdir, args.device, args.repeats, args.nproc, args.base_tree,
+                                args.format)
+    results += skipped
     ok = {r.tool for r in results if r.ok}
     identity = {ref: compare_outputs(args.workdir / "out-fp4kit", args.workdir / f"out-{ref}")
                 for ref in ("model_free_ptq", "oneshot") if {"fp4kit", ref} <= ok}
+    if {"fp4kit", BASE_TOOL} <= ok:
+        identity[BASE_TOOL] = same_files(args.workdir / "out-fp4kit", args.workdir / f"out-{BASE_TOOL}")
     if not args.keep:
-        for tool in TOOLS:
+        for tool in (*TOOLS, BASE_TOOL):
             shutil.rmtree(args.workdir / f"out-{tool}", ignore_errors=True)
     report = {"args": {k: str(v) for k, v in vars(args).items() if not k.startswith(("child", "src", "dst"))},
               "environment": environment(), "input_bytes": input_bytes, "identity": identity,
@@ -476,7 +524,8 @@ def main(argv: list[str] | None = None) -> None:
     suffix = f"-nproc{args.nproc}" if args.nproc else ""
     out = args.workdir / f"results-{src.name}-{args.device}{suffix}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print("\nfp4kit output bytes (experts 0, E/2, E-1 and attention of layer 0; packed, scales, global scale):")
+    print("\nfp4kit output bytes (against llm-compressor: experts 0, E/2, E-1 and attention of layer 0; packed, "
+          f"scales, global scale; against {BASE_TOOL}: every file):")
     for ref, verdict in identity.items() or {"-": "not checked (needs fp4kit and a reference output)"}.items():
         print(f"  vs {ref}: {verdict}")
     print(f"\n{args.layers} layers, {input_bytes / 1e9:.2f} GB bf16 in, device {args.device}{ranks}, "

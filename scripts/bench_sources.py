@@ -4,6 +4,7 @@ cast against the I/O floor (``--source mxfp4``).
     python scripts/bench_sources.py --layers 2[,4] [--experts 128] [--device cpu|cuda] [--repeats 3]
                                     [--workdir DIR] [--dequant-dtype fp32|bf16]
     python scripts/bench_sources.py --source mxfp4 --layers 2[,4] [--experts 8] [--repeats 3] [--workdir DIR]
+                                    [--base-tree DIR] [--skip-torch]
 
 Builds a bf16 synthetic with Qwen3-30B-A3B's MoE layer shapes (fp4kit.testing.synthetic; hidden 2048, moe_intermediate
 768, 32/4 heads of 128) and N layers, writes the same weights as DeepSeek's FP8-block format
@@ -26,7 +27,8 @@ against the I/O floor in the same run:
   call, imports excluded) with its peak RSS, and again with the cast's torch ops (``native_cpu=False``: the output
   shards compared byte for byte), against a plain copy of the source's shards into a fresh directory
   (read from the page cache, written, fsynced: the least any tool writing a same-sized output does), runs
-  alternating. Ratio copy seconds / quantize seconds: >= 1 is at the I/O floor.
+  alternating (``--base-tree DIR``: fp4kit from that source tree too, its shards compared with this tree's;
+  ``--skip-torch``: without the torch-ops runs). Ratio copy seconds / quantize seconds: >= 1 is at the I/O floor.
 """
 
 from __future__ import annotations
@@ -168,21 +170,24 @@ def plain_copy(src: Path, dst: Path) -> float:
     return time.perf_counter() - start
 
 
-def child_quantize(src: Path, dst: Path, native: bool = True) -> tuple[float, float, int, dict]:
-    """(seconds inside the call, seconds of the whole process, peak RSS bytes, the cast's block counts); ``native``
-    False: the cast's torch ops (``--no-native``)."""
+def child_quantize(src: Path, dst: Path, native: bool = True,
+                   tree: Path | None = None) -> tuple[float, float, int, dict, float]:
+    """(seconds inside the call, seconds of the whole process, peak RSS bytes, the cast's block counts, CPU seconds
+    of the process); ``native`` False: the cast's torch ops (``--no-native``); ``tree``: fp4kit from that source
+    tree (PYTHONPATH) instead of this one."""
     shutil.rmtree(dst, ignore_errors=True)
     warm(src)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(dst), "native" if native else "torch"],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=env)
     out = child.stdout.read()
     _, status, usage = os.wait4(child.pid, 0)
     whole = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"quantize {src} failed")
     result = json.loads(out.strip().splitlines()[-1])
-    return result["seconds"], whole, usage.ru_maxrss * 1024, result["cast"]
+    return result["seconds"], whole, usage.ru_maxrss * 1024, result["cast"], usage.ru_utime + usage.ru_stime
 
 
 def best_of(repeats: int, work) -> float:
@@ -232,23 +237,37 @@ def bench_mxfp4(args: argparse.Namespace) -> None:
     for layers in layer_counts:
         src = mxfp4_source(args.workdir, layers, args.experts)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        copies, runs, torch_runs = [], [], []
+        copies, runs, torch_runs, base_runs = [], [], [], []
         for _ in range(args.repeats):
             copies.append(plain_copy(src, args.workdir / "out"))
             runs.append(child_quantize(src, args.workdir / "out"))
-            torch_runs.append(child_quantize(src, args.workdir / "out-torch", native=False))
-        same = all(filecmp.cmp(f, args.workdir / "out-torch" / f.name, shallow=False)
-                   for f in sorted((args.workdir / "out").glob("*.safetensors")))
+            if args.base_tree is not None:
+                base_runs.append(child_quantize(src, args.workdir / "out-base", tree=args.base_tree))
+            if not args.skip_torch:
+                torch_runs.append(child_quantize(src, args.workdir / "out-torch", native=False))
+        shards = sorted((args.workdir / "out").glob("*.safetensors"))
         copy, inside = statistics.median(copies), statistics.median(r[0] for r in runs)
         whole, peak = statistics.median(r[1] for r in runs), max(r[2] for r in runs)
         print(f"{layers} layers, {args.experts} experts, {size / 1e6:.0f} MB: plain copy {copy:.2f} s "
               f"(runs {', '.join(f'{c:.2f}' for c in copies)}); quantize (cast) {inside:.2f} s in the call "
-              f"(runs {', '.join(f'{r[0]:.2f}' for r in runs)}), {whole:.2f} s as a process, peak RSS "
-              f"{peak / 2**30:.2f} GiB, blocks {runs[0][3]}")
-        print(f"  the cast's torch ops (--no-native): {statistics.median(r[0] for r in torch_runs):.2f} s in the call "
-              f"(runs {', '.join(f'{r[0]:.2f}' for r in torch_runs)}); shards byte-identical to the C loop's: {same}")
+              f"(runs {', '.join(f'{r[0]:.2f}' for r in runs)}), {whole:.2f} s as a process, "
+              f"{statistics.median(r[4] for r in runs):.1f} CPU s, peak RSS {peak / 2**30:.2f} GiB, "
+              f"blocks {runs[0][3]}")
+        if torch_runs:
+            same = all(filecmp.cmp(f, args.workdir / "out-torch" / f.name, shallow=False) for f in shards)
+            print(f"  the cast's torch ops (--no-native): {statistics.median(r[0] for r in torch_runs):.2f} s in the "
+                  f"call (runs {', '.join(f'{r[0]:.2f}' for r in torch_runs)}); shards byte-identical to the C "
+                  f"loop's: {same}")
+        if base_runs:
+            same = all(filecmp.cmp(f, args.workdir / "out-base" / f.name, shallow=False) for f in shards)
+            base = statistics.median(r[0] for r in base_runs)
+            print(f"  fp4kit from {args.base_tree}: {base:.2f} s in the call (runs "
+                  f"{', '.join(f'{r[0]:.2f}' for r in base_runs)}), {statistics.median(r[1] for r in base_runs):.2f} "
+                  f"s as a process, {statistics.median(r[4] for r in base_runs):.1f} CPU s, peak RSS "
+                  f"{max(r[2] for r in base_runs) / 2**30:.2f} GiB; copy / it {copy / base:.2f}x; shards "
+                  f"byte-identical to this tree's: {same}")
         print(f"speed against the I/O floor (copy / quantize): {copy / inside:.2f}x")
-    for out in ("out", "out-torch"):
+    for out in ("out", "out-torch", "out-base"):
         shutil.rmtree(args.workdir / out, ignore_errors=True)
 
 
@@ -261,6 +280,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench-sources"))
     parser.add_argument("--dequant-dtype", default=None, choices=["fp32", "bf16"])
+    parser.add_argument("--base-tree", type=Path, default=None,
+                        help="mxfp4: also time fp4kit from this source tree (the code before a change), same rounds")
+    parser.add_argument("--skip-torch", action="store_true", help="mxfp4: no runs with the cast's torch ops")
     args = parser.parse_args()
     if args.source == "mxfp4":
         args.experts = args.experts or 8

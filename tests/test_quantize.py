@@ -192,6 +192,22 @@ def test_stacked_quantization_writes_the_same_bytes(family, tiny, tiny_nvfp4a16,
         assert (reference / name).read_bytes() == (out / name).read_bytes(), name
 
 
+@pytest.mark.parametrize("workers", [1, 5])
+def test_the_cpu_worker_pool_writes_the_same_bytes(workers, tiny, tiny_nvfp4a16, tmp_path, monkeypatch):
+    """On the CPU whole jobs run on a pool of threads (one thread: the reader thread alone); any number of them
+    writes exactly the reference output."""
+    from fp4kit.quantize import checkpoint as q
+
+    monkeypatch.setattr(q, "cpu_workers", lambda: workers)
+    out = tmp_path / "pool"
+    q.quantize_checkpoint(tiny("qwen3_moe"), out)
+    reference = tiny_nvfp4a16("qwen3_moe")
+    files = sorted(p.name for p in reference.iterdir())
+    assert files == sorted(p.name for p in out.iterdir())
+    for name in files:
+        assert (reference / name).read_bytes() == (out / name).read_bytes(), name
+
+
 def test_the_output_records_how_it_was_made(tiny, tmp_path, capsys, monkeypatch):
     """fp4kit_provenance.json and the model card, read back: version, scheme, method, the calibration file's hash
     and the windows used, the command; the card's front matter (base_model from config.json's _name_or_path) and

@@ -104,3 +104,67 @@ def test_convert_and_inspect_memory_does_not_grow_with_layer_count(tmp_path):
               f"one layer {layer_bytes / 1e6:.0f} MB")
         # bytes per extra layer, not a ratio of two small peaks (allocator noise is tens of MB)
         assert (added[8][what] - added[2][what]) / 6 <= layer_bytes / 3, (what, added, layer_bytes)
+
+
+def test_produced_in_parallel_keeps_job_order_and_bounds_the_jobs_in_flight():
+    """Jobs finish out of order on the pool; the consumer still gets them in job order, and never more than
+    workers + depth jobs (nor, but for one alone, more than max_cost of their cost) are started ahead of it."""
+    import threading
+    import time
+
+    from fp4kit.io.streaming import produced_in_parallel
+
+    workers, depth, max_cost = 4, 2, 10
+    costs = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 12, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    lock = threading.Lock()
+    started: list[int] = []
+    consumed: list[int] = []
+    worst = {"ahead": 0, "cost": 0}
+
+    def produce(job: int) -> int:
+        with lock:
+            started.append(job)
+            ahead = [j for j in started if j not in consumed]
+            worst["ahead"] = max(worst["ahead"], len(ahead))
+            if len(ahead) > 1:
+                worst["cost"] = max(worst["cost"], sum(costs[j] for j in ahead))
+        time.sleep(0.002 * ((job * 7) % 5))  # later jobs often finish first
+        return job * job
+
+    for job, result in produced_in_parallel(list(range(len(costs))), produce, workers, depth, costs.__getitem__,
+                                            max_cost):
+        assert result == job * job
+        with lock:
+            consumed.append(job)
+    assert consumed == list(range(len(costs)))
+    assert 1 < worst["ahead"] <= workers + depth
+    assert worst["cost"] <= max_cost
+
+
+def test_produced_in_parallel_raises_the_first_failing_job_and_runs_no_more():
+    import threading
+    import time
+
+    import pytest
+
+    from fp4kit.io.streaming import produced_in_parallel
+
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def produce(job: int) -> int:
+        with lock:
+            started.append(job)
+        if job == 5:
+            time.sleep(0.05)  # fails after job 7 has failed
+            raise ValueError("job 5")
+        if job == 7:
+            raise ValueError("job 7")
+        return job
+
+    seen = []
+    with pytest.raises(ValueError, match="job 5"):
+        for job, _ in produced_in_parallel(list(range(100)), produce, 3, 2, lambda job: 1, 1000):
+            seen.append(job)
+    assert seen == [0, 1, 2, 3, 4]
+    assert max(started) < 5 + 3 + 2 + 1  # jobs beyond those in flight when job 5 failed never started

@@ -199,7 +199,8 @@ class PlannedTensor:
 class ShardWriter:
     """Writes a planned set of tensors into safetensors shards inside ``directory``.
 
-    ``write`` may be called in any order; ``finish`` checks that every planned tensor arrived and writes the index.
+    ``write`` may be called in any order, and from several threads at once (each tensor has its own byte range);
+    ``finish`` checks that every planned tensor arrived and writes the index.
     Several processes can fill one output (fp4kit.quantize.distributed): one writer creates the shards, the others open
     them with ``create=False``; each is told the names it writes (``written_here``) and checks only those.
     """

@@ -27,6 +27,19 @@
 #define VECTOR_CLONES
 #endif
 
+/* A block's 16 lanes (GCC/clang vector extensions: one AVX2 register of 16-bit lanes, two of fp32 ones, in the avx2
+ * clone; SSE registers else) */
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef uint8_t v16b __attribute__((vector_size(16))); /* an FP8 block's codes */
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint8_t v8b __attribute__((vector_size(8)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
 static inline float bits_to_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
@@ -147,19 +160,59 @@ static inline void encode_block(const uint16_t *block, const uint16_t *th, uint8
     for (int j = 0; j < BLOCK / 2; j++) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
 }
 
+/* Thresholds of a block-scale code broadcast to a block's 16 lanes, computed on first use. */
+static inline const v16s *wide_thresholds(Tables *t, v16s (*wide)[NUM_THRESHOLDS], uint8_t *wide_ready, uint8_t code8) {
+    if (!wide_ready[code8]) {
+        const uint16_t *th = thresholds_of(t, code8);
+        for (int k = 0; k < NUM_THRESHOLDS; k++)
+            for (int i = 0; i < BLOCK; i++) wide[code8][k][i] = (int16_t)th[k]; /* all below 0x7F81: no sign */
+        wide_ready[code8] = 1;
+    }
+    return wide[code8];
+}
+
+/* encode_block on a block in one vector: the codes of elements 2j and 2j + 1 sit in the low and high half of 32-bit
+ * lane j, so one shift puts both nibbles in the lane's low byte. */
+static inline void encode_block_wide(const uint16_t *block, const v16s *th, uint8_t *out) {
+    v16s x;
+    memcpy(&x, block, sizeof x);
+    v16s magnitude = x & 0x7FFF, c = {0};
+    for (int k = 0; k < 7; k++) c -= (v16s)(magnitude >= th[k]); /* a true compare is -1 in every bit */
+    c |= (v16s)(x < 0) & (v16s)(magnitude >= th[7]) & 8;
+    v8u pairs;
+    memcpy(&pairs, &c, sizeof pairs);
+    pairs = (pairs | (pairs >> 12)) & 0xFF;
+#ifdef __SSE2__
+    __m128i halves[2]; /* SSE2's saturating packs narrow the eight lanes to bytes (all below 256) */
+    memcpy(halves, &pairs, sizeof halves);
+    __m128i words = _mm_packs_epi32(halves[0], halves[1]);
+    _mm_storel_epi64((__m128i *)out, _mm_packus_epi16(words, words));
+#else
+    for (int j = 0; j < BLOCK / 2; j++) out[j] = (uint8_t)pairs[j];
+#endif
+}
+
 /* Packed E2M1 codes (two per byte, element 2j in the low nibble) and fp8 block scales of n_blocks 16-blocks. */
 VECTOR_CLONES int fp4kit_encode_bf16(const uint16_t *x, const uint16_t *amax, int64_t n_blocks, float global_mul,
                        uint8_t *packed, uint8_t *block_scale) {
     Tables *t = malloc(sizeof *t);
-    if (t == NULL) return -1;
+    v16s (*wide)[NUM_THRESHOLDS] = aligned_alloc(sizeof(v16s), 128 * sizeof *wide);
+    if (t == NULL || wide == NULL) {
+        free(t), free(wide);
+        return -1;
+    }
+    uint8_t wide_ready[128] = {0};
     t->global_mul = global_mul;
     memset(t->scale_of_amax, SCALE_UNSET, sizeof t->scale_of_amax);
     memset(t->ready, 0, sizeof t->ready);
     for (int64_t b = 0; b < n_blocks; b++) {
-        uint8_t code8 = block_scale_code(t, amax[b]);
+        uint8_t code8 = t->scale_of_amax[amax[b]]; /* the table's hit, inline: the call only on a miss */
+        if (code8 == SCALE_UNSET) code8 = block_scale_code(t, amax[b]);
         block_scale[b] = code8;
-        encode_block(x + b * BLOCK, thresholds_of(t, code8), packed + b * (BLOCK / 2));
+        encode_block_wide(x + b * BLOCK, wide_ready[code8] ? wide[code8] : wide_thresholds(t, wide, wide_ready, code8),
+                          packed + b * (BLOCK / 2));
     }
+    free(wide);
     free(t);
     return 0;
 }
@@ -263,18 +316,6 @@ VECTOR_CLONES int fp4kit_dequant_fp8_block(const uint8_t *w, int64_t rows, int64
     }
     return 0;
 }
-
-/* A block's 16 lanes (GCC/clang vector extensions: one AVX2 register of 16-bit lanes, two of fp32 ones, in the avx2
- * clone; SSE registers else) */
-typedef int16_t v16s __attribute__((vector_size(32)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef uint8_t v16b __attribute__((vector_size(16))); /* an FP8 block's codes */
-typedef int8_t v16c __attribute__((vector_size(16)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint8_t v8b __attribute__((vector_size(8)));
 
 /* FP8-block weights quantized from their stored e4m3 codes, with the bytes fp4kit_block_amax_f32 and
  * fp4kit_encode_f32 give for their fp32 dequantization, without computing it. Within one (bm, bn) block of
@@ -443,16 +484,6 @@ static inline float block_error(v16s magnitude, v16f x, const v16s *th, float di
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-static inline const v16s *wide_thresholds(Tables *t, v16s (*wide)[7], uint8_t *wide_ready, uint8_t code8) {
-    if (!wide_ready[code8]) {
-        const uint16_t *th = thresholds_of(t, code8);
-        for (int k = 0; k < 7; k++)
-            for (int i = 0; i < BLOCK; i++) wide[code8][k][i] = (int16_t)th[k]; /* all below 0x7F81: no sign */
-        wide_ready[code8] = 1;
-    }
-    return wide[code8];
-}
-
 /* The mse block-scale search (fp4kit.quantize.scale_search.search_block_scales) and the encode with the chosen scales:
  * per block, the RTN code, the codes offset by each of n_offsets offsets (clamped to [1, 0x7E]) and "max to 4"
  * (fp8(G * amax / 4)); the first of the smallest errors wins. importance: fp32 weights per input channel of one
@@ -466,7 +497,7 @@ VECTOR_CLONES int fp4kit_mse_encode_bf16(const uint16_t *x, const uint16_t *amax
     memset(t->scale_of_amax, SCALE_UNSET, sizeof t->scale_of_amax);
     memset(t->ready, 0, sizeof t->ready);
     float divisors[128];
-    v16s (*wide)[7] = aligned_alloc(sizeof(v16s), 128 * sizeof *wide); /* vectors want their own alignment */
+    v16s (*wide)[NUM_THRESHOLDS] = aligned_alloc(sizeof(v16s), 128 * sizeof *wide); /* vectors want their own alignment */
     if (wide == NULL) {
         free(t);
         return -1;
