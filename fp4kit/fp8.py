@@ -32,8 +32,9 @@ class Fp8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.scale.float()
-        if scale.dim() == 2 and scale.shape[-1] != 1:  # per block: expand each over its block, crop the padding
-            n, k = self.codes.shape
+        n, k = self.codes.shape
+        # per block (a grid of one column too, where K <= 128): expand each over its block, crop the padding
+        if scale.dim() == 2 and tuple(scale.shape) != (n, 1):
             scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
         return (self.codes.float() * scale).to(dtype)
 

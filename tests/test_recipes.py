@@ -22,6 +22,7 @@ SEED_RECIPES |= {"glm-4.7-flash", "glm-5.1", "deepseek-v3.2"}
 SEED_RECIPES |= {"minimax-m2.5", "gpt-oss-120b"}
 SEED_RECIPES |= {"qwen3.6-35b-a3b", "qwen3.5-397b-a17b", "qwen3-next-80b-a3b"}
 SEED_RECIPES |= {"deepseek-v4-flash"}
+SEED_RECIPES |= {"deepseek-r1-nvfp4-fp8-block", "qwen3.6-35b-a3b-nvfp4-fp8"}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

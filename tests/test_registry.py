@@ -147,6 +147,8 @@ ALLOWED: dict[str, tuple[set[str] | None, str]] = {
     "testing/synthetic.py": (None, "test fixtures"),
     "verify/backends.py": ({"marlin"}, "verify's kernel runners (a Marlin runner), not layout backends"),
     "options.py": ({"marlin"}, "verify's kernel runners (verify --backend, the recipe's verify.backend)"),
+    "tools/trtllm_checks.py": ({"trtllm"}, "the engine TensorRT-LLM (inspect --engine), not the layout backend"),
+    "commands/inspect.py": ({"trtllm"}, "inspect --engine's choices (the engine TensorRT-LLM), spelled without torch"),
 }
 
 

@@ -45,9 +45,11 @@ def convert(
     rate = report.input_bytes / max(report.seconds, 1e-9)
     fused = f", {report.fused_tensors} fused expert tensors" if report.fused_tensors else ""
     exact = f", {report.exact_scales_recorded} exact scales kept in metadata" if report.exact_scales_recorded else ""
+    fp8 = f", {report.fp8_modules} FP8 Linears" if report.fp8_modules else ""
     typer.echo(
         f"{report.family} {report.scheme}: {report.source_dialect} -> {report.target_dialect}, "
-        f"{report.quantized_modules} quantized Linears{fused}, {report.passthrough_tensors} tensors copied{exact}, "
+        f"{report.quantized_modules} quantized Linears{fp8}{fused}, {report.passthrough_tensors} tensors copied"
+        f"{exact}, "
         f"{human_bytes(report.output_bytes)} in {report.seconds:.1f} s ({human_bytes(rate)}/s) -> {dst}"
     )
 

@@ -25,8 +25,8 @@ def inspect(
     ] = None,
     ep: Annotated[int | None, typer.Option(help="count E % ep != 0 as a problem")] = None,
     engine: Annotated[
-        Literal["vllm", "sglang"] | None,
-        typer.Option(help="also check what this engine loads but serves wrongly: vllm or sglang"),
+        Literal["vllm", "sglang", "trtllm"] | None,
+        typer.Option(help="also check what this engine loads but serves wrongly: vllm, sglang or trtllm"),
     ] = None,
     source: Annotated[
         Path | None, typer.Option(help="BF16 source: audit input scales against its own causal forward")

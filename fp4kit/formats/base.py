@@ -162,6 +162,10 @@ class Dialect:
     serve_quantization: str | None = None
     # the same for a checkpoint with per-module schemes (fp4kit.quantize.schemes)
     serve_quantization_mixed: str | None = None
+    # the algorithm an FP8 release's own config names NVFP4 routed experts written in this dialect's tensor names by
+    # (quantize --source-config: vLLM 0.33's DeepseekV4FP8Config reads `moe_quant_algo: NVFP4` and loads the
+    # experts through ModelOpt's NVFP4 MoE method); None: no engine reads this dialect's experts so
+    fp8_release_moe_algo: str | None = None
 
     # --- reading ---
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:

@@ -435,6 +435,7 @@ class ModelOpt(Dialect):
     serve_quantization = "modelopt_fp4"
     # vLLM 0.33's ModelOptMixedPrecisionConfig.override_quantization_method picks it for quant_algo MIXED_PRECISION
     serve_quantization_mixed = "modelopt_mixed"
+    fp8_release_moe_algo = QUANT_ALGOS["nvfp4"]
 
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
         if files.get(HF_QUANT_CONFIG):

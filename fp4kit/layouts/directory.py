@@ -99,9 +99,16 @@ class LayoutReport:
 
 
 def find_moe_layers(ckpt: QuantizedCheckpoint) -> list[MoELayer]:
-    """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape."""
+    """Every MoE layer whose routed experts are all NVFP4, checked complete and consistent in shape. Routed experts
+    that are all FP8 (a mixed-precision checkpoint) are no such layer; FP8 experts beside NVFP4 ones in a layer are an
+    error, as the fused NVFP4 MoE kernels take one scheme per layer."""
     grammar = ckpt.grammar
     grouped = group_experts(((module.name, module) for module in ckpt.modules), grammar)
+    fp8 = group_experts(((module.name, module) for module in ckpt.fp8_modules), grammar)
+    for experts in grouped.keys() & fp8.keys():
+        module = next(iter(fp8[experts][min(fp8[experts])].values()))
+        raise Fp4kitError(f"{module.name}: a {module.scheme} routed expert in a layer of NVFP4 experts; the fused "
+                          f"NVFP4 MoE kernels take every expert of a layer in NVFP4")
     family, text_config = ckpt.family, ckpt.family.text_config(ckpt.config) if ckpt.family else {}
     layers = [_moe_layer(experts, found, family.layer_index(experts + ".", text_config) if family else
                          layer_of(experts + "."), grammar.projections) for experts, found in grouped.items()]
@@ -237,7 +244,7 @@ def layout_checkpoint(src: str | Path, dst: str | Path, options: LayoutOptions,
     src, dst = Path(src), Path(dst)
     options.validate()
     backend, transform_options = BACKENDS[options.backend], options.transform_options()
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src, mixed=True) as ckpt:  # FP8 Linears travel as stored, like kept ones
         layers = find_moe_layers(ckpt)
         if not layers:
             raise Fp4kitError(f"{src}: no MoE layer with NVFP4 routed experts (`{ckpt.grammar.hint}`)")

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import engine_fused_name
+from fp4kit.families.base import engine_fused_name, weight_scale_group
 from fp4kit.formats.base import Dialect
-from fp4kit.fp8 import fp8_input_scale, quantize_fp8
+from fp4kit.fp8 import Fp8Weight, fp8_input_scale, fp8_scale_shape, quantize_fp8
 from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
+from fp4kit.io.sources import Fp8Block
 from fp4kit.io.streaming import BackgroundWriter, cpu_workers, prefetched, produced_in_parallel
 from fp4kit.native import nvfp4_cpu
 from fp4kit.nvfp4 import Mxfp4Weight, NonFiniteError, NVFP4Tensor, cast_mxfp4_group, quantize_group, quantize_stacked
@@ -29,9 +30,25 @@ from fp4kit.progress import start_phase
 from fp4kit.progress import warn as warn_progress
 from fp4kit.quantize import distributed
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
-from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
+from fp4kit.quantize.plan import (
+    ModelPlan,
+    QuantGroup,
+    StoredFp8,
+    build_plan,
+    job_bytes,
+    planned_passthrough,
+    read_job,
+)
 from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_group_mse, quantize_stacked_mse
-from fp4kit.quantize.schemes import FP8_SCHEMES, KEPT, STATIC_INPUT_SCHEMES, SchemeMap, module_schemes, single_nvfp4
+from fp4kit.quantize.schemes import (
+    FP8_SCHEMES,
+    KEPT,
+    STATIC_INPUT_SCHEMES,
+    STORED,
+    SchemeMap,
+    module_schemes,
+    single_nvfp4,
+)
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
@@ -97,6 +114,9 @@ class QuantizeOptions:
     mtp: str = "keep"
     # per-module schemes, REGEX=SCHEME, first match wins (fp4kit.quantize.schemes); the rest get `scheme`
     scheme_for: list[str] = field(default_factory=list)
+    # an FP8 release: its own quantization_config with the NVFP4 routed experts declared in it (the family's
+    # source_config_moe_key), every other FP8 Linear as stored under the release's names
+    source_config: bool = False
     command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
@@ -412,6 +432,9 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
     planned = []
     fmt = _format_module(options)
     for job in plan.jobs:
+        if isinstance(job, StoredFp8):
+            planned.extend(stored_fp8_planned(reader, job, options))
+            continue
         if not isinstance(job, QuantGroup):
             planned.append(planned_passthrough(reader, job))
             continue
@@ -436,6 +459,40 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
         for c in job.members:
             planned.extend(fmt.planned(c.linear.module, c.linear.out_features, c.linear.in_features, with_input))
     return planned
+
+
+def stored_fp8_planned(reader: CheckpointReader, job: StoredFp8, options: QuantizeOptions) -> list:
+    """The output tensors of an FP8 Linear kept as stored, in the dialect's FP8 spelling; an error where the
+    dialect cannot hold its stored form."""
+    fmt = _format_module(options)
+    weight, scale = job.tensors
+    if options.source_config:  # the release's own tensors under its own config
+        return [planned_passthrough(reader, weight), planned_passthrough(reader, scale)]
+    info = reader.info(scale)
+    if job.scheme is None:
+        raise Fp4kitError(f"--scheme-for fp8-source: {scale} {list(info.shape)} scales {weight} "
+                          f"{list(reader.info(weight).shape)} in blocks of {job.linear.encoding.block}; {fmt.title} "  # type: ignore[union-attr]
+                          "FP8 holds 128x128 blocks or one scale per output channel (fp8-block / fp8-dynamic)")
+    if info.dtype == torch.float8_e8m0fnu:
+        raise Fp4kitError(f"--scheme-for fp8-source: {scale} is an E8M0 (power-of-two exponent) scale; {fmt.title} "
+                          "stores FP8 scales as floats and vLLM 0.33 loads them into float32 parameters, so it has "
+                          "no E8M0 form (keep the module dequantized, or re-quantize it with fp8-block)")
+    return fmt.fp8_planned(job.linear.module, job.scheme, job.linear.out_features, job.linear.in_features,
+                           info.dtype, False)
+
+
+def passthrough_tensors(job: str, data: object, options: QuantizeOptions) -> dict[str, torch.Tensor]:
+    """A passthrough job's output tensors: the tensor read, or an FP8 Linear kept as stored (its weight and scale
+    bytes, read as the source holds them) under the dialect's FP8 names."""
+    if not isinstance(job, StoredFp8):
+        return {job: data}  # type: ignore[dict-item]
+    stored: dict[str, torch.Tensor] = data  # type: ignore[assignment]
+    if options.source_config:
+        return stored
+    weight, scale = job.tensors
+    n, k = job.linear.out_features, job.linear.in_features
+    canonical = Fp8Weight(stored[weight], stored[scale].reshape(fp8_scale_shape(job.scheme, n, k)))  # type: ignore[arg-type]
+    return _format_module(options).fp8_encode(job.linear.module, job.scheme, canonical)  # type: ignore[arg-type]
 
 
 def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn: Callable[[str], None]
@@ -546,7 +603,7 @@ def _quantize_calibrated(
                            f"each decoder layer, {_dtype_name(dtype)}", main=True)
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
-            put({job: _read_job(reader, job, options.device)})  # type: ignore[dict-item]
+            put(passthrough_tensors(job, _read_job(reader, job, options.device), options))
     fp8 = [g for g in plan.groups if group_scheme(plan, g, options) in FP8_SCHEMES]
     for group in fp8:
         put(fp8_group_tensors(group, _read_job(reader, group), group_scheme(plan, group, options), options,
@@ -613,8 +670,13 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     from fp4kit.quantize.provenance import calibration_record, write_provenance
 
     fmt = _format_module(options)
-    ignore = fmt.exclusions(plan.ignored_modules, [m.linear.module for g in plan.groups for m in g.members])
-    if single_nvfp4(plan.schemes.values()):
+    ignore = fmt.exclusions(plan.ignored_modules, [m.linear.module for g in plan.groups for m in g.members]
+                            + [job.linear.module for job in plan.stored_fp8])
+    if options.source_config:
+        side_configs = {}
+        quantization_config = {**config["quantization_config"],
+                               plan.family.source_config_moe_key: fmt.fp8_release_moe_algo}  # type: ignore[dict-item]
+    elif single_nvfp4(plan.schemes.values()) and not plan.stored_fp8:
         scheme = next(iter(set(plan.schemes.values())), options.scheme)
         side_configs = fmt.side_configs(scheme, ignore)
         quantization_config = fmt.quantization_config(scheme, ignore)
@@ -656,22 +718,66 @@ def quantize_checkpoint(
 
 
 def _plan(reader: CheckpointReader, config: dict, options: QuantizeOptions) -> ModelPlan:
-    """The quantization plan with each module's scheme; modules a rule keeps in bf16 are planned as ignored ones."""
-    def build(keep: frozenset[str] = frozenset()) -> ModelPlan:
+    """The quantization plan with each module's scheme; modules a rule keeps in bf16 are planned as ignored ones,
+    and FP8 modules kept as stored (fp8-source) as ``StoredFp8`` jobs."""
+    def build(keep: frozenset[str] = frozenset(), stored: frozenset[str] = frozenset()) -> ModelPlan:
         return build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype,
-                          mtp=options.mtp, keep=keep)
+                          mtp=options.mtp, keep=keep, stored=stored)
 
     plan = build()
     smap = scheme_map(options)
+    if options.source_config:
+        return build(stored=_source_config_stored(plan, smap, options))
     if not smap.rules:
         return plan
-    schemes = module_schemes(plan.groups, smap)
-    kept = frozenset(m for m, s in schemes.items() if s == KEPT)
-    if kept:
-        plan = build(kept)
-    plan.schemes = {m: s for m, s in schemes.items() if s != KEPT}
+    planned = {c.linear.module for g in plan.groups for c in g.members}
+    fp8_kept = [m for m, q in (plan.source.linears.items() if plan.source else ())
+                if m not in planned and isinstance(q.encoding, Fp8Block) and smap.rule_scheme(m) == STORED]
+    schemes = module_schemes(plan.groups, smap, fp8_kept)
+    stored = frozenset(fp8_kept) | {m for m, s in schemes.items() if s == STORED}
+    kept = frozenset(m for m, s in schemes.items() if s in (KEPT, STORED))
+    if kept or stored:
+        plan = build(kept, stored)
+    plan.schemes = {m: s for m, s in schemes.items() if s not in (KEPT, STORED)}
     return plan
+
+
+def _source_config_stored(plan: ModelPlan, smap: SchemeMap, options: QuantizeOptions) -> frozenset[str]:
+    """--source-config: every FP8 Linear the plan leaves unquantized, kept as stored; an error where the output
+    would not be the form the family's engine reads (the family's ``source_config_moe_key``)."""
+    from fp4kit.families.base import expert_module
+    from fp4kit.registry import dialects
+
+    family, fmt = plan.family, _format_module(options)
+    if family.source_config_moe_key is None:
+        raise Fp4kitError(f"--source-config: no engine reads NVFP4 experts declared in a {family.name} release's own "
+                          "config; drop it to write a compressed-tensors or ModelOpt config")
+    if fmt.fp8_release_moe_algo is None:
+        names = [d.name for d in dialects() if d.fp8_release_moe_algo]
+        raise Fp4kitError(f"--source-config: the engine reads the NVFP4 experts in {names[0]}'s tensor names, not "
+                          f"{fmt.title}'s; add --format {names[0]}")
+    method = (plan.config.get("quantization_config") or {}).get("quant_method")
+    if plan.source is None or method != "fp8":
+        raise Fp4kitError(f"--source-config: config.json: quantization_config.quant_method is {method!r}; the form "
+                          "keeps an FP8 release's own config (quant_method fp8)")
+    if smap.rules:
+        raise Fp4kitError("--source-config: every Linear but the routed experts stays as the release stores it; "
+                          "--scheme-for does not apply")
+    planned = set()
+    for group in plan.groups:
+        for c in group.members:
+            if expert_module(c.linear.module, family.grammar) is None:
+                raise Fp4kitError(f"--source-config: {c.linear.module} would be NVFP4, but the release's config "
+                                  "gives NVFP4 to routed experts only; keep it with --ignore")
+            planned.add(c.linear.module)
+    for module, linear in plan.source.linears.items():
+        if module not in planned and not isinstance(linear.encoding, Fp8Block):
+            raise Fp4kitError(f"--source-config: {linear.tensor} ({module}) stays {type(linear.encoding).__name__}, "
+                              f"but {family.source_config_moe_key} {fmt.fp8_release_moe_algo} makes the engine read "
+                              "every routed expert as NVFP4; quantize it (--mtp quantize for the MTP block's)")
+    return frozenset(m for m, linear in plan.source.linears.items()
+                     if m not in planned and isinstance(linear.encoding, Fp8Block))
 
 
 def config_schemes(plan: ModelPlan, options: QuantizeOptions) -> dict[str, str]:
@@ -689,6 +795,15 @@ def config_schemes(plan: ModelPlan, options: QuantizeOptions) -> dict[str, str]:
             alias = engine_fused_name(modules)
             if alias is not None:
                 out[alias] = scheme
+    siblings: dict[str, list[StoredFp8]] = {}
+    for job in plan.stored_fp8:
+        siblings.setdefault(weight_scale_group(job.linear.module, plan.family.grammar), []).append(job)
+    for jobs in siblings.values():
+        modules = [j.linear.module for j in jobs]
+        out.update({j.linear.module: j.scheme for j in jobs})  # type: ignore[misc]
+        alias = engine_fused_name(modules)
+        if alias is not None:
+            out[alias] = jobs[0].scheme  # type: ignore[assignment]
     return out
 
 
@@ -719,6 +834,10 @@ def _quantize_checkpoint(
             warn_progress(progress, text)
 
         token_ids, calibration = _calibration_data(src, plan, options, warn)
+        if options.source_config and not static_inputs(options):
+            warn("--source-config: vLLM 0.33 runs these NVFP4 experts with NVFP4 activations (ModelOpt's W4A4 MoE "
+                 "method) and this output has no input scales: serve it with per-token activation scales "
+                 "(docs/serving.md, DeepSeek-V4)")
         fp8_static = "fp8-static" in plan.schemes.values()
         source_scales = not calibrated or (static_inputs(options) and (input_scale_source(options) == "source"
                                                                        or fp8_static))
@@ -752,7 +871,8 @@ def _quantize_checkpoint(
                 """A job read, quantized (a group) and written, on one of the worker threads; its MXFP4 cast counts.
                 Every output tensor has its planned place, so the threads write in any order and the same bytes."""
                 data, counts = read(job), {}
-                tensors = batcher.alone(job, data, counts) if isinstance(job, QuantGroup) else {job: data}
+                tensors = (batcher.alone(job, data, counts) if isinstance(job, QuantGroup)
+                           else passthrough_tensors(job, data, options))
                 for name, tensor in tensors.items():  # type: ignore[union-attr]
                     writer.write(name, tensor)
                 return counts
@@ -765,7 +885,7 @@ def _quantize_checkpoint(
                     if isinstance(job, QuantGroup):
                         batcher.add(job, data)  # type: ignore[arg-type]
                     else:
-                        background.put({job: data})  # type: ignore[dict-item]
+                        background.put(passthrough_tensors(job, data, options))
                     done += _job_bytes(reader, job)
                     if progress:
                         progress(min(done, share_bytes), share_bytes)

@@ -5,6 +5,11 @@ change. Per-tensor scales go through the canonical float64 divisor (fp4kit/forma
 fp32 cannot carry in the target form are kept exact). One tensor group at a time is in memory: a reader thread reads
 and re-encodes the next groups while the main thread writes, through a queue of bounded depth.
 
+A mixed-precision checkpoint (FP8 Linears beside the NVFP4 ones, quantize --scheme-for) converts too: FP8 codes are
+copied byte for byte and their scales change only in shape and dtype, exactly (compressed-tensors keeps them in the
+model's dtype, ModelOpt in fp32; going back to compressed-tensors takes the model's dtype when every value is exact
+in it), and the target's mixed config names every module's scheme again.
+
 With ``repair``, fused groups are put on one weight global scale and expert projections on one input scale first
 (fp4kit/tools/repair.py); that changes values by at most half an FP8 block-scale step and is reported.
 
@@ -24,9 +29,9 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import layer_of, routed_expert
+from fp4kit.families.base import engine_fused_name, fused_siblings, layer_of, routed_expert
 from fp4kit.families.grammar import DEFAULT
-from fp4kit.formats.base import Dialect
+from fp4kit.formats.base import Dialect, Fp8Module
 from fp4kit.formats.detect import (
     EXACT_SCALES_KEY,
     QuantizedCheckpoint,
@@ -34,6 +39,7 @@ from fp4kit.formats.detect import (
     needs_exact_record,
     open_checkpoint,
 )
+from fp4kit.fp8 import Fp8Weight
 from fp4kit.io.checkpoint import PlannedTensor, ShardWriter, copy_side_files
 from fp4kit.io.output import atomic_directory
 from fp4kit.io.streaming import prefetched
@@ -54,7 +60,7 @@ class FusedJob:
     members: list[QuantModule]  # expert-major; gate before up
 
 
-Job = QuantModule | FusedJob | str  # str: a tensor copied unchanged
+Job = QuantModule | FusedJob | Fp8Module | str  # str: a tensor copied unchanged
 
 
 Scales = dict[str, tuple[torch.Tensor, torch.Tensor | None]]  # module -> (weight divisor, input divisor)
@@ -100,13 +106,51 @@ def _ignore_for(target: Dialect, ckpt: QuantizedCheckpoint) -> list[str]:
         return list(ckpt.ignore)
     unquantized = sorted({n[: -len(".weight")] for n in ckpt.passthrough  # Linears, not norms
                           if n.endswith(".weight") and len(ckpt.reader.info(n).shape) == 2})
-    return target.exclusions(target.spell_ignore(list(ckpt.ignore), unquantized), [m.name for m in ckpt.modules])
+    quantized = [m.name for m in ckpt.modules] + [m.name for m in ckpt.fp8_modules]
+    return target.exclusions(target.spell_ignore(list(ckpt.ignore), unquantized), quantized)
 
 
-def _planned(job: Job, target: Dialect, ckpt: QuantizedCheckpoint) -> list[PlannedTensor]:
+def _config_schemes(ckpt: QuantizedCheckpoint, fused: list[FusedJob]) -> dict[str, str]:
+    """Each quantized module's scheme as a mixed config names it (what quantize passes the dialect): a fused expert
+    tensor by its name, fused siblings also under the name an engine serves them by where no packed-module mapping
+    gives it."""
+    in_fused = {m.name for job in fused for m in job.members}
+    schemes = ckpt.module_schemes()
+    out = {f"{job.experts}.{job.leaf}": ckpt.scheme for job in fused}
+    for group in fused_siblings([n for n in sorted(schemes, key=_order) if n not in in_fused], ckpt.grammar):
+        out.update({m: schemes[m] for m in group})
+        alias = engine_fused_name(group) if len(group) > 1 else None
+        if alias is not None:
+            out[alias] = schemes[group[0]]
+    return out
+
+
+def _fp8_scale_dtypes(ckpt: QuantizedCheckpoint) -> dict[str, torch.dtype]:
+    """The dtype each FP8 module's weight was quantized in (compressed-tensors stores its scales in it): the stored
+    scales' when they are not fp32; else the model's dtype (config.json) when every scale value is exact in it."""
+    from fp4kit.quantize.layer_model import checkpoint_dtype
+
+    model = checkpoint_dtype(ckpt.config)
+    out = {}
+    for m in ckpt.fp8_modules:
+        stored = ckpt.reader.info(m.scale).dtype
+        if stored != torch.float32:
+            out[m.name] = stored
+            continue
+        values = [ckpt.reader.read(m.scale)] + ([ckpt.reader.read(m.input_scale)] if m.input_scale else [])
+        exact = all(torch.equal(v.to(model).float(), v.float()) for v in values)
+        out[m.name] = model if exact else torch.float32
+    return out
+
+
+def _planned(job: Job, target: Dialect, ckpt: QuantizedCheckpoint,
+             fp8_dtypes: dict[str, torch.dtype]) -> list[PlannedTensor]:
     if isinstance(job, str):
         info = ckpt.reader.info(job)
         return [PlannedTensor(job, info.dtype, info.shape)]
+    if isinstance(job, Fp8Module):
+        return target.fp8_planned(job.name, job.scheme, job.out_features, job.in_features, fp8_dtypes[job.name],
+                                  job.input_scale is not None)
     if isinstance(job, FusedJob):
         first = job.members[0]
         per_expert = len(ckpt.grammar.fused_parts(job.leaf))
@@ -129,9 +173,13 @@ def _read(ckpt: QuantizedCheckpoint, module: QuantModule, scales: Scales,
 
 
 def _encode(job: Job, target: Dialect, ckpt: QuantizedCheckpoint, scales: Scales,
-            repaired: RepairReport | None) -> dict[str, torch.Tensor]:
+            repaired: RepairReport | None, fp8_dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
     if isinstance(job, str):
         return {job: ckpt.reader.read(job)}
+    if isinstance(job, Fp8Module):
+        weight, input_div = ckpt.read_fp8(job)
+        return target.fp8_encode(job.name, job.scheme, Fp8Weight(weight.codes, weight.scale.to(fp8_dtypes[job.name])),
+                                 input_div)
     if isinstance(job, FusedJob):
         per_expert = len(ckpt.grammar.fused_parts(job.leaf))
         weights, inputs = [], []
@@ -147,7 +195,7 @@ def _encode(job: Job, target: Dialect, ckpt: QuantizedCheckpoint, scales: Scales
 
 def _scale_names(job: Job, target: Dialect) -> dict[str, tuple[str, int]]:
     """Target scale tensor name -> (module, 0 for its weight / 1 for its input divisor) whose value it holds."""
-    if isinstance(job, str):
+    if isinstance(job, str | Fp8Module):
         return {}
     if isinstance(job, FusedJob):
         first = job.members[0]
@@ -194,7 +242,7 @@ def convert_checkpoint(
     target = dialect(to)
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src, mixed=True) as ckpt:
         missing = [m.name for m in ckpt.modules if ckpt.scheme == "nvfp4" and m.input_scale is None]
         if missing:
             raise Fp4kitError(f"{missing[0]}: missing input scale tensor in a W4A4 checkpoint "
@@ -205,20 +253,28 @@ def convert_checkpoint(
             scales = unified_scales(scales, repaired, ckpt.family.grammar if ckpt.family is not None else DEFAULT)
         fused, notes = _fused_jobs(ckpt, scales) if target.writes_fused(ckpt.family) else ([], [])
         in_fused = {id(m) for job in fused for m in job.members}
-        jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.passthrough]
+        jobs: list[Job] = [*fused, *(m for m in ckpt.modules if id(m) not in in_fused), *ckpt.fp8_modules,
+                           *ckpt.passthrough]
         jobs.sort(key=_order)
         exact = _exact_records(jobs, target, scales)
         metadata = {"producer": "fp4kit"} | ({EXACT_SCALES_KEY: json.dumps(exact, sort_keys=True)} if exact else {})
         input_bytes = sum(info.nbytes for info in ckpt.reader.tensors.values())
         ignore = _ignore_for(target, ckpt)
         # before any data moves: a config that cannot be built then costs no copying
-        quant_config = target.quantization_config(ckpt.scheme, ignore)
+        if ckpt.mixed:
+            schemes = _config_schemes(ckpt, fused)
+            quant_config = target.mixed_quantization_config(schemes, ignore)
+            side_configs = target.mixed_side_configs(schemes, ignore)
+        else:
+            quant_config = target.quantization_config(ckpt.scheme, ignore)
+            side_configs = target.side_configs(ckpt.scheme, ignore)
+        fp8_dtypes = _fp8_scale_dtypes(ckpt)
         with atomic_directory(dst, src, overwrite) as work:
-            writer = ShardWriter(work, [t for job in jobs for t in _planned(job, target, ckpt)], max_shard_bytes,
-                                 metadata=metadata)
+            planned = [t for job in jobs for t in _planned(job, target, ckpt, fp8_dtypes)]
+            writer = ShardWriter(work, planned, max_shard_bytes, metadata=metadata)
             done = 0
             try:
-                produce = lambda job: _encode(job, target, ckpt, scales, repaired)  # noqa: E731
+                produce = lambda job: _encode(job, target, ckpt, scales, repaired, fp8_dtypes)  # noqa: E731
                 for _, tensors in prefetched(jobs, produce, QUEUE_DEPTH):
                     for name, tensor in tensors.items():
                         writer.write(name, tensor)
@@ -231,14 +287,21 @@ def convert_checkpoint(
             writer.finish()
             config = dict(ckpt.config)
             config["quantization_config"] = quant_config
-            for name, document in target.side_configs(ckpt.scheme, ignore).items():
+            for name, document in side_configs.items():
                 (work / name).write_text(json.dumps(document, indent=4) + "\n")
             (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             copy_side_files(src, work, skip={PROVENANCE_NAME})  # it describes SRC's dialect
     return ConvertReport(
-        source_dialect=ckpt.dialect, target_dialect=to, scheme=ckpt.scheme,
+        source_dialect=ckpt.dialect, target_dialect=to, scheme=_scheme_phrase(ckpt),
         family=ckpt.family.name if ckpt.family else "unknown", quantized_modules=len(ckpt.modules),
         fused_tensors=len(fused), passthrough_tensors=len(ckpt.passthrough), exact_scales_recorded=len(exact),
         input_bytes=input_bytes, output_bytes=writer.total_bytes, output_files=writer.files,
-        seconds=time.perf_counter() - start, notes=notes, repair=repaired,
+        seconds=time.perf_counter() - start, notes=notes, repair=repaired, fp8_modules=len(ckpt.fp8_modules),
     )
+
+
+def _scheme_phrase(ckpt: QuantizedCheckpoint) -> str:
+    """The scheme for the summary line: a mixed-precision checkpoint's every scheme."""
+    if not ckpt.mixed:
+        return ckpt.scheme
+    return "mixed (" + " + ".join(sorted(set(ckpt.module_schemes().values()))) + ")"

@@ -22,4 +22,5 @@ class ConvertReport:
     output_files: list[str]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    fp8_modules: int = 0  # a mixed-precision checkpoint's FP8 Linears
     repair: RepairReport | None = None

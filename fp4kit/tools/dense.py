@@ -105,7 +105,7 @@ def dequantize_checkpoint(
     ``dtype`` (BF16 for `convert --to bf16`; float32 keeps the dequantized values exact), other tensors as stored."""
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    with open_checkpoint(src) as ckpt:
+    with open_checkpoint(src, mixed=True) as ckpt:
         check_destination(src, dst, overwrite)
         view = DenseView(ckpt, dtype)
         names = sorted(view.names(), key=lambda n: (-1 if layer_of(n) is None else layer_of(n), n))

@@ -1,7 +1,8 @@
 """`fp4kit inspect --engine vllm`: what a serving engine loads without complaint but then serves wrongly.
 
 Each check cites the engine source it comes from (paths in the vLLM 0.33.0 package); ``ENGINES`` lists the engines
-inspect checks and their versions (SGLang's checks: fp4kit/tools/sglang_checks.py). Findings name the tensor or
+inspect checks and their versions (SGLang's checks: fp4kit/tools/sglang_checks.py; TensorRT-LLM's:
+fp4kit/tools/trtllm_checks.py). Findings name the tensor or
 module. Streaming: one module's tensors at a time; the packed weights
 are read only for the zero-block-scale check (the one check that needs the codes).
 """
@@ -20,6 +21,7 @@ from fp4kit.families.grammar import ExpertGrammar
 from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.formats.modelopt import HF_QUANT_CONFIG
 from fp4kit.formats.modelopt import NAME as MO
+from fp4kit.tools.trtllm_checks import ENGINE as TRTLLM
 
 VERSION = "0.33.0"
 _Q = "vllm/model_executor/layers/quantization"
@@ -46,12 +48,13 @@ Report = Callable[[str, str, str], None]
 
 def engines() -> dict[str, tuple[str, dict[str, str]]]:
     """Engine name -> (the version its checks were read in, check -> the source file it cites)."""
-    from fp4kit.tools import sglang_checks
+    from fp4kit.tools import sglang_checks, trtllm_checks
 
-    return {"vllm": (VERSION, SOURCES), "sglang": (sglang_checks.VERSION, sglang_checks.SOURCES)}
+    return {"vllm": (VERSION, SOURCES), "sglang": (sglang_checks.VERSION, sglang_checks.SOURCES),
+            trtllm_checks.ENGINE: (trtllm_checks.VERSION, trtllm_checks.SOURCES)}
 
 
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", TRTLLM)
 
 
 def _finite_positive(value: float | None) -> bool:

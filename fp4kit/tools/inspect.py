@@ -17,7 +17,7 @@ Checks (each finding names the check, the module and a ratio where one applies):
   for TRT-LLM and FlashInfer CUTLASS. Without a request they are listed, not counted.
 - marlin_zeroed_scales (reported, not a problem): per MoE projection, how many block scales vLLM's Marlin
   preparation (bf16) stores as 0 (docs/layouts.md, marlin).
-- ``--engine vllm|sglang`` adds that engine's load-contract checks (fp4kit/tools/engine_checks.py,
+- ``--engine vllm|sglang|trtllm`` adds that engine's load-contract checks (fp4kit/tools/engine_checks.py,
   fp4kit/tools/sglang_checks.py), each citing the engine source it comes from.
 Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M1 codes have no NaN).
 """
@@ -295,6 +295,8 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
     from fp4kit.errors import Fp4kitError
     from fp4kit.tools.engine_checks import ENGINES, engines, vllm_checks
     from fp4kit.tools.sglang_checks import sglang_checks
+    from fp4kit.tools.trtllm_checks import ENGINE as TRTLLM
+    from fp4kit.tools.trtllm_checks import trtllm_checks
 
     if engine is not None and engine not in ENGINES:
         raise Fp4kitError(f"--engine {engine!r}: fp4kit checks {', '.join(ENGINES)}")
@@ -336,6 +338,8 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
 
             if engine == "vllm":
                 vllm_checks(ckpt, scales, found)
+            elif engine == TRTLLM:
+                trtllm_checks(ckpt, found)
             else:
                 sglang_checks(ckpt, scales, found, notes.append)
         for name in ckpt.passthrough:

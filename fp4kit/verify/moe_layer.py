@@ -142,6 +142,9 @@ def _dense_or_quantized(
 ) -> Tensor | None:
     if module in quantized and ckpt is not None:
         return ckpt.read_weight(quantized[module]).dequantize()
+    fp8 = next((m for m in ckpt.fp8_modules if m.name == module), None) if ckpt is not None else None
+    if fp8 is not None:  # a mixed-precision checkpoint's FP8 shared expert: its exact dequantized weight
+        return ckpt.read_fp8(fp8)[0].dequantize()  # type: ignore[union-attr]
     if source is not None and module in source.linears:  # a quantized --source: its dequantized weight
         return read_linear_weight(reader, source, module)
     return reader.read(f"{module}.weight").float() if f"{module}.weight" in reader else None
@@ -177,7 +180,7 @@ class QuantizedModel:
             from fp4kit.layouts.manifest import read_manifest
 
             self.layout = read_manifest(self.root)
-        self.ckpt = open_checkpoint(self.root)
+        self.ckpt = open_checkpoint(self.root, mixed=True)
         if self.layout is not None:
             self.experts_modules = {int(k): v["module"] for k, v in self.layout["layers"].items()}
             self._layers = {}
@@ -293,7 +296,7 @@ def read_rank_layer(rank_dir: str | Path, rank: int, full: QuantizedMoe) -> Rank
         )
     local_index = torch.tensor([int(local) for local in expert_map], dtype=torch.int64)
     mapped = local_index >= 0
-    with open_checkpoint(rank_dir) as ckpt:
+    with open_checkpoint(rank_dir, mixed=True) as ckpt:
         grammar = ckpt.grammar
         found = group_experts(((m.name, m) for m in ckpt.modules), grammar).get(experts_module, {})
         held = torch.tensor([len(found.get(e, {})) == 3 for e in range(num_experts)])

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
+from fp4kit.families.base import group_experts
+from fp4kit.formats.detect import QuantizedCheckpoint
 from fp4kit.verify.backends import BACKENDS, enable_triton_interpreter
 from fp4kit.verify.checks import (
     DEFAULT_TOL_SOURCE,
@@ -158,6 +160,7 @@ def verify_checkpoint(
                 else "weights and activations NVFP4 (static activation scales)"
             )
         )
+        report.notes.extend(fp8_notes(model.ckpt))
         per_layer, done = checks_per_layer(options), 0
         total = per_layer * len(layers)
 
@@ -207,3 +210,20 @@ def verify_checkpoint(
             tick(layer_start + per_layer - done)  # exact even if a check above reported fewer steps
     report.seconds = time.perf_counter() - start
     return report
+
+
+def fp8_notes(ckpt: QuantizedCheckpoint) -> list[str]:
+    """What verify does with a mixed-precision checkpoint's FP8 Linears, said in notes: it runs no FP8 GEMM (it runs
+    the fused NVFP4 MoE kernels; eval measures FP8 modules), and leaves out the MoE layers whose routed experts are
+    FP8."""
+    if not ckpt.fp8_modules:
+        return []
+    schemes = sorted({m.scheme for m in ckpt.fp8_modules})
+    notes = [f"mixed precision: {len(ckpt.fp8_modules)} FP8 Linears ({', '.join(schemes)}) not run: verify runs "
+             f"the fused NVFP4 MoE kernels (an FP8 shared expert joins the reference at its exact dequantized "
+             f"weights; fp4kit eval measures FP8 modules)"]
+    fp8_experts = group_experts(((m.name, m) for m in ckpt.fp8_modules), ckpt.grammar)
+    if fp8_experts:
+        notes.append(f"routed experts in FP8, not verified (no NVFP4 MoE kernel runs them): "
+                     f"{', '.join(fp8_experts)}")
+    return notes
