@@ -16,6 +16,7 @@ test module imports another). Fixtures live in conftest.py.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import io
 import json
@@ -56,6 +57,8 @@ def run_cli(monkeypatch, capsys, *args: object) -> tuple[int, str, str]:
         code = 0
     except SystemExit as exc:
         code = int(exc.code or 0)
+    finally:
+        gc.unfreeze()  # main freezes the heap for the exit it expects; this process goes on collecting
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -84,6 +87,7 @@ def cli_result(*args: object) -> subprocess.CompletedProcess:
             code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
         finally:
             sys.argv = saved_argv
+            gc.unfreeze()  # main freezes the heap for the exit it expects; this process goes on collecting
     printed = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue() + printed)
 
