@@ -32,8 +32,9 @@ class Fp8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.scale.float()
-        if scale.dim() == 2 and scale.shape[-1] != 1:  # per block: expand each over its block, crop the padding
-            n, k = self.codes.shape
+        n, k = self.codes.shape
+        # per block (a grid of one column too, where K <= 128): expand each over its block, crop the padding
+        if scale.dim() == 2 and tuple(scale.shape) != (n, 1):
             scale = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:n, :k]
         return (self.codes.float() * scale).to(dtype)
 
@@ -138,4 +139,22 @@ def fake_quantize_fp8_activation(x: torch.Tensor, scheme: str, input_scale_div: 
     else:
         raise ValueError(f"not an FP8 scheme: {scheme}")
     codes = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.float() * scale
+
+
+def fp8_kv_scale(amax: float, where: str = "KV cache") -> torch.Tensor:
+    """A per-tensor FP8 KV-cache scale (a divisor, fp32 scalar) from the calibrated amax of a layer's keys or values:
+    amax / 448 in fp32, as ModelOpt's export writes it (``postprocess_state_dict``: ``_amax.float() / 448``); 1 where
+    the layer saw no non-zero key or value (no scale is ever 0, and vLLM reads a scale <= 0 as absent)."""
+    if not math.isfinite(amax):
+        raise Fp4kitError(f"{where}: calibration gave a non-finite amax ({amax})")
+    return torch.tensor(amax, dtype=torch.float32) / FP8_MAX if amax > 0 else torch.tensor(1.0)
+
+
+def fake_quantize_fp8_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Keys or values written to an FP8 E4M3 cache with per-tensor ``scale`` and read back (fp32), as vLLM 0.33's
+    CUDA cache writes them (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh, ``scaled_vec_conversion``: x / scale
+    cast with ``__NV_SATFINITE``) and its attention kernels dequantize them (code x scale)."""
+    scale = scale.float().reshape(())
+    codes = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.float() * scale

@@ -114,8 +114,16 @@ QUANTIZE: tuple[Option, ...] = (
            "an MTP block outside the decoder layers (Qwen3-Next, Qwen3.5/3.6-MoE `mtp.*`): keep it as stored (as "
            "published NVFP4 checkpoints do) or quantize its routed experts (weight-only)"),
     Option("scheme_for", list[str], (),
-           "give modules matching REGEX another scheme: nvfp4, nvfp4a16, fp8-dynamic, fp8-block, fp8-static or bf16 "
-           "(kept); the first matching rule wins, the rest get --scheme (repeatable)", metavar="REGEX=SCHEME"),
+           "give modules matching REGEX another scheme: nvfp4, nvfp4a16, fp8-dynamic, fp8-block, fp8-static, bf16 "
+           "(kept) or fp8-source (an FP8 source's module as stored, also where the ignores keep it); the first "
+           "matching rule wins, the rest get --scheme (repeatable)", metavar="REGEX=SCHEME"),
+    Option("source_config", bool, False,
+           "an FP8 release (DeepSeek-V4): keep its own quantization_config, declare the NVFP4 routed experts in it "
+           "and keep every other FP8 Linear as stored under its names, the form vLLM 0.33 serves DeepSeek-V4 with "
+           "NVFP4 experts in (with --format modelopt)"),
+    Option("kv_cache", Literal["fp8"] | None, None,
+           "fp8: calibrate per-layer k_scale / v_scale for vLLM's FP8 KV cache (full-attention layers; calibrates on "
+           "--calib, also for weight-only schemes) [default: none]", show_default=False),
 )
 # where a recipe's default differs from the command's: a recipe is usually the whole job, calibrated W4A4
 RECIPE_DEFAULTS = {("quantize", "scheme"): "nvfp4"}

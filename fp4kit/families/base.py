@@ -81,6 +81,12 @@ class Family:
     # transformers' decoder layers of the family load one at a time from the checkpoint's names
     # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
     streams_layers: bool = True
+    # the key of an FP8 release's own quantization_config under which an engine reads NVFP4 routed experts beside
+    # the release's FP8 Linears (quantize --source-config); None: no engine reads such a form for the family
+    source_config_moe_key: str | None = None
+    # MLA attention (DeepSeek's): vLLM caches the compressed latent and the rotary key under one scale, not keys and
+    # values (model_executor/layers/attention/mla_attention.py), so `quantize --kv-cache fp8` refuses the family
+    mla_attention: bool = False
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
         """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after
@@ -437,6 +443,6 @@ def engine_fused_name(modules: list[str]) -> str | None:
     """The name an engine serves fused siblings ``modules`` under where no packed-module mapping gives it
     (``ENGINE_FUSED_NAMES``), e.g. ``model.layers.0.self_attn.fused_qkv_a_proj``; None for any other group."""
     parents = {m.rsplit(".", 1)[0] for m in modules}
-    leaves = tuple(m.rsplit(".", 1)[-1] for m in modules)
-    fused = ENGINE_FUSED_NAMES.get(leaves)
+    leaves = sorted(m.rsplit(".", 1)[-1] for m in modules)
+    fused = next((name for parts, name in ENGINE_FUSED_NAMES.items() if sorted(parts) == leaves), None)
     return f"{parents.pop()}.{fused}" if fused and len(parents) == 1 else None

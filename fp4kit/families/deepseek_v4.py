@@ -22,8 +22,9 @@ head bf16 (transformers' ``Fp8Dequantize`` reads both scale grids; fp4kit.io.sou
 
 Quantized by default: the routed experts only (from the FP4 release, the exact MXFP4 -> NVFP4 cast). vLLM 0.33 loads
 NVFP4 DeepSeek-V4 experts beside FP8 attention and shared experts (``DeepseekV4FP8Config``, ``moe_quant_algo:
-NVFP4``), so the rest stays in its source precision (written dequantized: bf16 from FP8 is exact). Kept: ``head``,
-the router, the compressors and indexer (transformers keeps them out of FP8 quantization,
+NVFP4``), so the rest stays in its source precision: written dequantized (bf16 from FP8 is exact), or, with
+``quantize --source-config``, as the release stores it under the release's config (the form vLLM serves). Kept:
+``head``, the router, the compressors and indexer (transformers keeps them out of FP8 quantization,
 ``_keep_in_fp32_modules``), the MTP block, and every attention and shared-expert projection.
 
 Routing (transformers' ``DeepseekV4TopKRouter``): scores sqrt(softplus(logits)), top-k of scores + bias, weights the
@@ -82,4 +83,8 @@ FAMILY = Family(
     # its decoder layers run [B, S, hc_mult, H] streams, hash layers take the token ids, and the release's names are
     # not transformers' (conversion_mapping.py merges the experts): not streamed yet
     streams_layers=False,
+    # vLLM 0.33 models/deepseek_v4/quant_config.py: DeepseekV4FP8Config serves `moe_quant_algo: NVFP4` routed experts
+    # through ModelOpt's NVFP4 MoE method beside the release's FP8 Linears (quantize --source-config)
+    source_config_moe_key="moe_quant_algo",
+    mla_attention=True,
 )

@@ -162,6 +162,10 @@ class Dialect:
     serve_quantization: str | None = None
     # the same for a checkpoint with per-module schemes (fp4kit.quantize.schemes)
     serve_quantization_mixed: str | None = None
+    # the algorithm an FP8 release's own config names NVFP4 routed experts written in this dialect's tensor names by
+    # (quantize --source-config: vLLM 0.33's DeepseekV4FP8Config reads `moe_quant_algo: NVFP4` and loads the
+    # experts through ModelOpt's NVFP4 MoE method); None: no engine reads this dialect's experts so
+    fp8_release_moe_algo: str | None = None
 
     # --- reading ---
     def declared_by(self, method: str, files: dict[str, dict]) -> str | None:
@@ -250,6 +254,41 @@ class Dialect:
 
     def mixed_side_configs(self, schemes: dict[str, str], ignore: list[str]) -> dict[str, dict]:
         return {}
+
+    # --- the FP8 KV cache (quantize --kv-cache fp8): per attention module a k_scale and a v_scale, fp32 divisors ---
+    kv_suffixes: tuple[str, str] = (".k_scale", ".v_scale")  # after the attention module's name
+    kv_scale_shape: tuple[int, ...] = ()
+
+    def kv_scale_names(self, attention: str) -> tuple[str, str]:
+        return attention + self.kv_suffixes[0], attention + self.kv_suffixes[1]
+
+    def kv_planned(self, attention: str) -> list[PlannedTensor]:
+        from fp4kit.io.checkpoint import PlannedTensor
+
+        return [PlannedTensor(name, torch.float32, self.kv_scale_shape) for name in self.kv_scale_names(attention)]
+
+    def kv_encode(self, attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        k_name, v_name = self.kv_scale_names(attention)
+        return {k_name: k_scale.float().reshape(self.kv_scale_shape),
+                v_name: v_scale.float().reshape(self.kv_scale_shape)}
+
+    def find_kv_scales(self, names: list[str]) -> dict[str, tuple[str, str]]:
+        """Attention module -> its (k_scale, v_scale) tensor names, for every k_scale among ``names``."""
+        found = {}
+        for name in names:
+            if name.endswith(self.kv_suffixes[0]):
+                attention = name[: -len(self.kv_suffixes[0])]
+                found[attention] = self.kv_scale_names(attention)
+        return found
+
+    def add_kv_cache(self, quantization_config: dict, side_configs: dict[str, dict]) -> None:
+        """Declare an FP8 KV cache in the configs (in place)."""
+        raise NotImplementedError
+
+    def kv_cache_of(self, qconfig: dict) -> str | None:
+        """``fp8`` where the config declares a per-tensor FP8 KV cache, else None (no KV cache, or one fp4kit does
+        not read: its scales are then passthrough tensors)."""
+        raise NotImplementedError
 
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
         """Another dialect's ignore list (module names, ``re:`` regexes or fnmatch globs) in this dialect's

@@ -259,6 +259,9 @@ def _fp8_block_source(qc: dict, tensors: dict[str, tuple[torch.dtype, tuple[int,
     release), ``<m>.scale`` E8M0 multipliers; beside them DeepSeek-V4 stores its routed experts as MXFP4 under the
     same ``.scale`` name (``E8M0_SCALE_SUFFIX``)."""
     where = "config.json: quantization_config"
+    if qc.get("moe_quant_algo"):
+        raise Fp4kitError(f"{where}.moe_quant_algo: {qc['moe_quant_algo']!r}: FP8 with routed experts in another "
+                          "format (what quantize --source-config writes for vLLM); fp4kit does not read it yet")
     block = qc.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from fp4kit.errors import Fp4kitError
-from fp4kit.families.base import engine_fused_name
+from fp4kit.families.base import engine_fused_name, weight_scale_group
 from fp4kit.formats.base import Dialect
-from fp4kit.fp8 import fp8_input_scale, quantize_fp8
+from fp4kit.fp8 import Fp8Weight, fp8_input_scale, fp8_scale_shape, quantize_fp8
 from fp4kit.io.checkpoint import CheckpointReader, copy_side_files, read_config
+from fp4kit.io.sources import Fp8Block
 from fp4kit.io.streaming import BackgroundWriter, cpu_workers, prefetched, produced_in_parallel
 from fp4kit.native import nvfp4_cpu
 from fp4kit.nvfp4 import Mxfp4Weight, NonFiniteError, NVFP4Tensor, cast_mxfp4_group, quantize_group, quantize_stacked
@@ -29,9 +30,26 @@ from fp4kit.progress import start_phase
 from fp4kit.progress import warn as warn_progress
 from fp4kit.quantize import distributed
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
-from fp4kit.quantize.plan import ModelPlan, QuantGroup, build_plan, job_bytes, planned_passthrough, read_job
+from fp4kit.quantize.kv_cache import check_kv_cache, kv_cache_attention, kv_scales
+from fp4kit.quantize.plan import (
+    ModelPlan,
+    QuantGroup,
+    StoredFp8,
+    build_plan,
+    job_bytes,
+    planned_passthrough,
+    read_job,
+)
 from fp4kit.quantize.scale_search import ScaleSearch, parse_scale_search, quantize_group_mse, quantize_stacked_mse
-from fp4kit.quantize.schemes import FP8_SCHEMES, KEPT, STATIC_INPUT_SCHEMES, SchemeMap, module_schemes, single_nvfp4
+from fp4kit.quantize.schemes import (
+    FP8_SCHEMES,
+    KEPT,
+    STATIC_INPUT_SCHEMES,
+    STORED,
+    SchemeMap,
+    module_schemes,
+    single_nvfp4,
+)
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
@@ -97,6 +115,11 @@ class QuantizeOptions:
     mtp: str = "keep"
     # per-module schemes, REGEX=SCHEME, first match wins (fp4kit.quantize.schemes); the rest get `scheme`
     scheme_for: list[str] = field(default_factory=list)
+    # an FP8 release: its own quantization_config with the NVFP4 routed experts declared in it (the family's
+    # source_config_moe_key), every other FP8 Linear as stored under the release's names
+    source_config: bool = False
+    # fp8: per-layer k_scale / v_scale of an FP8 KV cache, calibrated (fp4kit.quantize.kv_cache); None: none
+    kv_cache: str | None = None
     command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
@@ -175,6 +198,7 @@ def _validate(options: QuantizeOptions) -> None:
                           "activation scales; quantize them weight-only (--scheme nvfp4a16, no nvfp4 or fp8-static "
                           "--scheme-for)")
     calibration_dtype(options, {})  # a bad --dtype: one line, before any work
+    check_kv_cache(options.kv_cache)
     if options.batch_size < 1:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
@@ -408,10 +432,15 @@ class GroupBatcher:
             self.emit(encode_group(group, quantized, self.options, self.input_divs))
 
 
-def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list:
-    planned = []
+def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions,
+                kv_attention: list[str] | None = None) -> list:
+    """The output's tensors: the plan's jobs, and the KV-cache scales of ``kv_attention``."""
     fmt = _format_module(options)
+    planned = [t for attention in kv_attention or [] for t in fmt.kv_planned(attention)]
     for job in plan.jobs:
+        if isinstance(job, StoredFp8):
+            planned.extend(stored_fp8_planned(reader, job, options))
+            continue
         if not isinstance(job, QuantGroup):
             planned.append(planned_passthrough(reader, job))
             continue
@@ -438,11 +467,45 @@ def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOpti
     return planned
 
 
+def stored_fp8_planned(reader: CheckpointReader, job: StoredFp8, options: QuantizeOptions) -> list:
+    """The output tensors of an FP8 Linear kept as stored, in the dialect's FP8 spelling; an error where the
+    dialect cannot hold its stored form."""
+    fmt = _format_module(options)
+    weight, scale = job.tensors
+    if options.source_config:  # the release's own tensors under its own config
+        return [planned_passthrough(reader, weight), planned_passthrough(reader, scale)]
+    info = reader.info(scale)
+    if job.scheme is None:
+        raise Fp4kitError(f"--scheme-for fp8-source: {scale} {list(info.shape)} scales {weight} "
+                          f"{list(reader.info(weight).shape)} in blocks of {job.linear.encoding.block}; {fmt.title} "  # type: ignore[union-attr]
+                          "FP8 holds 128x128 blocks or one scale per output channel (fp8-block / fp8-dynamic)")
+    if info.dtype == torch.float8_e8m0fnu:
+        raise Fp4kitError(f"--scheme-for fp8-source: {scale} is an E8M0 (power-of-two exponent) scale; {fmt.title} "
+                          "stores FP8 scales as floats and vLLM 0.33 loads them into float32 parameters, so it has "
+                          "no E8M0 form (keep the module dequantized, or re-quantize it with fp8-block)")
+    return fmt.fp8_planned(job.linear.module, job.scheme, job.linear.out_features, job.linear.in_features,
+                           info.dtype, False)
+
+
+def passthrough_tensors(job: str, data: object, options: QuantizeOptions) -> dict[str, torch.Tensor]:
+    """A passthrough job's output tensors: the tensor read, or an FP8 Linear kept as stored (its weight and scale
+    bytes, read as the source holds them) under the dialect's FP8 names."""
+    if not isinstance(job, StoredFp8):
+        return {job: data}  # type: ignore[dict-item]
+    stored: dict[str, torch.Tensor] = data  # type: ignore[assignment]
+    if options.source_config:
+        return stored
+    weight, scale = job.tensors
+    n, k = job.linear.out_features, job.linear.in_features
+    canonical = Fp8Weight(stored[weight], stored[scale].reshape(fp8_scale_shape(job.scheme, n, k)))  # type: ignore[arg-type]
+    return _format_module(options).fp8_encode(job.linear.module, job.scheme, canonical)  # type: ignore[arg-type]
+
+
 def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn: Callable[[str], None]
                       ) -> tuple[torch.Tensor | None, dict]:
     """The calibration token ids [S, L] when a calibration pass runs (W4A4, or a calibrated method), and their record
     for the report and the output (``calibration`` in fp4kit_routing_stats.json: docs/formats.md)."""
-    if not static_inputs(options) and not calibrated_method(options):
+    if not static_inputs(options) and not calibrated_method(options) and options.kv_cache is None:
         if options.calib is not None:
             warn(f"--calib {options.calib}: not used: --scheme nvfp4a16 with --method {options.method} quantizes "
                  "the weights alone, from no data (--method gptq or mse calibrate on it)")
@@ -470,14 +533,16 @@ def _batches(samples: int, batch_size: int, batch_share: tuple[int, int]) -> int
 
 def _calibrate(
     src: Path, plan: ModelPlan, options: QuantizeOptions, ranks: distributed.Ranks, token_ids: torch.Tensor | None,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
-    """W4A4: a layer-streaming calibration pass over SRC before the quantization pass (weights are read twice,
-    activations for all samples stay in memory, one layer's weights at a time). Under torchrun each rank runs its
-    share of the batches and the statistics are combined."""
-    if not static_inputs(options) or token_ids is None:
-        return {}, {}
+    progress: Callable[[int, int], None] | None = None, kv_attention: list[str] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[int, list[int]], dict[str, float]]:
+    """W4A4 (or ``kv_attention``, the attention modules whose KV-cache amax it records): a layer-streaming
+    calibration pass over SRC before the quantization pass (weights are read twice, activations for all samples stay
+    in memory, one layer's weights at a time). Under torchrun each rank runs its share of the batches and the
+    statistics are combined. Returns the input divisors, the routing counts and the KV-cache amax."""
+    if not (static_inputs(options) or kv_attention) or token_ids is None:
+        return {}, {}, {}
     from fp4kit.quantize.calibrate import calibrate
+    from fp4kit.quantize.kv_cache import kv_name
 
     modules = {c.linear.module for g in _static_input_groups(plan, options) for c in g.members}
     batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)
@@ -486,9 +551,12 @@ def _calibrate(
                         f"{token_ids.shape[1]} tokens, {batches} batches through each decoder layer, "
                         f"{_dtype_name(dtype)}")
     result = calibrate(src, token_ids, options.device, options.batch_size, modules, dtype=dtype,
-                       batch_share=ranks.batch_share, progress=phase, config=plan.config, family=plan.family)
-    result = ranks.combine_calibration(result, sorted(modules))
-    return static_input_scales(plan, options, plan.groups, result.input_amax), result.routing_counts
+                       batch_share=ranks.batch_share, progress=phase, config=plan.config, family=plan.family,
+                       kv_attention=set(kv_attention or []))
+    kv_names = [kv_name(a, part) for a in kv_attention or [] for part in ("k", "v")]
+    result = ranks.combine_calibration(result, sorted(modules), kv_names)
+    return (static_input_scales(plan, options, plan.groups, result.input_amax), result.routing_counts,
+            result.kv_amax)
 
 
 def _static_input_groups(plan: ModelPlan, options: QuantizeOptions,
@@ -528,14 +596,15 @@ def calibrated_method(options: QuantizeOptions) -> bool:
 def _quantize_calibrated(
     src: Path, reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions,
     source_input_divs: dict[str, torch.Tensor] | None, put: Callable[[dict[str, torch.Tensor]], None],
-    progress: Callable[[int, int], None] | None, token_ids: torch.Tensor,
-) -> tuple[list[str], dict[int, list[int]]]:
+    progress: Callable[[int, int], None] | None, token_ids: torch.Tensor, kv_attention: list[str] | None = None,
+) -> tuple[list[str], dict[int, list[int]], dict[str, float]]:
     """The calibrated methods: passthrough tensors first, then layer by layer the calibration pass quantizes each
     layer's groups (fp4kit.quantize.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are
     known; groups outside the text model's decoder layers last, by data-free mse. FP8 groups are written with the
     passthrough tensors, round to nearest as llm-compressor's FP8 schemes are (fp8-static's input scales then come
-    from the source pass: ``source_input_divs``). Returns the modules that fell back to data-free or weighted mse, and
-    the routing counts."""
+    from the source pass: ``source_input_divs``). ``kv_attention``: the attention modules whose KV-cache amax the
+    quantized layers' forward records. Returns the modules that fell back to data-free or weighted mse, the routing
+    counts and the KV-cache amax."""
     from fp4kit.quantize.calibrate import calibrate_quantized
     from fp4kit.quantize.gptq import GptqOptions, LayerQuantizer
 
@@ -546,7 +615,7 @@ def _quantize_calibrated(
                            f"each decoder layer, {_dtype_name(dtype)}", main=True)
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
-            put({job: _read_job(reader, job, options.device)})  # type: ignore[dict-item]
+            put(passthrough_tensors(job, _read_job(reader, job, options.device), options))
     fp8 = [g for g in plan.groups if group_scheme(plan, g, options) in FP8_SCHEMES]
     for group in fp8:
         put(fp8_group_tensors(group, _read_job(reader, group), group_scheme(plan, group, options), options,
@@ -582,7 +651,8 @@ def _quantize_calibrated(
     modules = {c.linear.module for g in nvfp4 for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
                                  full_hessians=options.method == "gptq", dtype=dtype, on_layer=on_layer,
-                                 input_amax=with_input, config=plan.config, family=plan.family, progress=progress)
+                                 input_amax=with_input, config=plan.config, family=plan.family, progress=progress,
+                                 kv_attention=set(kv_attention or []))
     rest = [g for g in nvfp4 if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
@@ -596,7 +666,7 @@ def _quantize_calibrated(
         quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
         put(encode_group(group, quantized, options, divs))
         fallbacks.extend(c.linear.module for c in group.members)
-    return fallbacks, result.routing_counts
+    return fallbacks, result.routing_counts, result.kv_amax
 
 
 def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
@@ -613,8 +683,13 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
     from fp4kit.quantize.provenance import calibration_record, write_provenance
 
     fmt = _format_module(options)
-    ignore = fmt.exclusions(plan.ignored_modules, [m.linear.module for g in plan.groups for m in g.members])
-    if single_nvfp4(plan.schemes.values()):
+    ignore = fmt.exclusions(plan.ignored_modules, [m.linear.module for g in plan.groups for m in g.members]
+                            + [job.linear.module for job in plan.stored_fp8])
+    if options.source_config:
+        side_configs = {}
+        quantization_config = {**config["quantization_config"],
+                               plan.family.source_config_moe_key: fmt.fp8_release_moe_algo}  # type: ignore[dict-item]
+    elif single_nvfp4(plan.schemes.values()) and not plan.stored_fp8:
         scheme = next(iter(set(plan.schemes.values())), options.scheme)
         side_configs = fmt.side_configs(scheme, ignore)
         quantization_config = fmt.quantization_config(scheme, ignore)
@@ -622,6 +697,8 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
         schemes = config_schemes(plan, options)
         side_configs = fmt.mixed_side_configs(schemes, ignore)
         quantization_config = fmt.mixed_quantization_config(schemes, ignore)
+    if options.kv_cache is not None:
+        fmt.add_kv_cache(quantization_config, side_configs)
     for name, document in side_configs.items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
     write_config(work, config, quantization_config)
@@ -656,22 +733,78 @@ def quantize_checkpoint(
 
 
 def _plan(reader: CheckpointReader, config: dict, options: QuantizeOptions) -> ModelPlan:
-    """The quantization plan with each module's scheme; modules a rule keeps in bf16 are planned as ignored ones."""
-    def build(keep: frozenset[str] = frozenset()) -> ModelPlan:
+    """The quantization plan with each module's scheme; modules a rule keeps in bf16 are planned as ignored ones,
+    and FP8 modules kept as stored (fp8-source) as ``StoredFp8`` jobs."""
+    def build(keep: frozenset[str] = frozenset(), stored: frozenset[str] = frozenset()) -> ModelPlan:
         return build_plan(reader, config, options.ignore, options.targets, options.default_ignore,
                           modelopt_layout=_format_module(options).fused_experts, dequant_dtype=options.dequant_dtype,
-                          mtp=options.mtp, keep=keep)
+                          mtp=options.mtp, keep=keep, stored=stored)
 
     plan = build()
     smap = scheme_map(options)
+    if options.source_config:
+        return build(stored=_source_config_stored(plan, smap, options))
     if not smap.rules:
         return plan
-    schemes = module_schemes(plan.groups, smap)
-    kept = frozenset(m for m, s in schemes.items() if s == KEPT)
-    if kept:
-        plan = build(kept)
-    plan.schemes = {m: s for m, s in schemes.items() if s != KEPT}
+    planned = {c.linear.module for g in plan.groups for c in g.members}
+    fp8_kept = [m for m, q in (plan.source.linears.items() if plan.source else ())
+                if m not in planned and isinstance(q.encoding, Fp8Block) and smap.rule_scheme(m) == STORED]
+    schemes = module_schemes(plan.groups, smap, fp8_kept)
+    stored = frozenset(fp8_kept) | {m for m, s in schemes.items() if s == STORED}
+    kept = frozenset(m for m, s in schemes.items() if s in (KEPT, STORED))
+    if kept or stored:
+        plan = build(kept, stored)
+    plan.schemes = {m: s for m, s in schemes.items() if s not in (KEPT, STORED)}
     return plan
+
+
+def _kv_attention(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list[str]:
+    """The attention modules that get FP8 KV-cache scales (none without --kv-cache)."""
+    if options.kv_cache is None:
+        return []
+    check_kv_cache(options.kv_cache, plan.family)
+    attention = kv_cache_attention(reader.names(), int(plan.text_config["num_hidden_layers"]))
+    if not attention:
+        raise Fp4kitError(f"--kv-cache {options.kv_cache}: found no decoder layer with a self_attn.k_proj, so no "
+                          "attention module with a KV cache")
+    return attention
+
+
+def _source_config_stored(plan: ModelPlan, smap: SchemeMap, options: QuantizeOptions) -> frozenset[str]:
+    """--source-config: every FP8 Linear the plan leaves unquantized, kept as stored; an error where the output
+    would not be the form the family's engine reads (the family's ``source_config_moe_key``)."""
+    from fp4kit.families.base import expert_module
+    from fp4kit.registry import dialects
+
+    family, fmt = plan.family, _format_module(options)
+    if family.source_config_moe_key is None:
+        raise Fp4kitError(f"--source-config: no engine reads NVFP4 experts declared in a {family.name} release's own "
+                          "config; drop it to write a compressed-tensors or ModelOpt config")
+    if fmt.fp8_release_moe_algo is None:
+        names = [d.name for d in dialects() if d.fp8_release_moe_algo]
+        raise Fp4kitError(f"--source-config: the engine reads the NVFP4 experts in {names[0]}'s tensor names, not "
+                          f"{fmt.title}'s; add --format {names[0]}")
+    method = (plan.config.get("quantization_config") or {}).get("quant_method")
+    if plan.source is None or method != "fp8":
+        raise Fp4kitError(f"--source-config: config.json: quantization_config.quant_method is {method!r}; the form "
+                          "keeps an FP8 release's own config (quant_method fp8)")
+    if smap.rules:
+        raise Fp4kitError("--source-config: every Linear but the routed experts stays as the release stores it; "
+                          "--scheme-for does not apply")
+    planned = set()
+    for group in plan.groups:
+        for c in group.members:
+            if expert_module(c.linear.module, family.grammar) is None:
+                raise Fp4kitError(f"--source-config: {c.linear.module} would be NVFP4, but the release's config "
+                                  "gives NVFP4 to routed experts only; keep it with --ignore")
+            planned.add(c.linear.module)
+    for module, linear in plan.source.linears.items():
+        if module not in planned and not isinstance(linear.encoding, Fp8Block):
+            raise Fp4kitError(f"--source-config: {linear.tensor} ({module}) stays {type(linear.encoding).__name__}, "
+                              f"but {family.source_config_moe_key} {fmt.fp8_release_moe_algo} makes the engine read "
+                              "every routed expert as NVFP4; quantize it (--mtp quantize for the MTP block's)")
+    return frozenset(m for m, linear in plan.source.linears.items()
+                     if m not in planned and isinstance(linear.encoding, Fp8Block))
 
 
 def config_schemes(plan: ModelPlan, options: QuantizeOptions) -> dict[str, str]:
@@ -689,6 +822,15 @@ def config_schemes(plan: ModelPlan, options: QuantizeOptions) -> dict[str, str]:
             alias = engine_fused_name(modules)
             if alias is not None:
                 out[alias] = scheme
+    siblings: dict[str, list[StoredFp8]] = {}
+    for job in plan.stored_fp8:
+        siblings.setdefault(weight_scale_group(job.linear.module, plan.family.grammar), []).append(job)
+    for jobs in siblings.values():
+        modules = [j.linear.module for j in jobs]
+        out.update({j.linear.module: j.scheme for j in jobs})  # type: ignore[misc]
+        alias = engine_fused_name(modules)
+        if alias is not None:
+            out[alias] = jobs[0].scheme  # type: ignore[assignment]
     return out
 
 
@@ -707,7 +849,8 @@ def _quantize_checkpoint(
         ):
             raise Fp4kitError(f"--moe-input-scales per-expert: ModelOpt's fused {plan.family.name} experts store one "
                               "input scale per layer; use shared")
-        planned = output_plan(reader, plan, options)
+        kv_attention = _kv_attention(reader, plan, options)
+        planned = output_plan(reader, plan, options, kv_attention)
         calibrated = calibrated_method(options)
         if calibrated and ranks.world > 1:
             raise Fp4kitError(f"--method {options.method} runs in one process; start it without torchrun")
@@ -719,28 +862,37 @@ def _quantize_checkpoint(
             warn_progress(progress, text)
 
         token_ids, calibration = _calibration_data(src, plan, options, warn)
+        if options.source_config and not static_inputs(options):
+            warn("--source-config: vLLM 0.33 runs these NVFP4 experts with NVFP4 activations (ModelOpt's W4A4 MoE "
+                 "method) and this output has no input scales: serve it with per-token activation scales "
+                 "(docs/serving.md, DeepSeek-V4)")
         fp8_static = "fp8-static" in plan.schemes.values()
         source_scales = not calibrated or (static_inputs(options) and (input_scale_source(options) == "source"
                                                                        or fp8_static))
-        input_divs, routing_counts = (_calibrate(src, plan, options, ranks, token_ids, progress) if source_scales
-                                      else ({}, {}))
+        input_divs, routing_counts, kv_amax = (
+            _calibrate(src, plan, options, ranks, token_ids, progress, [] if calibrated else kv_attention)
+            if source_scales else ({}, {}, {}))
         fallbacks: list[str] = []
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
         metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
         writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
-                                    output_plan(reader, replace(plan, jobs=jobs), options))
+                                    output_plan(reader, replace(plan, jobs=jobs), options,
+                                                kv_attention if ranks.main else None))
         background = BackgroundWriter(writer, QUEUE_DEPTH)
         stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
         batcher = GroupBatcher(options, input_divs, background.put, stack_bytes, plan)
         try:
             if calibrated:
                 assert token_ids is not None
-                fallbacks, pass_counts = _quantize_calibrated(
+                fallbacks, pass_counts, kv_amax = _quantize_calibrated(
                     src, reader, plan, options, input_divs if source_scales else None, background.put, progress,
-                    token_ids)
+                    token_ids, kv_attention)
                 routing_counts = routing_counts or pass_counts
+            if kv_attention and ranks.main:
+                for attention, (k_scale, v_scale) in kv_scales(kv_attention, kv_amax).items():
+                    background.put(_format_module(options).kv_encode(attention, k_scale, v_scale))
             else:
                 progress = start_phase(progress, "quantizing", share_bytes, main=True)
             def read(job: QuantGroup | str) -> object:
@@ -752,7 +904,8 @@ def _quantize_checkpoint(
                 """A job read, quantized (a group) and written, on one of the worker threads; its MXFP4 cast counts.
                 Every output tensor has its planned place, so the threads write in any order and the same bytes."""
                 data, counts = read(job), {}
-                tensors = batcher.alone(job, data, counts) if isinstance(job, QuantGroup) else {job: data}
+                tensors = (batcher.alone(job, data, counts) if isinstance(job, QuantGroup)
+                           else passthrough_tensors(job, data, options))
                 for name, tensor in tensors.items():  # type: ignore[union-attr]
                     writer.write(name, tensor)
                 return counts
@@ -765,7 +918,7 @@ def _quantize_checkpoint(
                     if isinstance(job, QuantGroup):
                         batcher.add(job, data)  # type: ignore[arg-type]
                     else:
-                        background.put({job: data})  # type: ignore[dict-item]
+                        background.put(passthrough_tensors(job, data, options))
                     done += _job_bytes(reader, job)
                     if progress:
                         progress(min(done, share_bytes), share_bytes)

@@ -10,9 +10,11 @@ import torch
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
-from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates
+from fp4kit.families.base import Candidate, Family, SourceRef, fused_groups, linear_candidates, weight_scale_group
+from fp4kit.fp8 import FP8_BLOCK
 from fp4kit.io.checkpoint import CheckpointReader, PlannedTensor
 from fp4kit.io.sources import (
+    Fp8Block,
     Mxfp4,
     QuantizedLinear,
     SourceFormat,
@@ -78,6 +80,11 @@ class ModelPlan:
     def scheme_of(self, group: QuantGroup, default: str) -> str:
         return self.schemes.get(group.members[0].linear.module, default)
 
+    @property
+    def stored_fp8(self) -> list[StoredFp8]:
+        """The FP8 Linears written as the source stores them (scheme fp8-source)."""
+        return [job for job in self.passthrough if isinstance(job, StoredFp8)]
+
 
 class DequantizedWeight(str):
     """A passthrough job: ``<module>.weight`` of a Linear the source stores quantized and that stays unquantized
@@ -94,6 +101,38 @@ class DequantizedWeight(str):
         return job
 
 
+class StoredFp8(str):
+    """A passthrough job: ``<module>.weight`` of a Linear the source stores as FP8 E4M3 that the output keeps as
+    stored (scheme fp8-source): its weight and scale bytes. ``scheme`` is the FP8 scheme that stored form is in a
+    dialect's terms (fp8-block for 128x128 blocks, fp8-dynamic per channel; None for any other form, which only the
+    source's own config can hold)."""
+
+    linear: QuantizedLinear
+    scheme: str | None
+
+    def __new__(cls, linear: QuantizedLinear, scheme: str | None) -> StoredFp8:
+        job = super().__new__(cls, f"{linear.module}.weight")
+        job.linear, job.scheme = linear, scheme
+        return job
+
+    @property
+    def tensors(self) -> tuple[str, str]:
+        """(weight, scale) as the source names them."""
+        enc = self.linear.encoding
+        return enc.weight, enc.scale  # type: ignore[union-attr]
+
+
+def stored_fp8_scheme(reader: CheckpointReader, linear: QuantizedLinear) -> str | None:
+    """The FP8 scheme (fp4kit.fp8) an FP8 source Linear's stored form is, where it is one."""
+    enc = linear.encoding
+    assert isinstance(enc, Fp8Block)
+    if enc.block == (FP8_BLOCK, FP8_BLOCK):
+        return "fp8-block"
+    if enc.block == (1, linear.in_features) and reader.info(enc.scale).shape == (linear.out_features, 1):
+        return "fp8-dynamic"
+    return None
+
+
 def build_plan(
     reader: CheckpointReader,
     config: dict,
@@ -104,6 +143,7 @@ def build_plan(
     dequant_dtype: str = "fp32",
     mtp: str = "keep",
     keep: Collection[str] = (),
+    stored: Collection[str] = (),
 ) -> ModelPlan:
     """``modelopt_layout``: for families whose experts ModelOpt keeps fused (Llama-4), every expert of a fused
     on-disk expert tensor goes into one group (one global scale for all gate/up, one for all down).
@@ -111,7 +151,8 @@ def build_plan(
     A source that stores Linears quantized (fp4kit.io.sources) plans them as their dequantized [N, K] weights:
     ``dequant_dtype`` fp32 (one rounding) or bf16 (the peers' bf16 intermediate); their scale tensors are consumed,
     and those left unquantized are written dequantized in the model's dtype. ``keep``: module names left unquantized
-    like ignored ones (those a scheme rule keeps in bf16)."""
+    like ignored ones (those a scheme rule keeps in bf16). ``stored``: unquantized FP8 Linears of the source written
+    as stored (``StoredFp8``), not dequantized."""
     family = detect(config)
     source, shapes = source_view(reader, config, dequant_dtype)
     consumed_by_source = source.consumed()
@@ -146,7 +187,9 @@ def build_plan(
         grouped = _merge_fused_experts(grouped)
     groups = [QuantGroup(g) for g in grouped]
     consumed = {c.linear.source.tensor for c in chosen}
-    ignored_modules = sorted({_ignore_name(c) for c in candidates if c.linear.source.tensor not in consumed})
+    _check_stored(source, candidates, stored, family)
+    ignored_modules = sorted({_ignore_name(c) for c in candidates
+                              if c.linear.source.tensor not in consumed and c.linear.module not in stored})
     consumed |= {t for c in chosen if c.linear.source.quantized for t in c.linear.source.quantized.tensors}
     _refuse_partly_kept_fused(source, candidates, chosen)
     passthrough: list[str] = []
@@ -159,7 +202,8 @@ def build_plan(
         if name in consumed_by_source:  # a quantized Linear left unquantized: its weight, dequantized
             linear = next(q for q in source.linears.values() if name in q.tensors)
             if name == linear.tensor:
-                passthrough.append(DequantizedWeight(linear, kept_dtype))
+                passthrough.append(StoredFp8(linear, stored_fp8_scheme(reader, linear)) if linear.module in stored
+                                   else DequantizedWeight(linear, kept_dtype))
             continue
         passthrough.append(name)
 
@@ -212,6 +256,29 @@ def _with_source(c: Candidate, source: SourceFormat) -> Candidate:
     return replace(c, linear=replace(c.linear, source=SourceRef(quantized.tensor, quantized=quantized)))
 
 
+def _check_stored(source: SourceFormat, candidates: list[Candidate], stored: Collection[str], family: Family
+                  ) -> None:
+    """Modules kept as stored are FP8 in the source, and their fused siblings (q/k/v, gate/up) are kept so too."""
+    if not stored:
+        return
+    for c in candidates:
+        if c.linear.module not in stored:
+            continue
+        quantized = source.linears.get(c.linear.module)
+        if quantized is None or not isinstance(quantized.encoding, Fp8Block):
+            what = (f"stored {type(quantized.encoding).__name__}" if quantized is not None
+                    else "not quantized in the source")
+            raise Fp4kitError(f"--scheme-for fp8-source: {c.linear.source.tensor} ({c.linear.module}) is {what}; "
+                              "fp8-source keeps a module the source stores as FP8 E4M3 as it is stored")
+    keys = {weight_scale_group(m, family.grammar) for m in stored}
+    for c in candidates:
+        if c.linear.module not in stored and weight_scale_group(c.linear.module, family.grammar) in keys:
+            sibling = next(m for m in stored if weight_scale_group(m, family.grammar)
+                           == weight_scale_group(c.linear.module, family.grammar))
+            raise Fp4kitError(f"--scheme-for fp8-source: {sibling} is kept as stored but {c.linear.module} is not; "
+                              "modules a kernel fuses must share one scheme (match them with one rule)")
+
+
 def _refuse_partly_kept_fused(source: SourceFormat, candidates: list[Candidate], chosen: list[Candidate]) -> None:
     """A fused MXFP4 tensor is quantized whole: keeping some of its Linears would need them written back in a form
     the engines load beside NVFP4 experts, which fp4kit does not write."""
@@ -252,6 +319,7 @@ def _order_key(name: str) -> tuple[int, str]:
 
 
 def planned_passthrough(reader: CheckpointReader, name: str) -> PlannedTensor:
+    assert not isinstance(name, StoredFp8)  # its tensors are the dialect's (fp4kit.quantize.checkpoint)
     if isinstance(name, DequantizedWeight):
         return PlannedTensor(name, name.dtype, (name.linear.out_features, name.linear.in_features))
     info = reader.info(name)
@@ -268,6 +336,8 @@ def read_job(reader: CheckpointReader, job: QuantGroup | str, device: torch.devi
         return read_group_weights(reader, job, device, fp8_codes)
     if isinstance(job, DequantizedWeight):
         return dequantize(reader, job.linear, torch.float32).to(job.dtype)
+    if isinstance(job, StoredFp8):
+        return {name: reader.read(name) for name in job.tensors}
     return reader.read(job)
 
 
@@ -282,7 +352,7 @@ def job_bytes(reader: CheckpointReader, job: QuantGroup | str) -> int:
             else:
                 total += c.linear.out_features * c.linear.in_features * reader.info(src.tensor).dtype.itemsize
         return total
-    if isinstance(job, DequantizedWeight):
+    if isinstance(job, (DequantizedWeight, StoredFp8)):
         return sum(reader.info(t).nbytes for t in job.linear.tensors)
     return reader.info(job).nbytes
 

@@ -28,12 +28,15 @@ SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16"
 # calibration record replaces by the dtype the forward ran in
 NOT_RECORDED = ("device", "native_cpu", "overwrite", "command", "dtype")
 # options recorded only when given, so that a run without them records what it did before they existed
-RECORDED_WHEN_SET = ("scheme_for",)
+RECORDED_WHEN_SET = ("scheme_for", "source_config", "kv_cache")
 # a module group's precision in the model card, by its --scheme-for scheme (NVFP4 otherwise)
 PRECISIONS = {"fp8-dynamic": "FP8 (per-channel weights, dynamic per-token activations)",
               "fp8-block": "FP8 (128x128 weight blocks, dynamic activations)",
               "fp8-static": "FP8 (per-tensor weights, static input scale)"}
 SERVE = ["vllm serve DST", "python -m sglang.launch_server --model-path DST"]  # docs/serving.md
+# quantize --source-config (docs/serving.md, DeepSeek-V4): vLLM picks its DeepSeek-V4 FP8 config from config.json; the
+# experts have no calibrated input scales, so they take per-token dynamic ones
+SOURCE_CONFIG_SERVE = ["vllm serve DST --quantization-config '{\"moe\": {\"activation\": \"nvfp4_per_token\"}}'"]
 
 
 def base_model(src: Path, config: dict) -> str:
@@ -80,6 +83,7 @@ def module_groups(plan: ModelPlan) -> list[tuple[str, int, str]]:
 
     quantized = Counter((pattern(m.linear.module), PRECISIONS.get(plan.schemes.get(m.linear.module), "NVFP4"))
                         for group in plan.groups for m in group.members)
+    quantized.update((pattern(job.linear.module), "FP8 as stored in the source") for job in plan.stored_fp8)
     kept = Counter(pattern(module) for module in plan.ignored_modules)
     return ([(p, n, precision) for (p, precision), n in sorted(quantized.items())]
             + [(p, n, "kept (source precision)") for p, n in sorted(kept.items())])
@@ -103,6 +107,10 @@ def provenance(src: Path, plan: ModelPlan, options: object, calibration: dict, c
         "options": settings,
         "command": command,
     }
+
+
+def _source_config_serving(scheme: str) -> list[str]:
+    return SOURCE_CONFIG_SERVE if scheme == "nvfp4a16" else SERVE[:1]
 
 
 def serving_lines(dialect: str, mixed: bool = False) -> list[str]:
@@ -133,6 +141,10 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines.append(f"| calibration | {data} |")
     else:
         lines.append("| calibration | none (the weights alone) |")
+    kv_cache = record["options"].get("kv_cache")
+    if kv_cache:
+        lines.append(f"| KV cache | {kv_cache.upper()}, per-layer calibrated `k_scale` / `v_scale` (serve with "
+                     f"`--kv-cache-dtype {kv_cache}`) |")
     lines += ["", "## Precision by module group", "", "| modules | count | precision |", "|---|---|---|"]
     lines += [f"| `{pattern}` | {count} | {precision} |" for pattern, count, precision in module_groups(plan)]
     lines += ["", "## How it was made", ""]
@@ -140,7 +152,9 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines += ["```bash", record["command"], "```", ""]
     lines += [f"Every option and the calibration data's hashes: `{PROVENANCE_NAME}`.", "", "## Serving", "",
               "DST is this directory, or its Hub id once uploaded.", "",
-              "```bash", *serving_lines(dialect, not single_nvfp4(plan.schemes.values())), "```", ""]
+              "```bash", *(_source_config_serving(scheme) if record["options"].get("source_config") else
+                           serving_lines(dialect, bool(plan.stored_fp8) or not single_nvfp4(plan.schemes.values()))),
+              "```", ""]
     return "\n".join(lines)
 
 

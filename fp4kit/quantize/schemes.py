@@ -23,7 +23,10 @@ FP8_SCHEMES = ("fp8-dynamic", "fp8-block", "fp8-static")
 # schemes whose modules carry a calibrated static input scale
 STATIC_INPUT_SCHEMES = ("nvfp4", "fp8-static")
 KEPT = "bf16"
-SCHEMES = (*NVFP4_SCHEMES, *FP8_SCHEMES, KEPT)
+# an FP8 Linear of the source kept as stored: its E4M3 weight and its scale, byte for byte (fp4kit.quantize.plan
+# StoredFp8); a rule with it also reaches FP8 modules that the ignores leave unquantized
+STORED = "fp8-source"
+SCHEMES = (*NVFP4_SCHEMES, *FP8_SCHEMES, KEPT, STORED)
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,11 @@ class SchemeMap:
         return any(r.scheme != self.default for r in self.rules)
 
     def scheme_of(self, module: str) -> str:
-        for rule in self.rules:
-            if rule.pattern.search(module):
-                return rule.scheme
-        return self.default
+        return self.rule_scheme(module) or self.default
+
+    def rule_scheme(self, module: str) -> str | None:
+        """The scheme of the first rule that matches ``module``; None when none does."""
+        return next((rule.scheme for rule in self.rules if rule.pattern.search(module)), None)
 
     def group_scheme(self, modules: Sequence[str]) -> str:
         """The one scheme of modules quantized together (a fused group); an error naming two that disagree."""
@@ -96,21 +100,23 @@ class SchemeMap:
         return [r.spelled for r in self.rules if r.spelled not in winners]
 
 
-def assign(groups: Iterable[QuantGroup], smap: SchemeMap) -> dict[int, str]:
+def assign(groups: Iterable[QuantGroup], smap: SchemeMap, kept_as_stored: Iterable[str] = ()) -> dict[int, str]:
     """The scheme of each planned group (keyed by its index), every member of a fused group agreeing; an error
-    for a rule that wins for no planned module, as an ignore pattern that matches nothing would."""
+    for a rule that wins for no planned module (nor, ``kept_as_stored``, for an unquantized FP8 module it keeps as
+    stored), as an ignore pattern that matches nothing would."""
     groups = list(groups)
     modules = [c.linear.module for g in groups for c in g.members]
-    unused = smap.unused_rules(modules)
+    unused = smap.unused_rules([*modules, *kept_as_stored])
     if unused:
         raise Fp4kitError(f"--scheme-for {unused[0]!r}: matches no module that is quantized (see --ignore)")
     return {i: smap.group_scheme([c.linear.module for c in g.members]) for i, g in enumerate(groups)}
 
 
-def module_schemes(groups: Iterable[QuantGroup], smap: SchemeMap) -> dict[str, str]:
+def module_schemes(groups: Iterable[QuantGroup], smap: SchemeMap, kept_as_stored: Iterable[str] = ()
+                   ) -> dict[str, str]:
     """The scheme of every planned module (fused groups whole; see ``assign``)."""
     groups = list(groups)
-    schemes = assign(groups, smap)
+    schemes = assign(groups, smap, kept_as_stored)
     return {c.linear.module: schemes[i] for i, g in enumerate(groups) for c in g.members}
 
 
