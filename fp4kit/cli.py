@@ -18,6 +18,7 @@ Each subcommand lives in its own module under fp4kit/commands and registers itse
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import os
@@ -106,6 +107,7 @@ def _options(
     pass
 
 
+@functools.cache  # once per process: typer appends a command per call, and `run` builds every one it holds
 def _register_commands() -> None:
     import fp4kit.commands as commands
 

@@ -140,3 +140,21 @@ def fake_quantize_fp8_activation(x: torch.Tensor, scheme: str, input_scale_div: 
         raise ValueError(f"not an FP8 scheme: {scheme}")
     codes = (xf * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes.float() * scale
+
+
+def fp8_kv_scale(amax: float, where: str = "KV cache") -> torch.Tensor:
+    """A per-tensor FP8 KV-cache scale (a divisor, fp32 scalar) from the calibrated amax of a layer's keys or values:
+    amax / 448 in fp32, as ModelOpt's export writes it (``postprocess_state_dict``: ``_amax.float() / 448``); 1 where
+    the layer saw no non-zero key or value (no scale is ever 0, and vLLM reads a scale <= 0 as absent)."""
+    if not math.isfinite(amax):
+        raise Fp4kitError(f"{where}: calibration gave a non-finite amax ({amax})")
+    return torch.tensor(amax, dtype=torch.float32) / FP8_MAX if amax > 0 else torch.tensor(1.0)
+
+
+def fake_quantize_fp8_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Keys or values written to an FP8 E4M3 cache with per-tensor ``scale`` and read back (fp32), as vLLM 0.33's
+    CUDA cache writes them (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh, ``scaled_vec_conversion``: x / scale
+    cast with ``__NV_SATFINITE``) and its attention kernels dequantize them (code x scale)."""
+    scale = scale.float().reshape(())
+    codes = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.float() * scale

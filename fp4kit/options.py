@@ -122,6 +122,9 @@ QUANTIZE: tuple[Option, ...] = (
            "an FP8 release (DeepSeek-V4): keep its own quantization_config, declare the NVFP4 routed experts in it "
            "and keep every other FP8 Linear as stored under its names, the form vLLM 0.33 serves DeepSeek-V4 with "
            "NVFP4 experts in (with --format modelopt)"),
+    Option("kv_cache", Literal["fp8"] | None, None,
+           "fp8: calibrate per-layer k_scale / v_scale for vLLM's FP8 KV cache (full-attention layers; calibrates on "
+           "--calib, also for weight-only schemes) [default: none]", show_default=False),
 )
 # where a recipe's default differs from the command's: a recipe is usually the whole job, calibrated W4A4
 RECIPE_DEFAULTS = {("quantize", "scheme"): "nvfp4"}

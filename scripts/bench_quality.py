@@ -2,7 +2,8 @@
 
     python scripts/bench_quality.py [--model ../shared/refmodel/qwen3-moe-bytes] [--methods rtn,mse,mse+calib,gptq]
                                     [--schemes nvfp4a16,nvfp4] [--calib-samples 128] [--eval-samples 48]
-                                    [--seq-len 512] [--skip-llmc | --llmc-only] [--no-check] [--json FILE]
+                                    [--seq-len 512] [--skip-llmc | --llmc-only] [--llmc-methods M,...] [--no-check]
+                                    [--json FILE] [--quantize-only | --scores-from FILE] [--workdir DIR]
 
 Model: a small Qwen3-MoE trained on text (6 layers, 16 experts, byte vocabulary) with its own ``calib.jsonl`` and
 held-out ``eval.jsonl`` (``input_ids`` windows of 512). Every row quantizes it in a process of its own (wall time
@@ -26,6 +27,12 @@ source, weights substituted in memory), W4A4 activations quantized by the few li
 the KL of that forward is printed beside `fp4kit eval`'s. The table gives each row's KL as a ratio to fp4kit RTN
 of the same scheme in the same run. llm-compressor's GPTQ takes minutes on a CPU: --skip-llmc leaves its rows out,
 --llmc-only runs only them (plus the fp4kit RTN anchors).
+
+Each row records where it was quantized (host, CPU count, the 1-minute load average before and after, the GPU if
+torch sees one) and the child's CPU seconds. Quantizing and scoring can run on different machines:
+``--quantize-only --json times.json`` quantizes every row into --workdir and stops; ``--scores-from times.json``
+then scores the outputs found in --workdir (copied from there) with the times recorded in the JSON, quantizing only
+the rows the JSON does not have.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -54,6 +63,8 @@ class Row:
     scheme: str
     seconds: float | None = None
     peak_rss_gb: float | None = None
+    cpu_seconds: float | None = None
+    where: str = ""  # host, CPUs, load average before -> after, GPU
     kl: float | None = None
     ce: float | None = None
     top1: float | None = None
@@ -189,7 +200,12 @@ def independent_kl(src: Path, ckpt: Path, windows: list[list[int]], batch: int) 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     params = dict(model.named_parameters())
     input_g: dict[str, torch.Tensor] = {}
+    quantized = {k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")}
     with torch.no_grad():
+        # tensors stored unquantized come from the checkpoint too: AWQ folds its scales into the norms and the router
+        for name, tensor in tensors.items():
+            if name.rpartition(".")[0] not in quantized:
+                params[name].copy_(tensor.float())
         for name in [k for k in tensors if k.endswith(".weight_packed")]:
             module = name.removesuffix(".weight_packed")
             packed = tensors[name]
@@ -230,7 +246,7 @@ def independent_kl(src: Path, ckpt: Path, windows: list[list[int]], batch: int) 
 
 def plan_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
-    methods = ["rtn"] if args.llmc_only else args.methods.split(",")
+    methods = ["rtn"] if args.llmc_only else [m for m in args.methods.split(",") if m]  # "" for none
     for scheme in args.schemes.split(","):
         for method in methods:
             if method == "mse+calib" and scheme == "nvfp4":
@@ -241,20 +257,43 @@ def plan_rows(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def run_row(row: Row, bq, src: Path, calib: Path, token_ids, windows, args: argparse.Namespace) -> None:
-    from fp4kit.tools.evaluate import evaluate
+def host() -> str:
+    import torch
 
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no GPU"
+    return f"{platform.node()}, {os.cpu_count()} CPUs{gpu}"
+
+
+def quantize_row(row: Row, bq, src: Path, calib: Path, args: argparse.Namespace) -> bool:
     dst = args.workdir / row.label.replace(" ", "-")
     shutil.rmtree(dst, ignore_errors=True)
     log = args.workdir / f"{dst.name}.log"
     bq.warm_page_cache(src)
+    load_before = os.getloadavg()[0]
     try:
         run = bq.time_process(command(row, src, dst, calib, args), dst, log)
     except RuntimeError as exc:
         row.note = f"quantize failed (log {log})"
         print(f"  {row.label}: FAILED\n{exc}", flush=True)
+        return False
+    row.seconds, row.peak_rss_gb, row.cpu_seconds = run.seconds, run.peak_rss_bytes / 1e9, run.cpu_seconds
+    row.where = f"{host()}, load {load_before:.1f} -> {run.load_average:.1f}"
+    print(f"  {row.label}: quantized in {row.seconds:.1f} s ({row.cpu_seconds:.1f} CPU s; {row.where})", flush=True)
+    return True
+
+
+def run_row(row: Row, bq, src: Path, calib: Path, token_ids, windows, args: argparse.Namespace,
+            recorded: dict[str, dict]) -> None:
+    from fp4kit.tools.evaluate import evaluate
+
+    dst = args.workdir / row.label.replace(" ", "-")
+    if row.label in recorded:
+        for key in ("seconds", "peak_rss_gb", "cpu_seconds", "where"):
+            setattr(row, key, recorded[row.label][key])
+    elif not quantize_row(row, bq, src, calib, args):
         return
-    row.seconds, row.peak_rss_gb = run.seconds, run.peak_rss_bytes / 1e9
+    if args.quantize_only:
+        return
     result = evaluate(src, dst, token_ids, args.device, args.batch_size)
     row.kl, row.ce, row.top1 = result.kl, result.ce_quantized, result.top1
     args.ce_source = result.ce_source
@@ -267,26 +306,27 @@ def run_row(row: Row, bq, src: Path, calib: Path, token_ids, windows, args: argp
 
 def table(rows: list[Row], ce_source: float | None) -> str:
     columns = ["checkpoint", "eval CE", "KL(bf16 ‖ q) per token", "KL, independent check", "top-1 agreement",
-               "quantize wall s", "peak RSS GB", "KL vs fp4kit RTN"]
+               "quantize wall s", "CPU s", "peak RSS GB", "KL vs fp4kit RTN", "quantized on"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     if ce_source is not None:
-        lines.append(f"| bf16 source | {ce_source:.4f} | 0 | - | 1 | - | - | - |")
+        lines.append(f"| bf16 source | {ce_source:.4f} | 0 | - | 1 |" + " - |" * (len(columns) - 5))
     anchors = {r.scheme: r.kl for r in rows if r.tool == "fp4kit" and r.method == "rtn" and r.kl is not None}
     for r in rows:
         if r.kl is None:
-            lines.append(f"| {r.label} | {r.note or 'not run'} |" + " |" * (len(columns) - 2))
+            done = f"quantized in {r.seconds:.1f} s, not scored" if r.seconds is not None else "not run"
+            lines.append(f"| {r.label} | {r.note or done} |" + " |" * (len(columns) - 2))
             continue
         check = f"{r.check_kl:.5f}" if r.check_kl is not None else "-"
         ratio = f"{r.kl / anchors[r.scheme]:.2f}x" if anchors.get(r.scheme) else "-"
         lines.append(f"| {r.label} | {r.ce:.4f} | {r.kl:.5f} | {check} | {100 * r.top1:.2f}% | {r.seconds:.1f} | "
-                     f"{r.peak_rss_gb:.2f} | {ratio} |")
+                     f"{r.cpu_seconds:.1f} | {r.peak_rss_gb:.2f} | {ratio} | {r.where} |")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    parser.add_argument("--methods", default="rtn,mse,mse+calib,gptq", help="fp4kit methods, comma-separated")
+    parser.add_argument("--methods", default="rtn,mse,mse+calib,gptq", help="fp4kit methods, comma-separated ('' none)")
     parser.add_argument("--schemes", default="nvfp4a16,nvfp4")
     parser.add_argument("--calib-samples", type=int, default=128, help="windows of calib.jsonl for calibration")
     parser.add_argument("--eval-samples", type=int, default=48, help="windows of eval.jsonl to score")
@@ -300,6 +340,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-check", action="store_true", help="skip the independent whole-model KL")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench-quality"))
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
+    stage = parser.add_mutually_exclusive_group()
+    stage.add_argument("--quantize-only", action="store_true", help="quantize every row into --workdir, no scoring")
+    stage.add_argument("--scores-from", type=Path,
+                       help="a --json of a --quantize-only run: score its outputs in --workdir with its times")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -323,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     args.ce_source = None
     rows = plan_rows(args)
     method_ok = quantize_method_supported()
+    recorded = {}
+    if args.scores_from:
+        recorded = {r["label"]: r for r in json.loads(args.scores_from.read_text())["rows"] if r["seconds"] is not None}
     start = time.perf_counter()
     print(f"{src.name}: {len(rows)} rows, calibration {args.calib_samples} x {args.seq_len}, eval {len(windows)} x "
           f"{token_ids.shape[1]}", flush=True)
@@ -331,11 +378,12 @@ def main(argv: list[str] | None = None) -> None:
             row.note = "skipped: fp4kit quantize has no --method"
             print(f"  {row.label}: {row.note}", flush=True)
             continue
-        run_row(row, bq, src, calib, token_ids, windows, args)
+        run_row(row, bq, src, calib, token_ids, windows, args, recorded)
+        if args.json:  # after every row: a long run's finished rows survive its interruption
+            args.json.write_text(json.dumps({"ce_source": args.ce_source, "rows": [asdict(r) for r in rows]},
+                                            indent=2))
     print(f"\n{time.perf_counter() - start:.0f} s in all\n")
     print(table(rows, args.ce_source))
-    if args.json:
-        args.json.write_text(json.dumps({"ce_source": args.ce_source, "rows": [asdict(r) for r in rows]}, indent=2))
 
 
 if __name__ == "__main__":

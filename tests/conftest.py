@@ -6,6 +6,17 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n auto`) each worker gets its share of the cores for torch's thread pool: a worker per
+    core with torch's default of one thread per core would oversubscribe every core."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """tiny(name) -> path of a bf16 fixture checkpoint of that family, built once per session."""

@@ -16,7 +16,9 @@ test module imports another). Fixtures live in conftest.py.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
+import io
 import json
 import logging
 import os
@@ -55,8 +57,39 @@ def run_cli(monkeypatch, capsys, *args: object) -> tuple[int, str, str]:
         code = 0
     except SystemExit as exc:
         code = int(exc.code or 0)
+    finally:
+        gc.unfreeze()  # main freezes the heap for the exit it expects; this process goes on collecting
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def cli_result(*args: object) -> subprocess.CompletedProcess:
+    """``fp4kit ARGS`` in this process through the entry point's own code (``cli.main``: the same error handling and
+    exit codes as ``python -m fp4kit``), as the process it stands for: exit code, stdout and stderr. Python warnings
+    raised meanwhile are recorded under a fresh interpreter's filters and appended to stderr, where a child process
+    would print them. It needs no fixture, so module-scoped fixtures can call it; tests of what only a process shows
+    (signals, the console script, a killed run) start one instead."""
+    from fp4kit import cli
+
+    argv = ["fp4kit", *map(str, args)]
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv = sys.argv
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        warnings.resetwarnings()
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        sys.argv = argv
+        try:
+            cli.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        finally:
+            sys.argv = saved_argv
+            gc.unfreeze()  # main freezes the heap for the exit it expects; this process goes on collecting
+    printed = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue() + printed)
 
 
 def cli_commands() -> dict:

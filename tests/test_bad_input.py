@@ -4,15 +4,10 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
+from helpers import cli_result
 from safetensors.torch import load_file, save_file
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fp4kit", *args], capture_output=True, text=True, timeout=300)
-
 
 # a phase's line, or a line per decoder layer of a phase (fp4kit.progress)
 PHASE_LINE = re.compile(r"[a-z]+: [a-z ]+( \(.*\)|: layer \d+/\d+, \d+:\d\d:\d\d elapsed)")
@@ -49,7 +44,7 @@ def test_truncated_shard(src, tmp_path):
     shard = src / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1000])
     dst = tmp_path / "out"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst)), "model.safetensors", "truncated")
+    assert_clean_failure(cli_result("quantize", str(src), str(dst)), "model.safetensors", "truncated")
     assert_no_output(dst)
 
 
@@ -63,7 +58,7 @@ def test_missing_shard_named_in_index(src, tmp_path):
     weight_map |= {n: "model-00002-of-00002.safetensors" for n in names[half:]}
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     dst = tmp_path / "out"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst)), "model-00002-of-00002.safetensors", "missing")
+    assert_clean_failure(cli_result("quantize", str(src), str(dst)), "model-00002-of-00002.safetensors", "missing")
     assert_no_output(dst)
 
 
@@ -72,7 +67,7 @@ def test_unsupported_architecture(src, tmp_path):
     config["model_type"], config["architectures"] = "mixtral", ["MixtralForCausalLM"]
     (src / "config.json").write_text(json.dumps(config))
     dst = tmp_path / "out"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst)), "mixtral")
+    assert_clean_failure(cli_result("quantize", str(src), str(dst)), "mixtral")
     assert_no_output(dst)
 
 
@@ -81,7 +76,7 @@ def test_dimension_not_divisible_by_16(tmp_path):
 
     src = build_fixture("qwen3_moe", tmp_path / "src", overrides={"moe_intermediate_size": 24})
     dst = tmp_path / "out"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst)), "down_proj.weight", "divisible by 16")
+    assert_clean_failure(cli_result("quantize", str(src), str(dst)), "down_proj.weight", "divisible by 16")
     assert_no_output(dst)
 
 
@@ -95,7 +90,7 @@ def test_non_finite_weight(src, tmp_path, bad):
 
     rewrite(src / "model.safetensors", poison)
     dst = tmp_path / "out"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst)), name, "NaN or Inf")
+    assert_clean_failure(cli_result("quantize", str(src), str(dst)), name, "NaN or Inf")
     assert_no_output(dst)
 
 
@@ -103,7 +98,7 @@ def test_existing_nonempty_destination(src, tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("user data")
-    assert_clean_failure(run_cli("quantize", str(src), str(dst)), "--overwrite")
+    assert_clean_failure(cli_result("quantize", str(src), str(dst)), "--overwrite")
     assert (dst / "keep.txt").read_text() == "user data"
     assert not list(tmp_path.glob(".out*"))
 
@@ -111,7 +106,7 @@ def test_existing_nonempty_destination(src, tmp_path):
 def test_w4a4_missing_calibration_file(src, tmp_path):
     dst = tmp_path / "out"
     calib = tmp_path / "missing.jsonl"
-    assert_clean_failure(run_cli("quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib", str(calib)),
+    assert_clean_failure(cli_result("quantize", str(src), str(dst), "--scheme", "nvfp4", "--calib", str(calib)),
                          "missing.jsonl", "not found")
     assert_no_output(dst)
 

@@ -18,7 +18,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from helpers import choices, cli_commands, ignored_in_parent, reaching_children
+from helpers import choices, cli_commands, ignored_in_parent, reaching_children, run_cli
 
 from fp4kit import cli
 from fp4kit.errors import Fp4kitError
@@ -188,6 +188,19 @@ def test_internal_error_is_exit_2_with_the_traceback_in_a_file(monkeypatch, caps
 def test_interrupt_and_command_exit_codes(monkeypatch, capsys) -> None:
     assert fail_with(monkeypatch, capsys, KeyboardInterrupt()) == (130, cli.INTERRUPTED + "\n")
     assert fail_with(monkeypatch, capsys, SystemExit(1)) == (1, "")  # inspect and verify: problems found
+
+
+def test_runs_in_one_process_register_each_command_once(monkeypatch, capsys) -> None:
+    """The entry point called again in one process (the in-process tests, a library user) finds each command once,
+    not once per earlier call: every call builds each command registered."""
+    def registered() -> list[str]:
+        return [c.callback.__name__ for c in cli.app.registered_commands] + [g.name for g in cli.app.registered_groups]
+
+    assert run_cli(monkeypatch, capsys, "--version")[0] == 0
+    once = registered()
+    for _ in range(2):
+        assert run_cli(monkeypatch, capsys, "--version")[0] == 0
+    assert registered() == once and len(once) == len(set(once)) == len(cli_commands())
 
 
 # ---- help ----------------------------------------------------------------------------------------------------------

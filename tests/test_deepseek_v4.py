@@ -11,11 +11,10 @@ compressed-tensors' NVFP4 decompressor of the output, transformers' ``DeepseekV4
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import cli_result
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -32,8 +31,7 @@ def release(tiny, tmp_path_factory):
 def quantized(release, tmp_path_factory):
     """`fp4kit quantize RELEASE DST` (data-free, compressed-tensors): its stdout and DST."""
     dst = tmp_path_factory.mktemp("dsv4") / "nvfp4"
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(release), str(dst)],
-                         capture_output=True, text=True, timeout=300)
+    run = cli_result("quantize", str(release), str(dst))
     assert run.returncode == 0, run.stderr
     return run.stdout, dst
 
@@ -130,8 +128,7 @@ def test_a_malformed_e8m0_scale_is_one_line(release, tmp_path):
     name = "layers.1.ffn.experts.3.w2.scale"
     tensors[name] = tensors[name][:, :2].contiguous()
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(broken), str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=300)
+    run = cli_result("quantize", str(broken), str(tmp_path / "out"))
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and name in lines[0], run.stderr

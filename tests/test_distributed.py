@@ -91,6 +91,9 @@ def test_calibration_shares_combine_to_the_single_process_statistics(tiny) -> No
     assert counts == whole.routing_counts
 
 
+KV_ARGS = ["--kv-cache", "fp8", "--samples", "4", "--seq-len", "16", "--batch-size", "2"]
+
+
 def test_torchrun_output_is_byte_identical_to_one_process(tiny, tmp_path) -> None:
     from fp4kit.pipeline import run_recipe
     from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
@@ -102,6 +105,8 @@ def test_torchrun_output_is_byte_identical_to_one_process(tiny, tmp_path) -> Non
         # data-free, compressed-tensors
         ["quantize", str(src), str(tmp_path / "ranks" / "weight-only"), "--max-shard-size", "100KB"],
         ["run", str(recipe), "--workdir", str(tmp_path / "ranks" / "run")],
+        # KV-cache scales alone: two batches, one per rank, their amax combined
+        ["quantize", str(src), str(tmp_path / "ranks" / "kv"), *KV_ARGS],
     ]
     script = tmp_path / "run_commands.py"
     script.write_text(RUN_COMMANDS)
@@ -115,6 +120,10 @@ def test_torchrun_output_is_byte_identical_to_one_process(tiny, tmp_path) -> Non
                                  QuantizeOptions(max_shard_bytes=100_000, command=command))
     assert len(single.output_files) > 1
     assert files(tmp_path / "ranks" / "weight-only") == files(tmp_path / "one" / "weight-only")
+    kv = QuantizeOptions(kv_cache="fp8", samples=4, seq_len=16, batch_size=2,
+                         command="fp4kit quantize SRC DST " + " ".join(KV_ARGS) + " -q")
+    quantize_checkpoint(src, tmp_path / "one" / "kv", kv)
+    assert files(tmp_path / "ranks" / "kv") == files(tmp_path / "one" / "kv")
     run_recipe(recipe, [], tmp_path / "one" / "run")
     assert len(list((tmp_path / "one" / "run" / "quantize").glob("*.safetensors"))) > 1
     for step in ("quantize", "shard"):

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_all
+from helpers import cli_result, load_all
 from safetensors.torch import save_file
 
 from fp4kit.errors import Fp4kitError
@@ -158,8 +156,7 @@ def test_refusals_are_one_line(tiny, fp8_source, tmp_path):
     ]
     for i, (src, rules, message) in enumerate(cases):
         dst = tmp_path / f"out{i}"
-        run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst),
-                              *[a for r in rules for a in ("--scheme-for", r)]], capture_output=True, text=True)
+        run = cli_result("quantize", str(src), str(dst), *[a for r in rules for a in ("--scheme-for", r)])
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
         assert not dst.exists()
 
@@ -245,8 +242,7 @@ def test_source_config_refusals_are_one_line(tiny, fp8_source, tmp_path):
     ]
     for i, (src, args, message) in enumerate(cases):
         dst = tmp_path / f"out{i}"
-        run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst), "--source-config",
-                              *args], capture_output=True, text=True)
+        run = cli_result("quantize", str(src), str(dst), "--source-config", *args)
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
         assert not dst.exists()
 
@@ -293,8 +289,7 @@ def test_source_config_output_is_the_release_but_its_experts(tiny, tmp_path):
 
     release = write_deepseek_v4_release_source(tiny("deepseek_v4"), tmp_path / "release")
     dst = tmp_path / "out"
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(release), str(dst), "--source-config",
-                          "--format", "modelopt", "--mtp", "quantize"], capture_output=True, text=True)
+    run = cli_result("quantize", str(release), str(dst), "--source-config", "--format", "modelopt", "--mtp", "quantize")
     assert run.returncode == 0 and "no input scales" in run.stderr, run.stderr
     config, source_config = (json.loads((p / "config.json").read_text()) for p in (dst, release))
     assert config["quantization_config"] == {**source_config["quantization_config"], "moe_quant_algo": "NVFP4"}
@@ -303,7 +298,7 @@ def test_source_config_output_is_the_release_but_its_experts(tiny, tmp_path):
     assert kept and all(torch.equal(ours[n].view(torch.uint8), stored[n].view(torch.uint8)) for n in kept)
     assert not any(n.endswith(".scale") for n in ours if ".ffn.experts." in n)
     assert "vllm serve DST --quantization-config" in (dst / "README.md").read_text()
-    inspect = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", str(dst)], capture_output=True, text=True)
+    inspect = cli_result("inspect", str(dst))
     assert inspect.returncode == 2 and inspect.stderr.count("\n") == 1 and "moe_quant_algo" in inspect.stderr
 
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli_result
 from safetensors.torch import load_file, save_file
 
 from fp4kit.nvfp4 import E2M1_MAGNITUDES, e2m1_codes, pack_codes
@@ -108,8 +108,7 @@ def ct_dequantized(path: Path) -> dict[str, torch.Tensor]:
 
 
 def quantize_cli(src: Path, dst: Path, *args: str) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(src), str(dst), *args],
-                         capture_output=True, text=True, timeout=300)
+    run = cli_result("quantize", str(src), str(dst), *args)
     assert run.returncode == 0, run.stderr
     return run
 
@@ -183,8 +182,7 @@ def test_modelopt_output_casts_too(released, tmp_path):
 
 def test_partly_kept_experts_are_refused(released, tmp_path):
     src, _ = released
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(src), str(tmp_path / "out"), "--ignore",
-                          r"experts\.3\.up_proj"], capture_output=True, text=True, timeout=300)
+    run = cli_result("quantize", str(src), str(tmp_path / "out"), "--ignore", r"experts\.3\.up_proj")
     assert run.returncode == 2 and run.stderr.count("error:") == 1 and "Traceback" not in run.stderr
     assert "gate_up_proj_blocks" in run.stderr and not (tmp_path / "out").exists()
 
@@ -212,8 +210,7 @@ def test_verify_reads_the_release_as_the_source(released, cast, tmp_path):
     errors = {}
     for reference in (src, src.parent / "bf16"):
         report = tmp_path / f"{reference.name}.json"
-        run = subprocess.run([sys.executable, "-m", "fp4kit", "verify", str(cast[0]), "--source", str(reference),
-                              "--json", str(report)], capture_output=True, text=True, timeout=600)
+        run = cli_result("verify", str(cast[0]), "--source", str(reference), "--json", str(report))
         assert run.returncode in (0, 1), run.stderr
         results = json.loads(report.read_text())["results"]
         errors[reference.name] = max(r["error"] for r in results if r["check"] in ("source", "source-expert"))

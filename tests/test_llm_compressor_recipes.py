@@ -84,9 +84,10 @@ def test_examples_yaml_keys_each_get_a_line(tmp_path, tiny) -> None:
     path = write(tmp_path, EXAMPLE.replace("{model}", str(tiny("qwen3_moe"))))
     loaded = load_recipe(path)
     assert loaded.recipe.quantize is not None and loaded.recipe.quantize.gptq_damp == 0.02
+    assert loaded.recipe.quantize.kv_cache == "fp8"  # a per-tensor FP8 kv_cache_scheme: --kv-cache fp8
     by_key = {note.split(": ")[1]: note for note in loaded.notes}
     assert set(by_key) == {f"quant_stage.quant_modifiers.GPTQModifier.{k}"
-                           for k in ("sequential_targets", "block_size", "kv_cache_scheme")}, loaded.notes
+                           for k in ("sequential_targets", "block_size")}, loaded.notes
     assert by_key["quant_stage.quant_modifiers.GPTQModifier.block_size"].startswith(f"{path}:9:")
 
 

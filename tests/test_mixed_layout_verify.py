@@ -6,12 +6,10 @@ error line."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import load_all, same_bytes
+from helpers import cli_result, load_all, same_bytes
 
 from fp4kit.formats.detect import open_checkpoint
 from fp4kit.quantize.checkpoint import QuantizeOptions, quantize_checkpoint
@@ -29,10 +27,6 @@ def _fp8_tensor_names(root: Path) -> list[str]:
         return [n for m in ckpt.fp8_modules for n in (m.weight, m.scale, m.input_scale) if n]
 
 
-def _fp4kit(*args: object) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fp4kit", *map(str, args)], capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
 def mixed_w4a4(tiny, tmp_path_factory):
     return _quantize(tiny("deepseek_v3"), tmp_path_factory.mktemp("mixed") / "out", FP8_ATTENTION)
@@ -40,7 +34,7 @@ def mixed_w4a4(tiny, tmp_path_factory):
 
 def test_layout_carries_fp8_tensors_as_stored_and_verify_passes(mixed_w4a4, tmp_path):
     layout = tmp_path / "layout"
-    run = _fp4kit("layout", mixed_w4a4, layout, "--backend", "trtllm")
+    run = cli_result("layout", mixed_w4a4, layout, "--backend", "trtllm")
     assert run.returncode == 0, run.stderr
     source, laid_out = load_all(mixed_w4a4), load_all(layout)
     fp8 = _fp8_tensor_names(mixed_w4a4)
@@ -50,9 +44,9 @@ def test_layout_carries_fp8_tensors_as_stored_and_verify_passes(mixed_w4a4, tmp_
     assert sorted(manifest["layers"]) == ["1", "2"]
     with open_checkpoint(layout, mixed=True, modules_required=False) as ckpt:
         assert {m.weight for m in ckpt.fp8_modules} == {n for n in fp8 if n.endswith(".weight")}
-    inspected = _fp4kit("inspect", "--json", layout)
+    inspected = cli_result("inspect", "--json", layout)
     assert inspected.returncode == 0 and json.loads(inspected.stdout)["clean"], inspected.stdout + inspected.stderr
-    verified = _fp4kit("verify", mixed_w4a4, "--layout", layout, "--json", "-")
+    verified = cli_result("verify", mixed_w4a4, "--layout", layout, "--json", "-")
     assert verified.returncode == 0, verified.stderr
     report = json.loads(verified.stdout)
     assert report["passed"]
@@ -66,13 +60,13 @@ def test_fp8_routed_experts_travel_as_stored_and_verify_names_them(tiny, tmp_pat
     root = _quantize(tiny("deepseek_v3"), tmp_path / "q", (r"self_attn\.=fp8-dynamic",
                                                            r"layers\.2\.mlp\.experts\.=fp8-dynamic"))
     layout = tmp_path / "layout"
-    run = _fp4kit("layout", root, layout, "--backend", "trtllm")
+    run = cli_result("layout", root, layout, "--backend", "trtllm")
     assert run.returncode == 0, run.stderr
     assert sorted(json.loads((layout / "fp4kit_layout.json").read_text())["layers"]) == ["1"]
     source, laid_out = load_all(root), load_all(layout)
     expert = "model.layers.2.mlp.experts.5.down_proj.weight"
     assert same_bytes(source[expert], laid_out[expert])
-    verified = _fp4kit("verify", root, "--json", "-")
+    verified = cli_result("verify", root, "--json", "-")
     assert verified.returncode == 0, verified.stderr
     report = json.loads(verified.stdout)
     assert report["passed"] and {r["layer"] for r in report["results"]} == {1}
@@ -84,7 +78,7 @@ def test_fp8_experts_beside_nvfp4_experts_are_one_error_line(tiny, tmp_path):
     root = _quantize(tiny("qwen3_moe"), tmp_path / "q", (r"layers\.1\.mlp\.experts\.[0-3]\.=fp8-dynamic",),
                      scheme="nvfp4a16")
     for command in (("layout", root, tmp_path / "layout", "--backend", "marlin"), ("verify", root)):
-        run = _fp4kit(*command)
+        run = cli_result(*command)
         assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
         assert "fp8-dynamic routed expert in a layer of NVFP4 experts" in run.stderr, run.stderr
     assert not (tmp_path / "layout").exists()

@@ -5,13 +5,11 @@ each module group's scheme; eval emulates the FP8 modules."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_all
+from helpers import cli_result, load_all
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.formats.detect import open_checkpoint
@@ -106,8 +104,7 @@ def test_single_scheme_readers_refuse_a_mixed_checkpoint_in_one_line(mixed, dial
 @pytest.mark.parametrize("family", sorted(RULES))
 def test_inspect_reports_schemes_per_module_group_and_is_clean(mixed, family, dialect):
     root = mixed(family, dialect)
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", "--json", str(root)], capture_output=True,
-                         text=True)
+    run = cli_result("inspect", "--json", str(root))
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout)
     assert report["clean"] and report["scheme"] == "nvfp4a16"
@@ -117,13 +114,12 @@ def test_inspect_reports_schemes_per_module_group_and_is_clean(mixed, family, di
     assert groups[("model.layers.*.mlp.experts.*.gate_proj", "kept")] == (4 if family == "qwen3_moe" else 12)
     if family == "deepseek_v3":
         assert groups[("model.layers.*.mlp.shared_experts.up_proj", "fp8-block")] == 2
-    text = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", str(root)], capture_output=True, text=True)
+    text = cli_result("inspect", str(root))
     assert text.returncode == 0 and "mixed precision (nvfp4a16 + fp8-" in text.stdout, text.stdout + text.stderr
 
 
 def test_inspect_json_of_a_single_scheme_checkpoint_has_no_module_schemes(tiny_nvfp4a16):
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", "--json", str(tiny_nvfp4a16("qwen3_moe"))],
-                         capture_output=True, text=True)
+    run = cli_result("inspect", "--json", str(tiny_nvfp4a16("qwen3_moe")))
     assert run.returncode == 0 and "module_schemes" not in json.loads(run.stdout), run.stderr
 
 
@@ -139,8 +135,7 @@ def test_inspect_finds_a_bad_fp8_scale(mixed, tmp_path):
     tensors[name] = tensors[name].clone()
     tensors[name][3] = 0
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", "--json", str(root)], capture_output=True,
-                         text=True)
+    run = cli_result("inspect", "--json", str(root))
     problems = json.loads(run.stdout)["problems"]
     assert run.returncode == 1 and [(p["check"], p["module"]) for p in problems] == [
         ("bad_scale", "model.layers.0.self_attn.q_proj")], problems
@@ -292,8 +287,7 @@ def test_shard_carries_fp8_tensors_to_every_rank(mixed, family, dialect, tmp_pat
                                              if family == "deepseek_v3" else ())
     root = mixed(family, dialect, rules)
     dst = tmp_path / "ep"
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "shard", str(root), str(dst), "--ep", "2", "-q"],
-                         capture_output=True, text=True)
+    run = cli_result("shard", str(root), str(dst), "--ep", "2", "-q")
     assert run.returncode == 0, run.stderr
     source = load_all(root)
     ranks = sorted(p for p in dst.iterdir() if p.name.startswith("rank-"))
@@ -308,8 +302,7 @@ def test_shard_carries_fp8_tensors_to_every_rank(mixed, family, dialect, tmp_pat
             assert all(torch.equal(ckpt.reader.read(n).view(torch.uint8), source[n].view(torch.uint8))
                        for n in names)
     for path in (dst, ranks[1]):
-        run = subprocess.run([sys.executable, "-m", "fp4kit", "inspect", "--json", str(path)], capture_output=True,
-                             text=True)
+        run = cli_result("inspect", "--json", str(path))
         assert run.returncode == 0 and json.loads(run.stdout)["module_schemes"], run.stdout + run.stderr
 
 

@@ -8,11 +8,10 @@ The source: llm-compressor 0.14's `model_free_ptq(scheme="MXFP4A16")` of the tin
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import cli_result
 from safetensors.torch import load_file
 
 from fp4kit.native import nvfp4_cpu
@@ -181,8 +180,7 @@ def test_quantize_casts_an_mxfp4_source_exactly(mxfp4_source, tmp_path):
     the source's bytes, the summary line counts the blocks, inspect is clean, fp4kit eval's KL is 0 and verify
     --source (the MXFP4 source as the reference) passes."""
     dst = tmp_path / "nvfp4"
-    run = subprocess.run([sys.executable, "-m", "fp4kit", "quantize", str(mxfp4_source), str(dst)],
-                         capture_output=True, text=True, timeout=300)
+    run = cli_result("quantize", str(mxfp4_source), str(dst))
     assert run.returncode == 0, run.stderr
     assert "MXFP4 source: 7680 NVFP4 blocks cast exactly, 0 re-quantized" in run.stdout
     assert "56 Linears quantized" in run.stdout
@@ -211,8 +209,7 @@ def test_quantize_casts_an_mxfp4_source_exactly(mxfp4_source, tmp_path):
     assert "cast from an MXFP4 source: 7680 NVFP4 blocks hold its values exactly, 0 re-quantized" in report.notes[-1]
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     assert evaluate(mxfp4_source, dst, tokens).kl <= 1e-6
-    verify = subprocess.run([sys.executable, "-m", "fp4kit", "verify", str(dst), "--source", str(mxfp4_source)],
-                            capture_output=True, text=True, timeout=300)
+    verify = cli_result("verify", str(dst), "--source", str(mxfp4_source))
     assert verify.returncode == 0 and "PASS" in verify.stdout, verify.stdout + verify.stderr
 
 

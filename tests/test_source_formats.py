@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import cli_result
 from safetensors.torch import load_file, save_file
 
 from fp4kit.errors import Fp4kitError
@@ -63,10 +63,6 @@ def produced(tiny, tmp_path_factory):
         return dst
 
     return get
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fp4kit", *args], capture_output=True, text=True, timeout=300)
 
 
 def assert_refused(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -163,9 +159,9 @@ def test_nvfp4_sources_refused_by_quantize_and_verify(kind, needle, produced, tm
     """Before, quantize copied an NVFP4 source through: 0 Linears quantized, every tensor kept, exit 0."""
     src = produced(kind)
     dst = tmp_path / "out"
-    assert_refused(run_cli("quantize", str(src), str(dst)), "an NVFP4 checkpoint", needle)
+    assert_refused(cli_result("quantize", str(src), str(dst)), "an NVFP4 checkpoint", needle)
     assert not dst.exists()
-    assert_refused(run_cli("verify", str(produced("fp4kit-compressed-tensors")), "--source", str(src)),
+    assert_refused(cli_result("verify", str(produced("fp4kit-compressed-tensors")), "--source", str(src)),
                    "an NVFP4 checkpoint", needle)
 
 
@@ -208,11 +204,11 @@ def test_unknown_quantization_refused_everywhere(produced, tmp_path):
     ckpt = produced("fp4kit-compressed-tensors")
     for name, (src, needle) in unknown_sources(produced, tmp_path).items():
         dst = tmp_path / f"out-{name}"
-        assert_refused(run_cli("quantize", str(src), str(dst)), needle)
+        assert_refused(cli_result("quantize", str(src), str(dst)), needle)
         assert not dst.exists()
-        assert_refused(run_cli("verify", str(ckpt), "--source", str(src)), needle)
+        assert_refused(cli_result("verify", str(ckpt), "--source", str(src)), needle)
         if name != "modelopt-fp8":  # eval reads config.json (and takes a ModelOpt NVFP4 side as the quantized one)
-            assert_refused(run_cli("eval", str(src), str(ckpt), "--samples", "1", "--seq-len", "8"), needle)
+            assert_refused(cli_result("eval", str(src), str(ckpt), "--samples", "1", "--seq-len", "8"), needle)
 
 
 def test_detect_refuses_leftover_quantization_tensors():

@@ -54,8 +54,9 @@ def inspect(
     if as_json:
         document = dataclasses.asdict(report)
         head = {key: document.pop(key) for key in ("format", "kind")}
-        if document["module_schemes"] is None:  # present for mixed-precision checkpoints only
-            del document["module_schemes"]
+        for key in ("module_schemes", "kv_cache"):  # present for mixed-precision / FP8 KV-cache checkpoints only
+            if document[key] is None:
+                del document[key]
         typer.echo(json.dumps(head | document | {"clean": report.clean}, indent=2))
     else:
         for line in _text(report):
@@ -77,6 +78,9 @@ def _scheme(report) -> str:
 def _text(report) -> list[str]:
     what = (f"{report.precision} source" if report.kind == "source" else
             f"{report.dialect}, {_scheme(report)}" + ("" if report.kind == "checkpoint" else f", {report.kind}"))
+    kv = getattr(report, "kv_cache", None)
+    if kv:
+        what += f", {kv['scheme'].upper()} KV cache ({kv['attention_layers']} attention layers)"
     lines = [
         f"{report.path}: {what}, family {report.family}",
         f"experts per layer {report.num_experts}, hidden {report.hidden_size}, "

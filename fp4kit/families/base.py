@@ -84,6 +84,9 @@ class Family:
     # the key of an FP8 release's own quantization_config under which an engine reads NVFP4 routed experts beside
     # the release's FP8 Linears (quantize --source-config); None: no engine reads such a form for the family
     source_config_moe_key: str | None = None
+    # MLA attention (DeepSeek's): vLLM caches the compressed latent and the rotary key under one scale, not keys and
+    # values (model_executor/layers/attention/mla_attention.py), so `quantize --kv-cache fp8` refuses the family
+    mla_attention: bool = False
 
     def layer_index(self, name: str, text_config: dict) -> int | None:
         """``layer_of``, with the layers of an MTP block outside the decoder layers (``mtp_prefix``) numbered after

@@ -42,4 +42,5 @@ FAMILY = Family(
     routing=routing,
     ignore=ignore,
     extra_layers=mtp_layers,
+    mla_attention=True,
 )

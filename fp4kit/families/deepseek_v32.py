@@ -34,4 +34,5 @@ FAMILY = Family(
     routing=deepseek_v3.routing,
     ignore=ignore,
     extra_layers=deepseek_v3.mtp_layers,
+    mla_attention=True,
 )

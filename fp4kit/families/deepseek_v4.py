@@ -86,4 +86,5 @@ FAMILY = Family(
     # vLLM 0.33 models/deepseek_v4/quant_config.py: DeepseekV4FP8Config serves `moe_quant_algo: NVFP4` routed experts
     # through ModelOpt's NVFP4 MoE method beside the release's FP8 Linears (quantize --source-config)
     source_config_moe_key="moe_quant_algo",
+    mla_attention=True,
 )

@@ -23,4 +23,5 @@ FAMILY = Family(
     routing=glm4_moe.routing,
     ignore=glm4_moe.ignore,
     extra_layers=glm4_moe.mtp_layers,
+    mla_attention=True,
 )

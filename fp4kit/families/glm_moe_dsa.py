@@ -67,4 +67,5 @@ FAMILY = Family(
     ignore=lambda config: [*glm4_moe.ignore(config), deepseek_v32.INDEXER],
     extra_layers=glm4_moe.mtp_layers,
     layer_call=TopkCarry,
+    mla_attention=True,
 )

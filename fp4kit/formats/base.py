@@ -255,6 +255,41 @@ class Dialect:
     def mixed_side_configs(self, schemes: dict[str, str], ignore: list[str]) -> dict[str, dict]:
         return {}
 
+    # --- the FP8 KV cache (quantize --kv-cache fp8): per attention module a k_scale and a v_scale, fp32 divisors ---
+    kv_suffixes: tuple[str, str] = (".k_scale", ".v_scale")  # after the attention module's name
+    kv_scale_shape: tuple[int, ...] = ()
+
+    def kv_scale_names(self, attention: str) -> tuple[str, str]:
+        return attention + self.kv_suffixes[0], attention + self.kv_suffixes[1]
+
+    def kv_planned(self, attention: str) -> list[PlannedTensor]:
+        from fp4kit.io.checkpoint import PlannedTensor
+
+        return [PlannedTensor(name, torch.float32, self.kv_scale_shape) for name in self.kv_scale_names(attention)]
+
+    def kv_encode(self, attention: str, k_scale: torch.Tensor, v_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        k_name, v_name = self.kv_scale_names(attention)
+        return {k_name: k_scale.float().reshape(self.kv_scale_shape),
+                v_name: v_scale.float().reshape(self.kv_scale_shape)}
+
+    def find_kv_scales(self, names: list[str]) -> dict[str, tuple[str, str]]:
+        """Attention module -> its (k_scale, v_scale) tensor names, for every k_scale among ``names``."""
+        found = {}
+        for name in names:
+            if name.endswith(self.kv_suffixes[0]):
+                attention = name[: -len(self.kv_suffixes[0])]
+                found[attention] = self.kv_scale_names(attention)
+        return found
+
+    def add_kv_cache(self, quantization_config: dict, side_configs: dict[str, dict]) -> None:
+        """Declare an FP8 KV cache in the configs (in place)."""
+        raise NotImplementedError
+
+    def kv_cache_of(self, qconfig: dict) -> str | None:
+        """``fp8`` where the config declares a per-tensor FP8 KV cache, else None (no KV cache, or one fp4kit does
+        not read: its scales are then passthrough tensors)."""
+        raise NotImplementedError
+
     def spell_ignore(self, patterns: list[str], unquantized: list[str]) -> list[str]:
         """Another dialect's ignore list (module names, ``re:`` regexes or fnmatch globs) in this dialect's
         spelling; ``unquantized``: the checkpoint's unquantized Linears, for patterns that cannot be respelled."""

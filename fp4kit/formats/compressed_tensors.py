@@ -150,6 +150,22 @@ def build_quantization_config(scheme: str, ignore: list[str]) -> dict:
     return out
 
 
+@functools.cache
+def _kv_cache_scheme() -> str:
+    from compressed_tensors.quantization import QuantizationArgs
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True,
+                            observer="static_minmax")
+    return json.dumps(args.model_dump(mode="json"))
+
+
+def kv_cache_scheme() -> dict:
+    """``kv_cache_scheme`` of an FP8 KV cache, built by compressed-tensors' QuantizationArgs as llm-compressor's
+    ``QuantizationModifier(kv_cache_scheme=...)`` writes it: per-tensor static E4M3, symmetric, calibrated by the
+    running max of the keys / values (``static_minmax``)."""
+    return json.loads(_kv_cache_scheme())
+
+
 def build_mixed_quantization_config(groups: list[tuple[str, list[str]]], ignore: list[str]) -> dict:
     """config.json's ``quantization_config`` for several schemes: one config group per (scheme, targets) in order,
     built by compressed-tensors' own classes as llm-compressor writes a multi-group recipe; the format is
@@ -307,6 +323,18 @@ class CompressedTensors(Dialect):
 
     def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
         return fp32_multiplier(divisor)
+
+    kv_scale_shape = (1,)  # llm-compressor's `self_attn.k_scale` [1] (its dtype the model's; fp4kit's fp32)
+
+    def add_kv_cache(self, quantization_config: dict, side_configs: dict[str, dict]) -> None:
+        quantization_config["kv_cache_scheme"] = kv_cache_scheme()
+
+    def kv_cache_of(self, qconfig: dict) -> str | None:
+        scheme = qconfig.get("kv_cache_scheme")
+        per_tensor_fp8 = (isinstance(scheme, dict) and scheme.get("num_bits") == 8 and scheme.get("type") == "float"
+                          and scheme.get("strategy") in ("tensor", None) and not scheme.get("dynamic")
+                          and scheme.get("symmetric", True))
+        return "fp8" if per_tensor_fp8 else None  # any other: its scales stay passthrough tensors
 
     # writing and reading by module name: the module functions of the same names
     planned = staticmethod(planned)

@@ -73,6 +73,8 @@ class QuantizedCheckpoint:
     exact_scales: dict[str, float] = field(default_factory=dict)
     fp8_modules: list[Fp8Module] = field(default_factory=list)  # a mixed-precision checkpoint's FP8 Linears
     mixed: bool = False  # the config gives modules different schemes
+    kv_cache: str | None = None  # the KV-cache scheme the config declares (fp8), or None
+    kv_scales: dict[str, tuple[str, str]] = field(default_factory=dict)  # attention -> (k_scale, v_scale) tensors
     _rows: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     _divisors: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -85,6 +87,18 @@ class QuantizedCheckpoint:
     def format(self) -> Dialect:
         """The dialect object (fp4kit.formats.base.Dialect)."""
         return dialect(self.dialect)
+
+    def read_kv_scales(self, attention: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An attention module's FP8 KV-cache (k_scale, v_scale), fp32 scalars (divisors, as both dialects store
+        them)."""
+        k_name, v_name = self.kv_scales[attention]
+        out = []
+        for name in (k_name, v_name):
+            scale = self.reader.read(name).float().reshape(())
+            if not scale > 0:
+                raise Fp4kitError(f"{self.reader.info(name).file}: KV-cache scale {name} is {float(scale)}, not > 0")
+            out.append(scale)
+        return out[0], out[1]
 
     def divisor(self, name: str) -> torch.Tensor:
         """The canonical float64 divisor held by scale tensor ``name``."""
@@ -237,6 +251,11 @@ def open_checkpoint(root: str | Path, strict: bool = True, reader: CheckpointRea
             scheme = "nvfp4" if any(m.input_scale for m in modules) else "nvfp4a16"
         used = {n for m in modules for n in (m.packed, m.block_scale, m.global_scale, m.input_scale) if n}
         used |= {n for m in fp8 for n in (m.weight, m.scale, m.input_scale) if n}
+        kv_cache = fmt.kv_cache_of(qconfig) if qconfig else None
+        kv_scales = fmt.find_kv_scales(names) if kv_cache else {}
+        if not kv_scales:  # declared without scales: vLLM caches with scale 1 (inspect --engine vllm says so)
+            kv_cache = None
+        used |= {n for pair in kv_scales.values() for n in pair}
         ignore = list(qconfig.get("ignore") or qconfig.get("exclude_modules") or [])
         try:
             family: Family | None = detect_family(config)
@@ -245,7 +264,7 @@ def open_checkpoint(root: str | Path, strict: bool = True, reader: CheckpointRea
         exact = _exact_scales(root, reader.metadata.get(EXACT_SCALES_KEY, "{}"))
         return QuantizedCheckpoint(root, config, fmt.name, scheme, family, modules,
                                    [n for n in names if n not in used], ignore, reader,
-                                   exact, fp8, is_mixed)
+                                   exact, fp8, is_mixed, kv_cache=kv_cache, kv_scales=kv_scales)
     except BaseException:
         reader.close()
         raise

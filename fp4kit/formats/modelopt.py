@@ -180,6 +180,11 @@ def fp8_encode(module: str, scheme: str, weight: Fp8Weight, input_scale_div: tor
     return tensors
 
 
+KV_CACHE_FP8 = "FP8"
+# config.json's kv_cache_scheme for kv_cache_quant_algo FP8 (modelopt/torch/export/convert_hf_config.py)
+KV_CACHE_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
+
+
 def layer_entry(scheme: str) -> dict:
     """A module's entry in a MIXED_PRECISION config's ``quantized_layers``."""
     if scheme in QUANT_ALGOS:
@@ -476,6 +481,19 @@ class ModelOpt(Dialect):
 
     def store_scale(self, divisor: torch.Tensor) -> torch.Tensor:
         return fp32_divisor(divisor)
+
+    # ModelOpt's export names (modelopt/torch/export/quant_utils.py, _KV_CACHE_REPLACEMENTS): fp32 scalars
+    kv_suffixes = (".k_proj.k_scale", ".v_proj.v_scale")
+
+    def add_kv_cache(self, quantization_config: dict, side_configs: dict[str, dict]) -> None:
+        side_configs[HF_QUANT_CONFIG]["quantization"]["kv_cache_quant_algo"] = KV_CACHE_FP8
+        quantization_config["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+
+    def kv_cache_of(self, qconfig: dict) -> str | None:
+        algo = qconfig.get("kv_cache_quant_algo")
+        if algo is None and qconfig.get("kv_cache_scheme") == KV_CACHE_SCHEME:
+            algo = KV_CACHE_FP8
+        return "fp8" if str(algo).upper() == KV_CACHE_FP8 else None  # any other: its scales stay passthrough
 
     # writing and reading by module name: the module functions of the same names
     planned = staticmethod(planned)

@@ -179,10 +179,19 @@ def _quantizer(out: Translation, path: KeyPath, name: str, arguments: dict) -> N
         elif key == "sequential_targets":
             out.note(where, "fp4kit calibrates one decoder layer at a time, whatever this names")
         elif key == "kv_cache_scheme":
-            if value is not None:
-                out.note(where, "not honoured (fp4kit leaves the KV cache unquantized)")
+            if _fp8_per_tensor(value):
+                out.set("kv_cache", "fp8", where)
+            elif value is not None:
+                out.note(where, f"not honoured (fp4kit calibrates a per-tensor FP8 KV cache only: {_short(value)})")
         else:
             out.note(where, f"unknown to fp4kit: not honoured ({_short(value)})")
+
+
+def _fp8_per_tensor(value: Any) -> bool:
+    """Whether an llm-compressor ``kv_cache_scheme`` is the per-tensor static FP8 one `--kv-cache fp8` writes."""
+    return (isinstance(value, dict) and value.get("num_bits") == 8 and value.get("type") == "float"
+            and value.get("strategy", "tensor") in ("tensor", None) and not value.get("dynamic", False)
+            and value.get("symmetric", True))
 
 
 def _short(value: Any) -> str:

@@ -38,6 +38,7 @@ from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
 from fp4kit.progress import step
+from fp4kit.quantize.kv_cache import KvAmaxRecorder
 from fp4kit.quantize.layer_model import TextModel, checkpoint_dtype, layer_inputs, text_model
 
 LayerCallback = Callable[[int, list[torch.Tensor]], None]
@@ -84,6 +85,8 @@ def compute_dtype(choice: str, device: torch.device, config: dict) -> torch.dtyp
 class CalibrationResult:
     input_amax: dict[str, float] = field(default_factory=dict)  # output module name -> amax of its input
     routing_counts: dict[int, list[int]] = field(default_factory=dict)  # layer -> tokens routed to each expert
+    # amax of the keys and values each attention module's KV cache holds (fp4kit.quantize.kv_cache.kv_name)
+    kv_amax: dict[str, float] = field(default_factory=dict)
 
 
 class _LayerHooks:
@@ -256,8 +259,10 @@ def calibrate(
     progress: Callable[[int, int], None] | None = None,
     config: dict | None = None,
     family: Family | None = None,
+    kv_attention: set[str] | None = None,
 ) -> CalibrationResult:
-    """Input amax of every Linear (``modules``: only those names) and routing counts, streaming SRC by layer.
+    """Input amax of every Linear (``modules``: only those names) and routing counts, streaming SRC by layer; the
+    amax of the keys and values of the attention modules ``kv_attention`` names (fp4kit.quantize.kv_cache).
 
     ``token_ids`` int64 [S, L]; ``dtype`` defaults to the checkpoint's (config.json), bf16 if it names none.
     ``on_layer(index, hidden_batches)`` sees each layer's output hidden states (tests compare them).
@@ -275,6 +280,7 @@ def calibrate(
         for index in range(len(text.layers)):
             layer = text.load_layer(reader, index, dtype, torch_device)
             recorder = _AmaxRecorder(text, layer, index, modules)
+            kv = _kv_recorder(text, layer, index, kv_attention)
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)
@@ -282,6 +288,8 @@ def calibrate(
                 if progress:
                     progress(done, total)
             recorder.flush(result, index)
+            if kv is not None:
+                kv.flush(result.kv_amax)
             text.drop_layer(index)
             del layer, recorder
             memory.trim_freed_memory()
@@ -289,6 +297,13 @@ def calibrate(
             if on_layer is not None:
                 on_layer(index, hidden_batches)
     return result
+
+
+def _kv_recorder(text: TextModel, layer: nn.Module, index: int, kv_attention: set[str] | None
+                 ) -> KvAmaxRecorder | None:
+    if not kv_attention:
+        return None
+    return KvAmaxRecorder(layer, text.layer_prefix(index), text.moe.checkpoint_name, kv_attention)
 
 
 def _check_calibration_arguments(token_ids: torch.Tensor, batch_size: int) -> None:
@@ -468,6 +483,7 @@ def calibrate_quantized(
     config: dict | None = None,
     family: Family | None = None,
     progress: Callable[[int, int], None] | None = None,
+    kv_attention: set[str] | None = None,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -477,7 +493,8 @@ def calibrate_quantized(
     result)`` runs once a layer's are in ``result``. ``input_amax`` False (weight-only output): only the routing
     counts are recorded, which spares running every token through every expert. ``progress(done, total)`` counts
     decoder layers (called with 0 before the first; a Reporter also logs a line per layer). ``config`` / ``family``:
-    as ``calibrate``'s."""
+    as ``calibrate``'s. ``kv_attention``: the attention modules whose keys' and values' amax the quantized layer's
+    forward records."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1), config, family) as (
             reader, text, dtype, torch_device, hidden_batches, layer_args):
@@ -496,10 +513,13 @@ def calibrate_quantized(
             del stats
             loaded.set_weights(replacements)
             amax = _AmaxRecorder(text, layer, index, modules if input_amax else set())
+            kv = _kv_recorder(text, layer, index, kv_attention)
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 hidden_batches[b] = layer(hidden, *args, **kwargs)
             amax.flush(result, index)
+            if kv is not None:
+                kv.flush(result.kv_amax)
             text.drop_layer(index)
             del layer, loaded, amax, replacements
             memory.trim_freed_memory()

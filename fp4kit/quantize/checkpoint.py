@@ -30,6 +30,7 @@ from fp4kit.progress import start_phase
 from fp4kit.progress import warn as warn_progress
 from fp4kit.quantize import distributed
 from fp4kit.quantize.input_scales import POLICIES, ROUTING_STATS_NAME, input_scale_divisors, write_routing_stats
+from fp4kit.quantize.kv_cache import check_kv_cache, kv_cache_attention, kv_scales
 from fp4kit.quantize.plan import (
     ModelPlan,
     QuantGroup,
@@ -128,6 +129,8 @@ class QuantizeOptions:
     # an FP8 release: its own quantization_config with the NVFP4 routed experts declared in it (the family's
     # source_config_moe_key), every other FP8 Linear as stored under the release's names
     source_config: bool = False
+    # fp8: per-layer k_scale / v_scale of an FP8 KV cache, calibrated (fp4kit.quantize.kv_cache); None: none
+    kv_cache: str | None = None
     command: str | None = None  # the command line that asked for this, recorded in the output (fp4kit_provenance.json)
 
 
@@ -206,6 +209,7 @@ def _validate(options: QuantizeOptions) -> None:
                           "activation scales; quantize them weight-only (--scheme nvfp4a16, no nvfp4 or fp8-static "
                           "--scheme-for)")
     calibration_dtype(options, {})  # a bad --dtype: one line, before any work
+    check_kv_cache(options.kv_cache)
     if options.batch_size < 1:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
@@ -439,9 +443,11 @@ class GroupBatcher:
             self.emit(encode_group(group, quantized, self.options, self.input_divs))
 
 
-def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list:
-    planned = []
+def output_plan(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions,
+                kv_attention: list[str] | None = None) -> list:
+    """The output's tensors: the plan's jobs, and the KV-cache scales of ``kv_attention``."""
     fmt = _format_module(options)
+    planned = [t for attention in kv_attention or [] for t in fmt.kv_planned(attention)]
     for job in plan.jobs:
         if isinstance(job, StoredFp8):
             planned.extend(stored_fp8_planned(reader, job, options))
@@ -510,7 +516,7 @@ def _calibration_data(src: Path, plan: ModelPlan, options: QuantizeOptions, warn
                       ) -> tuple[torch.Tensor | None, dict]:
     """The calibration token ids [S, L] when a calibration pass runs (W4A4, or a calibrated method), and their record
     for the report and the output (``calibration`` in fp4kit_routing_stats.json: docs/formats.md)."""
-    if not static_inputs(options) and not calibrated_method(options):
+    if not static_inputs(options) and not calibrated_method(options) and options.kv_cache is None:
         if options.calib is not None:
             warn(f"--calib {options.calib}: not used: --scheme nvfp4a16 with --method {options.method} quantizes "
                  "the weights alone, from no data (--method gptq or mse calibrate on it)")
@@ -538,14 +544,16 @@ def _batches(samples: int, batch_size: int, batch_share: tuple[int, int]) -> int
 
 def _calibrate(
     src: Path, plan: ModelPlan, options: QuantizeOptions, ranks: distributed.Ranks, token_ids: torch.Tensor | None,
-    progress: Callable[[int, int], None] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[int, list[int]]]:
-    """W4A4: a layer-streaming calibration pass over SRC before the quantization pass (weights are read twice,
-    activations for all samples stay in memory, one layer's weights at a time). Under torchrun each rank runs its
-    share of the batches and the statistics are combined."""
-    if not static_inputs(options) or token_ids is None:
-        return {}, {}
+    progress: Callable[[int, int], None] | None = None, kv_attention: list[str] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[int, list[int]], dict[str, float]]:
+    """W4A4 (or ``kv_attention``, the attention modules whose KV-cache amax it records): a layer-streaming
+    calibration pass over SRC before the quantization pass (weights are read twice, activations for all samples stay
+    in memory, one layer's weights at a time). Under torchrun each rank runs its share of the batches and the
+    statistics are combined. Returns the input divisors, the routing counts and the KV-cache amax."""
+    if not (static_inputs(options) or kv_attention) or token_ids is None:
+        return {}, {}, {}
     from fp4kit.quantize.calibrate import calibrate
+    from fp4kit.quantize.kv_cache import kv_name
 
     modules = {c.linear.module for g in _static_input_groups(plan, options) for c in g.members}
     batches = _batches(token_ids.shape[0], options.batch_size, ranks.batch_share)
@@ -554,9 +562,12 @@ def _calibrate(
                         f"{token_ids.shape[1]} tokens, {batches} batches through each decoder layer, "
                         f"{_dtype_name(dtype)}")
     result = calibrate(src, token_ids, options.device, options.batch_size, modules, dtype=dtype,
-                       batch_share=ranks.batch_share, progress=phase, config=plan.config, family=plan.family)
-    result = ranks.combine_calibration(result, sorted(modules))
-    return static_input_scales(plan, options, plan.groups, result.input_amax), result.routing_counts
+                       batch_share=ranks.batch_share, progress=phase, config=plan.config, family=plan.family,
+                       kv_attention=set(kv_attention or []))
+    kv_names = [kv_name(a, part) for a in kv_attention or [] for part in ("k", "v")]
+    result = ranks.combine_calibration(result, sorted(modules), kv_names)
+    return (static_input_scales(plan, options, plan.groups, result.input_amax), result.routing_counts,
+            result.kv_amax)
 
 
 def _static_input_groups(plan: ModelPlan, options: QuantizeOptions,
@@ -596,14 +607,15 @@ def calibrated_method(options: QuantizeOptions) -> bool:
 def _quantize_calibrated(
     src: Path, reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions,
     source_input_divs: dict[str, torch.Tensor] | None, put: Callable[[dict[str, torch.Tensor]], None],
-    progress: Callable[[int, int], None] | None, token_ids: torch.Tensor,
-) -> tuple[list[str], dict[int, list[int]]]:
+    progress: Callable[[int, int], None] | None, token_ids: torch.Tensor, kv_attention: list[str] | None = None,
+) -> tuple[list[str], dict[int, list[int]], dict[str, float]]:
     """The calibrated methods: passthrough tensors first, then layer by layer the calibration pass quantizes each
     layer's groups (fp4kit.quantize.gptq.LayerQuantizer) and they are written as soon as the layer's input scales are
     known; groups outside the text model's decoder layers last, by data-free mse. FP8 groups are written with the
     passthrough tensors, round to nearest as llm-compressor's FP8 schemes are (fp8-static's input scales then come
-    from the source pass: ``source_input_divs``). Returns the modules that fell back to data-free or weighted mse, and
-    the routing counts."""
+    from the source pass: ``source_input_divs``). ``kv_attention``: the attention modules whose KV-cache amax the
+    quantized layers' forward records. Returns the modules that fell back to data-free or weighted mse, the routing
+    counts and the KV-cache amax."""
     from fp4kit.quantize.calibrate import calibrate_quantized
     from fp4kit.quantize.gptq import GptqOptions, LayerQuantizer
 
@@ -650,7 +662,8 @@ def _quantize_calibrated(
     modules = {c.linear.module for g in nvfp4 for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
                                  full_hessians=options.method == "gptq", dtype=dtype, on_layer=on_layer,
-                                 input_amax=with_input, config=plan.config, family=plan.family, progress=progress)
+                                 input_amax=with_input, config=plan.config, family=plan.family, progress=progress,
+                                 kv_attention=set(kv_attention or []))
     rest = [g for g in nvfp4 if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
@@ -664,7 +677,7 @@ def _quantize_calibrated(
         quantized = [NVFP4Tensor(q.packed.cpu(), q.block_scale.cpu(), q.global_scale_div) for q in quantized]
         put(encode_group(group, quantized, options, divs))
         fallbacks.extend(c.linear.module for c in group.members)
-    return fallbacks, result.routing_counts
+    return fallbacks, result.routing_counts, result.kv_amax
 
 
 def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
@@ -695,6 +708,8 @@ def _write_side_files(work: Path, src: Path, config: dict, plan: ModelPlan, opti
         schemes = config_schemes(plan, options)
         side_configs = fmt.mixed_side_configs(schemes, ignore)
         quantization_config = fmt.mixed_quantization_config(schemes, ignore)
+    if options.kv_cache is not None:
+        fmt.add_kv_cache(quantization_config, side_configs)
     for name, document in side_configs.items():
         (work / name).write_text(json.dumps(document, indent=2) + "\n")
     write_config(work, config, quantization_config)
@@ -752,6 +767,18 @@ def _plan(reader: CheckpointReader, config: dict, options: QuantizeOptions) -> M
         plan = build(kept, stored)
     plan.schemes = {m: s for m, s in schemes.items() if s not in (KEPT, STORED)}
     return plan
+
+
+def _kv_attention(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions) -> list[str]:
+    """The attention modules that get FP8 KV-cache scales (none without --kv-cache)."""
+    if options.kv_cache is None:
+        return []
+    check_kv_cache(options.kv_cache, plan.family)
+    attention = kv_cache_attention(reader.names(), int(plan.text_config["num_hidden_layers"]))
+    if not attention:
+        raise Fp4kitError(f"--kv-cache {options.kv_cache}: found no decoder layer with a self_attn.k_proj, so no "
+                          "attention module with a KV cache")
+    return attention
 
 
 def _source_config_stored(plan: ModelPlan, smap: SchemeMap, options: QuantizeOptions) -> frozenset[str]:
@@ -833,7 +860,8 @@ def _quantize_checkpoint(
         ):
             raise Fp4kitError(f"--moe-input-scales per-expert: ModelOpt's fused {plan.family.name} experts store one "
                               "input scale per layer; use shared")
-        planned = output_plan(reader, plan, options)
+        kv_attention = _kv_attention(reader, plan, options)
+        planned = output_plan(reader, plan, options, kv_attention)
         calibrated = calibrated_method(options)
         if calibrated and ranks.world > 1:
             raise Fp4kitError(f"--method {options.method} runs in one process; start it without torchrun")
@@ -852,25 +880,30 @@ def _quantize_checkpoint(
         fp8_static = "fp8-static" in plan.schemes.values()
         source_scales = not calibrated or (static_inputs(options) and (input_scale_source(options) == "source"
                                                                        or fp8_static))
-        input_divs, routing_counts = (_calibrate(src, plan, options, ranks, token_ids, progress) if source_scales
-                                      else ({}, {}))
+        input_divs, routing_counts, kv_amax = (
+            _calibrate(src, plan, options, ranks, token_ids, progress, [] if calibrated else kv_attention)
+            if source_scales else ({}, {}, {}))
         fallbacks: list[str] = []
         input_bytes = sum(info.nbytes for info in reader.tensors.values())
         share_bytes = sum(_job_bytes(reader, job) for job in jobs)  # this rank's; all of input_bytes alone
         done = 0
         metadata = {"producer": "fp4kit", **_exact_input_scales(plan, options, input_divs)}
         writer = ranks.shard_writer(work, planned, options.max_shard_bytes, metadata,
-                                    output_plan(reader, replace(plan, jobs=jobs), options))
+                                    output_plan(reader, replace(plan, jobs=jobs), options,
+                                                kv_attention if ranks.main else None))
         background = BackgroundWriter(writer, QUEUE_DEPTH)
         stack_bytes = STACK_BYTES.get(torch.device(options.device).type, 0)
         batcher = GroupBatcher(options, input_divs, background.put, stack_bytes, plan)
         try:
             if calibrated:
                 assert token_ids is not None
-                fallbacks, pass_counts = _quantize_calibrated(
+                fallbacks, pass_counts, kv_amax = _quantize_calibrated(
                     src, reader, plan, options, input_divs if source_scales else None, background.put, progress,
-                    token_ids)
+                    token_ids, kv_attention)
                 routing_counts = routing_counts or pass_counts
+            if kv_attention and ranks.main:
+                for attention, (k_scale, v_scale) in kv_scales(kv_attention, kv_amax).items():
+                    background.put(_format_module(options).kv_encode(attention, k_scale, v_scale))
             else:
                 progress = start_phase(progress, "quantizing", share_bytes, main=True)
             def read(job: QuantGroup | str) -> object:

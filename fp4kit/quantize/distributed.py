@@ -206,9 +206,11 @@ class Ranks:
         self.sync()
         return writer or ShardWriter(work, planned, max_shard_bytes, metadata, written_here=here, create=False)
 
-    def combine_calibration(self, result: CalibrationResult, modules: list[str]) -> CalibrationResult:
+    def combine_calibration(self, result: CalibrationResult, modules: list[str], kv_names: list[str] | None = None
+                            ) -> CalibrationResult:
         """Every rank's statistics combined as one process computing all batches would have: the max of the
-        amax (NaN wins, as torch.maximum lets it) and the sum of the routing counts."""
+        amax (NaN wins, as torch.maximum lets it), the KV-cache amax (``kv_names``) likewise, and the sum of the
+        routing counts."""
         if self.world == 1:
             return result
         from fp4kit.quantize.calibrate import CalibrationResult
@@ -216,8 +218,10 @@ class Ranks:
         self.sync()  # nobody enters the collectives below while another rank has failed
         nccl = "nccl" in str(torch.distributed.get_backend())
         device = torch.device(self.device if nccl and self.device.startswith("cuda") else "cpu")
-        amax = torch.tensor([result.input_amax.get(m, _NOT_RECORDED) for m in modules], dtype=torch.float64,
-                            device=device)
+        kv_names = kv_names or []
+        recorded = [result.input_amax.get(m, _NOT_RECORDED) for m in modules] + \
+            [result.kv_amax.get(m, _NOT_RECORDED) for m in kv_names]
+        amax = torch.tensor(recorded, dtype=torch.float64, device=device)
         gathered = [torch.empty_like(amax) for _ in range(self.world)]
         torch.distributed.all_gather(gathered, amax)
         combined = torch.stack(gathered).amax(dim=0).tolist()
@@ -230,8 +234,11 @@ class Ranks:
         for layer in layers:
             size = len(result.routing_counts[layer])
             routing[layer], total = total[:size], total[size:]
+        combined_kv = combined[len(modules):]
+        combined = combined[: len(modules)]
         return CalibrationResult(
-            {m: value for m, value in zip(modules, combined, strict=True) if value != _NOT_RECORDED}, routing
+            {m: value for m, value in zip(modules, combined, strict=True) if value != _NOT_RECORDED}, routing,
+            {m: value for m, value in zip(kv_names, combined_kv, strict=True) if value != _NOT_RECORDED},
         )
 
 

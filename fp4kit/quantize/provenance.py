@@ -28,7 +28,7 @@ SCHEME_TITLES = {"nvfp4": "NVFP4 W4A4 (weights and activations FP4)", "nvfp4a16"
 # calibration record replaces by the dtype the forward ran in
 NOT_RECORDED = ("device", "native_cpu", "overwrite", "command", "dtype")
 # options recorded only when given, so that a run without them records what it did before they existed
-RECORDED_WHEN_SET = ("scheme_for", "source_config")
+RECORDED_WHEN_SET = ("scheme_for", "source_config", "kv_cache")
 # a module group's precision in the model card, by its --scheme-for scheme (NVFP4 otherwise)
 PRECISIONS = {"fp8-dynamic": "FP8 (per-channel weights, dynamic per-token activations)",
               "fp8-block": "FP8 (128x128 weight blocks, dynamic activations)",
@@ -143,6 +143,10 @@ def model_card(record: dict, plan: ModelPlan) -> str:
         lines.append(f"| calibration | {data} |")
     else:
         lines.append("| calibration | none (the weights alone) |")
+    kv_cache = record["options"].get("kv_cache")
+    if kv_cache:
+        lines.append(f"| KV cache | {kv_cache.upper()}, per-layer calibrated `k_scale` / `v_scale` (serve with "
+                     f"`--kv-cache-dtype {kv_cache}`) |")
     lines += ["", "## Precision by module group", "", "| modules | count | precision |", "|---|---|---|"]
     lines += [f"| `{pattern}` | {count} | {precision} |" for pattern, count, precision in module_groups(plan)]
     lines += ["", "## How it was made", ""]

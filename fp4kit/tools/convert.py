@@ -268,9 +268,12 @@ def convert_checkpoint(
         else:
             quant_config = target.quantization_config(ckpt.scheme, ignore)
             side_configs = target.side_configs(ckpt.scheme, ignore)
+        if ckpt.kv_cache is not None:
+            target.add_kv_cache(quant_config, side_configs)
         fp8_dtypes = _fp8_scale_dtypes(ckpt)
         with atomic_directory(dst, src, overwrite) as work:
             planned = [t for job in jobs for t in _planned(job, target, ckpt, fp8_dtypes)]
+            planned += [t for attention in ckpt.kv_scales for t in target.kv_planned(attention)]
             writer = ShardWriter(work, planned, max_shard_bytes, metadata=metadata)
             done = 0
             try:
@@ -281,6 +284,9 @@ def convert_checkpoint(
                         done += tensor.numel() * tensor.element_size()
                     if progress:
                         progress(min(done, writer.total_bytes), writer.total_bytes)
+                for attention in ckpt.kv_scales:  # the FP8 KV cache's scales: the same fp32 divisors, respelled
+                    for name, tensor in target.kv_encode(attention, *ckpt.read_kv_scales(attention)).items():
+                        writer.write(name, tensor)
             except BaseException:
                 writer.abort()
                 raise

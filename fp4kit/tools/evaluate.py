@@ -34,11 +34,12 @@ from fp4kit.errors import Fp4kitError
 from fp4kit.families import detect
 from fp4kit.families.base import Family
 from fp4kit.formats.detect import QuantizedCheckpoint, config_files, open_checkpoint
-from fp4kit.fp8 import fake_quantize_fp8_activation
+from fp4kit.fp8 import fake_quantize_fp8_activation, fake_quantize_fp8_kv
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, read_config
 from fp4kit.io.sources import DequantizedView, detect_source
 from fp4kit.nvfp4 import fake_quantize_activation
+from fp4kit.quantize.kv_cache import attach_kv_hooks
 
 DTYPES = ("float32", "bfloat16")  # compute dtypes
 LOGIT_ELEMENTS = 1 << 25  # fp32 logits per chunk of tokens (x2 models): bounded whatever the vocabulary
@@ -138,6 +139,29 @@ def emulate_w4a4(module: nn.Module, prefix: str, divisors: dict[str, torch.Tenso
     return covered
 
 
+def emulate_kv_cache(layer: nn.Module, prefix: str, checkpoint_name: Callable[[str], str],
+                     kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The FP8 KV cache: every attention module of ``layer`` with scales attends over its keys and values written
+    to the cache and read back as vLLM does (fp4kit.fp8.fake_quantize_fp8_kv); a module with scales that the layer
+    does not run through transformers' attention function is an error."""
+    def hook_for(name: str):
+        if name not in kv_scales:
+            return None
+        k_scale, v_scale = kv_scales[name]
+
+        def quantize(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return (fake_quantize_fp8_kv(key, k_scale).to(key.dtype),
+                    fake_quantize_fp8_kv(value, v_scale).to(value.dtype))
+
+        return quantize
+
+    hooked = set(attach_kv_hooks(layer, prefix, checkpoint_name, hook_for))
+    missed = sorted(n for n in kv_scales if n.startswith(prefix) and n not in hooked)
+    if missed:
+        raise Fp4kitError(f"{missed[0]}: has KV-cache scales but is not an attention module of transformers' "
+                          f"{type(layer).__name__}, so its KV cache cannot be emulated")
+
+
 def _emulate_layer(layer: nn.Module, prefix: str, divisors: dict[str, torch.Tensor],
                    fp8: dict[str, tuple[str, torch.Tensor | None]], family: Family) -> None:
     covered = emulate_w4a4(layer, prefix, divisors, family)
@@ -164,6 +188,7 @@ class _Model:
         self.family = detect(self.config)
         self.divisors: dict[str, torch.Tensor] = {}
         self.fp8: dict[str, tuple[str, torch.Tensor | None]] = {}
+        self.kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # attention -> FP8 KV cache's scales
         self.reader: CheckpointReader | DenseView | DequantizedView
         stored = stack.enter_context(CheckpointReader(root))  # the directory's one reader
         source = detect_source(self.config, {n: (i.dtype, i.shape) for n, i in stored.tensors.items()})
@@ -176,6 +201,9 @@ class _Model:
             self.scheme = f"mixed ({' + '.join(schemes)})" if ckpt.mixed else ckpt.scheme
             self.divisors = input_divisors(ckpt)
             self.fp8 = fp8_activations(ckpt)
+            self.kv_scales = {a: ckpt.read_kv_scales(a) for a in ckpt.kv_scales}
+            if ckpt.kv_cache is not None:
+                self.scheme += f" + {ckpt.kv_cache} KV cache"
             self.reader = DenseView(ckpt, torch.float32)
         else:
             self.scheme = "dense"
@@ -284,6 +312,8 @@ def evaluate(
                 layer = text.load_layer(model.reader, index, dtype, torch_device)
                 if model.divisors or model.fp8:
                     _emulate_layer(layer, text.layer_prefix(index), model.divisors, model.fp8, text.family)
+                if model.kv_scales:
+                    emulate_kv_cache(layer, text.layer_prefix(index), text.moe.checkpoint_name, model.kv_scales)
                 layer_args = inputs[side][1]
                 for b, states in enumerate(hidden[side]):
                     args, kwargs = layer_args[tuple(states.shape)][index]

@@ -24,6 +24,7 @@ Streams: one tensor at a time; packed weights are read only by ``--engine`` (E2M
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,6 +67,22 @@ class LayerSummary:
     part: str = "text"  # "text" or "vision" (vision towers and projectors)
 
 
+def _kv_cache(ckpt, problems: list[Finding]) -> dict | None:
+    """The FP8 KV cache's scales summarised; a scale that is not a positive finite number is a problem (vLLM reads
+    one <= 0 as absent and caches that layer with scale 1)."""
+    if ckpt.kv_cache is None:
+        return None
+    values: dict[str, list[float]] = {"k_scale": [], "v_scale": []}
+    for k_name, v_name in ckpt.kv_scales.values():
+        for key, name in (("k_scale", k_name), ("v_scale", v_name)):
+            value = float(ckpt.reader.read(name, check_finite=False).float().reshape(()))
+            if not (value > 0 and math.isfinite(value)):
+                problems.append(Finding("kv_cache_scale", name, f"{value}: not a positive finite scale"))
+            values[key].append(value)
+    return {"scheme": ckpt.kv_cache, "attention_layers": len(ckpt.kv_scales),
+            **{key: [min(v), max(v)] for key, v in values.items()}}
+
+
 @dataclass
 class InspectReport:
     path: str
@@ -94,6 +111,8 @@ class InspectReport:
     notes: list[str] = field(default_factory=list)  # what is worth knowing and is not a problem
     # a mixed-precision checkpoint's module groups (module_scheme_groups); None for a single-scheme one
     module_schemes: list[dict] | None = None
+    # the FP8 KV cache's scales: {"scheme", "attention_layers", "k_scale": [min, max], "v_scale": [min, max]}; None
+    kv_cache: dict | None = None
 
     @property
     def clean(self) -> bool:
@@ -348,6 +367,7 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
                 bad = int((~torch.isfinite(ckpt.reader.read(name))).sum())
                 if bad:
                     problems.append(Finding("nonfinite_weight", name, f"{bad} NaN/Inf values"))
+        kv_cache = _kv_cache(ckpt, problems)
         num_experts, hidden, inter = _sizes(ckpt)
         compat = _backends(num_experts, hidden, inter, ckpt.scheme == "nvfp4a16")
         for b in backends or []:
@@ -361,5 +381,5 @@ def inspect_checkpoint(path: str | Path, backends: list[str] | None = None, ep: 
             hidden, inter, _layers(ckpt), problems, compat,
             [s for s in EP_SIZES if num_experts and num_experts % s == 0], _marlin_zeroed(histograms), engine,
             unquantized_modules=unquantized_modules(ckpt), notes=notes,
-            module_schemes=module_scheme_groups(ckpt) if ckpt.mixed else None,
+            module_schemes=module_scheme_groups(ckpt) if ckpt.mixed else None, kv_cache=kv_cache,
         )
