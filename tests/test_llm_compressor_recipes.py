@@ -65,6 +65,30 @@ def test_quantization_modifier_observers_and_other_modifiers(tmp_path, tiny) -> 
     assert len(loaded.notes) == 2, loaded.notes
 
 
+@pytest.mark.parametrize("observer", ["nvfp4_expanded_mse", "nvfp4-expanded-mse", "fouroversix"])
+def test_expanded_mse_observer_is_the_range_search(tmp_path, tiny, observer: str) -> None:
+    """llm-compressor's recommended NVFP4 weight observer (a search over 0.8x-1.8x of each block's absmax) becomes
+    fp4kit's mse search over the same range, alone (QuantizationModifier) and inside GPTQ; nothing is noted."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.observers.base import Observer
+
+    assert observer.replace("_", "-") in Observer.registered_names(), "llm-compressor no longer registers it"
+    rtn = llmc_yaml(QuantizationModifier(scheme="NVFP4A16", targets="Linear", ignore=["lm_head"],
+                                         observer={"weights": observer}))
+    loaded = load_recipe(write(tmp_path, rtn), [f"model={tiny('qwen3_moe')}"])
+    quantize = loaded.recipe.quantize
+    assert quantize is not None and (quantize.method, quantize.mse_range) == ("mse", "0.8:1.8"), quantize
+    assert loaded.notes == []
+    gptq = llmc_yaml(GPTQModifier(scheme="NVFP4", targets="Linear", ignore=["lm_head"], weight_observer=observer,
+                                  actorder=None))
+    loaded = load_recipe(write(tmp_path, gptq, "gptq.yaml"), [f"model={tiny('qwen3_moe')}"])
+    quantize = loaded.recipe.quantize
+    assert quantize is not None and (quantize.method, quantize.gptq_scales, quantize.mse_range) == (
+        "gptq", "mse", "0.8:1.8"), quantize
+    assert loaded.notes == [], loaded.notes
+
+
 EXAMPLE = """\
 quant_stage:
   quant_modifiers:

@@ -20,6 +20,8 @@ STAGE, GROUP = "_stage", "_modifiers"
 SCHEMES = {"NVFP4": "nvfp4", "NVFP4A16": "nvfp4a16"}
 METHODS = {"QuantizationModifier": "rtn", "GPTQModifier": "gptq"}
 MSE_OBSERVERS = ("mse", "memoryless_mse")
+# llm-compressor's NVFP4 search over 0.8x-1.8x of each block's absmax (observers/mse.py): fp4kit's LOW:HIGH search
+EXPANDED_MSE_OBSERVERS = {"nvfp4_expanded_mse": "0.8:1.8", "fouroversix": "0.8:1.8"}
 MINMAX_OBSERVERS = ("minmax", "memoryless_minmax", "static_minmax")
 GPTQ_BLOCK = 128  # fp4kit's GPTQ block (QuantizeOptions.gptq_block_size)
 # bookkeeping and speed settings of llm-compressor's modifiers: no bearing on the checkpoint a one-shot run writes
@@ -144,7 +146,11 @@ def _quantizer(out: Translation, path: KeyPath, name: str, arguments: dict) -> N
     if arguments.get("ignore"):
         out.set("ignore", _patterns(out, (*path, "ignore"), arguments["ignore"]), (*path, "ignore"))
     weight = _observer(arguments, "weights")
-    if weight in MSE_OBSERVERS:
+    if isinstance(weight, str):  # llm-compressor's registry takes either spelling
+        weight = weight.lower().replace("-", "_")
+    if weight in EXPANDED_MSE_OBSERVERS:
+        out.set("mse_range", EXPANDED_MSE_OBSERVERS[weight], (*path, "weight_observer"))
+    if weight in MSE_OBSERVERS or weight in EXPANDED_MSE_OBSERVERS:
         if gptq:
             out.set("gptq_scales", "mse", (*path, "weight_observer"))
         else:
