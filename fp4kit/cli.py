@@ -247,8 +247,10 @@ def main() -> None:
         _register_commands()
         code = run(sys.argv[1:])
     # the garbage collection at interpreter exit would walk every object torch's import made (about 0.4 CPU s);
-    # frozen, they are left to the process's end like the rest
-    gc.freeze()
+    # frozen, they are left to the process's end like the rest. Not once triton is loaded: its nanobind bindings
+    # print every object left uncollected at exit as a leak.
+    if "triton" not in sys.modules:
+        gc.freeze()
     if code == EXIT_TERMINATED and _under_torchrun():  # end by the signal itself, as torchrun expects its ranks to
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)

@@ -121,4 +121,5 @@ def test_onednn_kernel_cache_is_bounded_unless_the_environment_sets_it():
     assert bounded["capacity"] == {k: str(n) for k, n in memory.ONEDNN_CACHE_CAPACITIES.items()}
     assert unbounded["capacity"] == defaults  # the user's settings win
     assert unbounded["growth"] > 256 << 20, unbounded  # over a thousand shapes' kernels stay resident
-    assert bounded["growth"] < unbounded["growth"] / 4, (bounded, unbounded)
+    # about a fifth on an idle machine (177 against 830-860 MB); a busy one's allocator has given 3.8x
+    assert bounded["growth"] < unbounded["growth"] / 3, (bounded, unbounded)

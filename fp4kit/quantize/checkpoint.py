@@ -901,11 +901,12 @@ def _quantize_checkpoint(
                     src, reader, plan, options, input_divs if source_scales else None, background.put, progress,
                     token_ids, kv_attention)
                 routing_counts = routing_counts or pass_counts
+            else:
+                progress = start_phase(progress, "quantizing", share_bytes, main=True)
             if kv_attention and ranks.main:
                 for attention, (k_scale, v_scale) in kv_scales(kv_attention, kv_amax).items():
                     background.put(_format_module(options).kv_encode(attention, k_scale, v_scale))
-            else:
-                progress = start_phase(progress, "quantizing", share_bytes, main=True)
+
             def read(job: QuantGroup | str) -> object:
                 encoded = not isinstance(job, QuantGroup) or group_scheme(plan, job, options) not in FP8_SCHEMES
                 return _read_job(reader, job, options.device, encoded and _quantizes_fp8_codes(options),
