@@ -386,6 +386,46 @@ def vllm_module(name: str) -> ModuleType:
     raise AssertionError("unreachable")
 
 
+# vLLM's packed_modules_mapping for the fused Linears a quant config is asked about by their serving names
+VLLM_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+def fused_serving_names(modules: dict[str, str]) -> dict[str, str]:
+    """The fused serving names vLLM asks a quant config about, each with the module on disk whose scheme it must get:
+    qkv_proj / gate_up_proj by their first part, MLA's fused_qkv_a_proj by q_a_proj."""
+    asked: dict[str, str] = {}
+    for parent in {m.rsplit(".", 1)[0] for m in modules}:
+        for fused, parts in VLLM_PACKED.items():
+            if f"{parent}.{parts[0]}" in modules:
+                asked[f"{parent}.{fused}"] = f"{parent}.{parts[0]}"
+        if f"{parent}.q_a_proj" in modules:
+            asked[f"{parent}.fused_qkv_a_proj"] = f"{parent}.q_a_proj"
+    return asked
+
+
+def vllm_ct_scheme(config: dict) -> Callable[[str], str | None]:
+    """vLLM 0.33's CompressedTensorsConfig parsed from a ``quantization_config``: module name -> the fp4kit scheme it
+    gives that module (None: left unquantized)."""
+    ct_config = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors")
+    parsed = ct_config.CompressedTensorsConfig.from_config(config)
+    parsed.packed_modules_mapping = dict(VLLM_PACKED)
+
+    class RowParallelLinear(torch.nn.Module):  # vLLM matches the class target "Linear" by substring
+        pass
+
+    def resolved(name: str) -> str | None:
+        scheme = parsed.get_scheme_dict(RowParallelLinear(), name)
+        if scheme is None:
+            return None
+        weights = scheme["weights"]
+        if weights.num_bits == 4:
+            return "nvfp4" if scheme["input_activations"] is not None else "nvfp4a16"
+        strategy = getattr(weights.strategy, "value", weights.strategy)
+        return {"channel": "fp8-dynamic", "block": "fp8-block", "tensor": "fp8-static"}[strategy]
+
+    return resolved
+
+
 def vllm_module_without_torchvision(name: str) -> ModuleType:
     """``vllm.<name>`` for a module that imports torchvision only for image preprocessing (mllama4.py, through
     transformers' Llama-4 image processor), where torchvision is not installed: torchvision's wheels are built

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_all, same_bytes, vllm_module
+from helpers import VLLM_PACKED, fused_serving_names, load_all, same_bytes, vllm_ct_scheme, vllm_module
 
 from fp4kit.formats.detect import open_checkpoint
 from fp4kit.quantize.checkpoint import QuantizeOptions, quantize_checkpoint
@@ -26,7 +26,6 @@ CASES = {
     "qwen3_moe-w4a4": ((r"self_attn\.(q|k|v)_proj=fp8-dynamic", r"self_attn\.o_proj=fp8-static"), "nvfp4"),
 }
 # vLLM's packed_modules_mapping (qwen3_moe.py, deepseek_v2.py) and deepseek_v2.py's fused_qkv_a_proj
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 MODELOPT_ALGOS = {"fp8-dynamic": "FP8_PER_CHANNEL_PER_TOKEN", "fp8-block": "FP8_PB_WO", "fp8-static": "FP8",
                   "nvfp4a16": "W4A16_NVFP4", "nvfp4": "NVFP4"}
 
@@ -106,37 +105,17 @@ def _disk_schemes(ckpt_root: Path) -> dict[str, str]:
 def test_vllm_parses_the_converted_compressed_tensors_config(quantized, tmp_path, case):
     """vLLM 0.33's CompressedTensorsConfig gives every module of the converted checkpoint its scheme, fused Linears
     (by their serving names) and kept experts (none) included."""
-    ct_config = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors")
     root = tmp_path / "ct"
     convert_checkpoint(quantized(case, "modelopt"), root, "compressed-tensors")
     config = json.loads((root / "config.json").read_text())["quantization_config"]
     assert config["format"] == "mixed-precision"
-    parsed = ct_config.CompressedTensorsConfig.from_config(config)
-    parsed.packed_modules_mapping = dict(PACKED)
-
-    class RowParallelLinear(torch.nn.Module):  # vLLM matches the class target "Linear" by substring
-        pass
-
-    def resolved(name: str) -> str | None:
-        scheme = parsed.get_scheme_dict(RowParallelLinear(), name)
-        if scheme is None:
-            return None
-        weights, inputs = scheme["weights"], scheme["input_activations"]
-        if weights.num_bits == 4:
-            return "nvfp4" if inputs is not None else "nvfp4a16"
-        strategy = getattr(weights.strategy, "value", weights.strategy)
-        return {"channel": "fp8-dynamic", "block": "fp8-block", "tensor": "fp8-static"}[strategy]
-
+    resolved = vllm_ct_scheme(config)
     expected = _disk_schemes(root)
     assert len(set(expected.values())) >= 2
     for module, scheme in expected.items():
         assert resolved(module) == scheme, module
-    for parent in {m.rsplit(".", 1)[0] for m in expected}:
-        for fused, parts in PACKED.items():
-            if f"{parent}.{parts[0]}" in expected:
-                assert resolved(f"{parent}.{fused}") == expected[f"{parent}.{parts[0]}"], parent
-        if f"{parent}.q_a_proj" in expected:
-            assert resolved(f"{parent}.fused_qkv_a_proj") == expected[f"{parent}.q_a_proj"], parent
+    for fused, part in fused_serving_names(expected).items():
+        assert resolved(fused) == expected[part], fused
     kept = [m for m in config["ignore"] if ".experts." in m]
     assert all(resolved(m) is None for m in kept)
     assert kept or case.endswith("w4a4")
@@ -155,18 +134,12 @@ def test_vllm_parses_the_converted_modelopt_config(quantized, tmp_path, case):
     expected = _disk_schemes(root)
     for source in (hf_quant, config_json):
         parsed = modelopt.ModelOptMixedPrecisionConfig.from_config(source)
-        parsed.packed_modules_mapping = dict(PACKED)
+        parsed.packed_modules_mapping = dict(VLLM_PACKED)
         for module, scheme in expected.items():
             assert not parsed.is_layer_excluded(module), module
             assert parsed._resolve_quant_algo(module) == MODELOPT_ALGOS[scheme], module
-        for parent in {m.rsplit(".", 1)[0] for m in expected}:
-            for fused, parts in PACKED.items():
-                if f"{parent}.{parts[0]}" in expected:
-                    assert parsed._resolve_quant_algo(f"{parent}.{fused}") == \
-                        MODELOPT_ALGOS[expected[f"{parent}.{parts[0]}"]], parent
-            if f"{parent}.q_a_proj" in expected:
-                assert parsed._resolve_quant_algo(f"{parent}.fused_qkv_a_proj") == \
-                    MODELOPT_ALGOS[expected[f"{parent}.q_a_proj"]], parent
+        for fused, part in fused_serving_names(expected).items():
+            assert parsed._resolve_quant_algo(fused) == MODELOPT_ALGOS[expected[part]], fused
         kept = [m for m in hf_quant["quantization"]["exclude_modules"] if ".experts." in m]
         assert all(parsed.is_layer_excluded(m) for m in kept)
         assert kept or case.endswith("w4a4")

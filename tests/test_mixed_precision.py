@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import load_all
+from helpers import VLLM_PACKED, fused_serving_names, load_all, vllm_ct_scheme
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.fp8 import quantize_fp8
@@ -23,7 +23,6 @@ RULES = {
                     r"layers\.2\.mlp\.experts\.[0-3]\.=bf16"],
 }
 # vLLM's packed_modules_mapping (qwen3_moe.py, deepseek_v2.py); deepseek_v2.py's fused_qkv_a_proj is not in it
-PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
 
 
@@ -60,42 +59,20 @@ def _expected(root: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("family", sorted(RULES))
 def test_compressed_tensors_mixed_config_resolves_in_vllm_as_first_match(mixed, tiny, family):
-    from helpers import vllm_module
-
-    ct_config = vllm_module("model_executor.layers.quantization.compressed_tensors.compressed_tensors")
     from compressed_tensors.quantization import QuantizationConfig
 
     root = mixed(family, "compressed-tensors")
     config = json.loads((root / "config.json").read_text())["quantization_config"]
     assert config["format"] == "mixed-precision"
     QuantizationConfig.model_validate(config)  # compressed-tensors' own classes take it
-    parsed = ct_config.CompressedTensorsConfig.from_config(config)
-    parsed.packed_modules_mapping = dict(PACKED)
-
-    class RowParallelLinear(torch.nn.Module):  # vLLM matches the class target "Linear" by substring
-        pass
-
-    def resolved(name: str) -> str | None:
-        scheme = parsed.get_scheme_dict(RowParallelLinear(), name)
-        if scheme is None:
-            return None
-        weights = scheme["weights"]
-        if weights.num_bits == 4:
-            return "nvfp4" if scheme["input_activations"] is not None else "nvfp4a16"
-        return {"channel": "fp8-dynamic", "block": "fp8-block"}[getattr(weights.strategy, "value", weights.strategy)]
-
+    resolved = vllm_ct_scheme(config)
     expected = _expected(root)
     assert {"fp8-dynamic", "nvfp4a16"} <= set(expected.values())
     for module, scheme in expected.items():
         assert resolved(module) == scheme, module
     # what vLLM asks for: fused Linears by their serving names, routed experts by expert 0's
-    parents = {m.rsplit(".", 1)[0] for m in expected}
-    for parent in parents:
-        for fused, parts in PACKED.items():
-            if f"{parent}.{parts[0]}" in expected:
-                assert resolved(f"{parent}.{fused}") == expected[f"{parent}.{parts[0]}"], parent
-        if f"{parent}.q_a_proj" in expected:
-            assert resolved(f"{parent}.fused_qkv_a_proj") == expected[f"{parent}.q_a_proj"], parent
+    for fused, part in fused_serving_names(expected).items():
+        assert resolved(fused) == expected[part], fused
     kept = [m for m in json.loads((root / "config.json").read_text())["quantization_config"]["ignore"]
             if ".experts." in m]
     assert kept and all(resolved(m) is None for m in kept)
@@ -118,17 +95,13 @@ def test_modelopt_mixed_config_resolves_in_vllm(mixed, family):
     expected = _expected(root)
     for source in (hf_quant, config_json):
         parsed = modelopt_config.ModelOptMixedPrecisionConfig.from_config(source)
-        parsed.packed_modules_mapping = dict(PACKED)
+        parsed.packed_modules_mapping = dict(VLLM_PACKED)
         assert parsed.get_name() == "modelopt_mixed"
         for module, scheme in expected.items():
             assert not parsed.is_layer_excluded(module), module
             assert parsed._resolve_quant_algo(module) == algos[scheme], module
-        for parent in {m.rsplit(".", 1)[0] for m in expected}:
-            for fused, parts in PACKED.items():
-                if f"{parent}.{parts[0]}" in expected:
-                    assert parsed._resolve_quant_algo(f"{parent}.{fused}") == algos[expected[f"{parent}.{parts[0]}"]]
-            if f"{parent}.q_a_proj" in expected:
-                assert parsed._resolve_quant_algo(f"{parent}.fused_qkv_a_proj") == algos[expected[f"{parent}.q_a_proj"]]
+        for fused, part in fused_serving_names(expected).items():
+            assert parsed._resolve_quant_algo(fused) == algos[expected[part]], fused
         experts = sorted({m.rsplit(".", 2)[0] for m in expected if ".experts." in m})
         assert experts and all(parsed._resolve_quant_algo(e) == "W4A16_NVFP4" for e in experts)
         kept = [m for m in hf_quant["quantization"]["exclude_modules"] if ".experts." in m]
