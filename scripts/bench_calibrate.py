@@ -32,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -124,18 +123,10 @@ def bench_tool(bq, tool: str, src: Path, calib: Path, args: argparse.Namespace):
     result = bq.ToolResult(tool)
     dst = args.workdir / f"out-calib-{tool}-{args.method}-{args.scheme}"
     for attempt in range(args.repeats):
-        shutil.rmtree(dst, ignore_errors=True)
-        bq.warm_page_cache(src)
         log = args.workdir / f"calib-{tool}-{attempt}.log"
-        try:
-            run = bq.time_process(tool_command(bq, tool, src, dst, calib, args), dst, log)
-        except RuntimeError as exc:
-            result.note = f"failed: {exc}"
-            print(f"  {tool}: FAILED\n{exc}", flush=True)
+        if not bq.timed_attempt(result, tool_command(bq, tool, src, dst, calib, args), src, dst, log, attempt,
+                                args.repeats):
             break
-        result.runs.append(run)
-        print(f"  {tool} run {attempt + 1}/{args.repeats}: {run.seconds:.1f} s, {run.cpu_seconds:.1f} CPU s, "
-              f"peak RSS {run.peak_rss_bytes / 1e9:.2f} GB, load {run.load_average:.1f}", flush=True)
     return result
 
 

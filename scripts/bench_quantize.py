@@ -282,23 +282,30 @@ def _mem_available_bytes() -> int:
     return 0
 
 
+def timed_attempt(result: ToolResult, command: list[str], src: Path, dst: Path, log: Path, attempt: int, repeats: int,
+                  env: dict[str, str] | None = None) -> bool:
+    """One timed run of ``command`` writing ``dst`` (emptied first, the source in the page cache), added to
+    ``result``; False, with the failure noted, when it fails."""
+    shutil.rmtree(dst, ignore_errors=True)
+    warm_page_cache(src)
+    try:
+        run = time_process(command, dst, log, env)
+    except RuntimeError as exc:
+        result.note = f"failed: {exc}"
+        print(f"  {result.tool}: FAILED\n{exc}", flush=True)
+        return False
+    result.runs.append(run)
+    print(f"  {result.tool} run {attempt + 1}/{repeats}: {run.seconds:.1f} s, {run.cpu_seconds:.1f} CPU s, "
+          f"peak RSS {run.peak_rss_bytes / 1e9:.2f} GB, load {run.load_average:.1f}", flush=True)
+    return True
+
+
 def bench_run(result: ToolResult, src: Path, workdir: Path, device: str, attempt: int, repeats: int, nproc: int = 0,
               env: dict[str, str] | None = None, dialect: str = "compressed-tensors") -> None:
     """One timed run of ``result.tool`` into ``workdir/out-<tool>``, added to ``result`` (or its failure noted)."""
-    tool = result.tool
-    dst = workdir / f"out-{tool}"
-    shutil.rmtree(dst, ignore_errors=True)
-    warm_page_cache(src)
-    log = workdir / f"{tool}-{attempt}.log"
-    try:
-        run = time_process(tool_command(tool, src, dst, device, nproc, dialect), dst, log, env)
-    except RuntimeError as exc:
-        result.note = f"failed: {exc}"
-        print(f"  {tool}: FAILED\n{exc}", flush=True)
-        return
-    result.runs.append(run)
-    print(f"  {tool} run {attempt + 1}/{repeats}: {run.seconds:.1f} s, {run.cpu_seconds:.1f} CPU s, "
-          f"peak RSS {run.peak_rss_bytes / 1e9:.2f} GB, load {run.load_average:.1f}", flush=True)
+    dst = workdir / f"out-{result.tool}"
+    timed_attempt(result, tool_command(result.tool, src, dst, device, nproc, dialect), src, dst,
+                  workdir / f"{result.tool}-{attempt}.log", attempt, repeats, env)
 
 
 def bench_interleaved(tools: list[str], src: Path, workdir: Path, device: str, repeats: int, nproc: int = 0,
