@@ -88,9 +88,11 @@ QUANTIZE: tuple[Option, ...] = (
     Option("moe_input_scales", Literal["shared", "per-expert"], "shared",
            "shared: one input scale per layer and projection for all experts (EP-invariant); per-expert: each "
            "expert's own"),
-    Option("method", Literal["rtn", "mse", "gptq"] | None, None,
+    Option("method", Literal["rtn", "mse", "gptq", "awq", "awq+gptq"] | None, None,
            "rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (weighted by "
-           "calibration activations when calibrating: scheme nvfp4 or --calib); gptq: GPTQ on calibration data. "
+           "calibration activations when calibrating: scheme nvfp4 or --calib); gptq: GPTQ on calibration data; "
+           "awq / awq+gptq: activation-aware scales folded into the norms and producing Linears, then weighted mse "
+           "/ GPTQ. "
            "Default: rtn, and an MXFP4 source cast to NVFP4 without rounding (any --method re-quantizes it from "
            "its exact values)", show_default=False),
     Option("gptq_damp", float, 0.01, "GPTQ damping, a fraction of the Hessian's mean diagonal", positive=True),

@@ -81,6 +81,10 @@ class Family:
     # transformers' decoder layers of the family load one at a time from the checkpoint's names
     # (quantize.layer_model: W4A4 calibration, gptq, eval); False: those refuse the family
     streams_layers: bool = True
+    # `quantize --method awq` folds activation-aware scales into the decoder layer's producers (fp4kit.quantize.awq:
+    # RMSNorms that multiply by their weight -> q/k/v and the router plus experts, v -> o, up -> down); False: no
+    # mapping is defined for the family's layers and the method refuses it
+    awq_folds: bool = False
     # the key of an FP8 release's own quantization_config under which an engine reads NVFP4 routed experts beside
     # the release's FP8 Linears (quantize --source-config); None: no engine reads such a form for the family
     source_config_moe_key: str | None = None

@@ -22,4 +22,5 @@ FAMILY = Family(
     num_experts=num_experts,
     routing=routing,
     ignore=lambda config: [r"mlp\.gate$", r"shared_expert_gate$"],
+    awq_folds=True,
 )

@@ -39,7 +39,7 @@ from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
 from fp4kit.progress import step
 from fp4kit.quantize.kv_cache import KvAmaxRecorder
-from fp4kit.quantize.layer_model import TextModel, checkpoint_dtype, layer_inputs, text_model
+from fp4kit.quantize.layer_model import LayerArguments, TextModel, checkpoint_dtype, layer_inputs, text_model
 
 LayerCallback = Callable[[int, list[torch.Tensor]], None]
 
@@ -432,6 +432,8 @@ class LoadedLayer:
     prefix: str  # checkpoint name prefix of the layer's modules, e.g. "model.layers.3."
     moe: MoEModules
     grammar: ExpertGrammar
+    # the layer's weights were changed after loading (an AWQ fold): they, not the checkpoint's, are to be quantized
+    changed: bool = False
 
     def weight(self, name: str) -> torch.Tensor:
         """The [N, K] weight of module ``name`` as a view of the layer's parameters: an nn.Linear's weight, or a
@@ -451,9 +453,12 @@ class LoadedLayer:
         BMM experts) and whose last two dimensions are equal, so that _layer_state_dict loaded it as stored, as
         transformers' loader does."""
         weight = self.weight(name)
-        if source.quantized is not None or stored.dtype != weight.dtype:
+        if not self.changed and (source.quantized is not None or stored.dtype != weight.dtype):
             return None
         if source.expert is not None and source.transposed != self.moe.bmm and stored.shape[-1] == stored.shape[-2]:
+            if self.changed:
+                raise Fp4kitError(f"{name}: a square fused expert tensor whose layout the loaded layer cannot tell; "
+                                  "its folded weights cannot be quantized")
             return None
         return weight
 
@@ -466,6 +471,9 @@ class LoadedLayer:
 
 # index, the loaded layer, its statistics -> the weights to run the layer with from now on (module name -> [N, K])
 LayerQuantizer = Callable[[int, LoadedLayer, LayerStatistics], dict[str, torch.Tensor]]
+# index, the loaded layer, the text model, the layer's input hidden states per batch, the layers' arguments: changes
+# the layer's weights in place before its statistics are collected (fp4kit.quantize.awq.AwqFolder)
+LayerPreparer = Callable[[int, nn.Module, TextModel, list[torch.Tensor], LayerArguments], None]
 
 
 @torch.inference_mode()
@@ -484,6 +492,7 @@ def calibrate_quantized(
     family: Family | None = None,
     progress: Callable[[int, int], None] | None = None,
     kv_attention: set[str] | None = None,
+    prepare_layer: LayerPreparer | None = None,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -494,7 +503,8 @@ def calibrate_quantized(
     counts are recorded, which spares running every token through every expert. ``progress(done, total)`` counts
     decoder layers (called with 0 before the first; a Reporter also logs a line per layer). ``config`` / ``family``:
     as ``calibrate``'s. ``kv_attention``: the attention modules whose keys' and values' amax the quantized layer's
-    forward records."""
+    forward records. ``prepare_layer``: changes each loaded layer before its statistics pass (AWQ's fold), and the
+    quantizer then takes the layer's weights rather than the checkpoint's."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1), config, family) as (
             reader, text, dtype, torch_device, hidden_batches, layer_args):
@@ -502,13 +512,15 @@ def calibrate_quantized(
             progress(0, len(text.layers))
         for index in range(len(text.layers)):
             layer = text.load_layer(reader, index, dtype, torch_device)
+            if prepare_layer is not None:
+                prepare_layer(index, layer, text, hidden_batches, layer_args)
             recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
             for hidden in hidden_batches:
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 layer(hidden, *args, **kwargs)
             stats = recorder.close()
             del recorder
-            loaded = LoadedLayer(layer, stats.layer_prefix, text.moe, text.grammar)
+            loaded = LoadedLayer(layer, stats.layer_prefix, text.moe, text.grammar, changed=prepare_layer is not None)
             replacements = quantize_layer(index, loaded, stats)
             del stats
             loaded.set_weights(replacements)

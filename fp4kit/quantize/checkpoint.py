@@ -53,7 +53,9 @@ from fp4kit.quantize.schemes import (
 from fp4kit.registry import DEFAULT_DIALECT, DIALECT_NAMES, dialect
 
 SCHEMES = ("nvfp4a16", "nvfp4")
-METHODS = ("rtn", "mse", "gptq")
+METHODS = ("rtn", "mse", "gptq", "awq", "awq+gptq")
+# the AWQ methods: the scales folded first (fp4kit.quantize.awq), then the layer quantized by this method
+AWQ_METHODS = {"awq": "mse", "awq+gptq": "gptq"}
 # --mse-range auto: llm-compressor's expanded-MSE span for data-free mse (on the reference model it beat the RTN
 # code's neighbours, docs/quality_methods.md); for calibrated mse and inside GPTQ it measured no better: codes
 AUTO_MSE_RANGE = "0.8:1.8"
@@ -96,7 +98,8 @@ class QuantizeOptions:
     # quantized sources (FP8 block, INT pack-quantized): dequantize to fp32 (one rounding) or bf16 (the peers' two)
     dequant_dtype: str = "fp32"
     # rtn: round to nearest (llm-compressor's bytes); mse: block scales by squared-error search (importance-weighted
-    # by calibration data when a calibration pass runs: scheme nvfp4, or calib given); gptq: GPTQ (calibrated)
+    # by calibration data when a calibration pass runs: scheme nvfp4, or calib given); gptq: GPTQ (calibrated); awq,
+    # awq+gptq: activation-aware scales folded into the layers' producers, then activation-weighted mse or GPTQ
     method: str = "rtn"
     gptq_damp: float = 0.01
     gptq_block_size: int = 128
@@ -194,6 +197,13 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"unknown --moe-input-scales {options.moe_input_scales!r}; choose {' or '.join(POLICIES)}")
     if options.method not in METHODS:
         raise Fp4kitError(f"unknown method {options.method!r}; choose one of {', '.join(METHODS)}")
+    fp8_static = any(r.scheme == "fp8-static" for r in scheme_map(options).rules)
+    if options.method in AWQ_METHODS and static_inputs(options) and (
+            input_scale_source(options) == "source" or fp8_static):
+        raise Fp4kitError(f"--method {options.method}: its input scales must come from the folded layers' own "
+                          "forward, which this output cannot use (--input-scales-from source, ModelOpt's W4A4 exact "
+                          "input scales or an fp8-static --scheme-for take them from the source model's pass); use "
+                          "--input-scales-from quantized with compressed-tensors output")
     if options.input_scales_from not in INPUT_SCALE_SOURCES:
         raise Fp4kitError(f"unknown input scale source {options.input_scales_from!r}; choose "
                           f"{' or '.join(INPUT_SCALE_SOURCES)}")
@@ -599,9 +609,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def calibrated_method(options: QuantizeOptions) -> bool:
-    """gptq, and mse where a calibration pass runs anyway (W4A4) or calibration text is given: the layer pass."""
-    return options.method == "gptq" or (options.method == "mse" and (static_inputs(options) or
-                                                                      options.calib is not None))
+    """gptq and awq, and mse where a calibration pass runs anyway (W4A4) or calibration text is given: the layer
+    pass."""
+    if options.method == "gptq" or options.method in AWQ_METHODS:
+        return True
+    return options.method == "mse" and (static_inputs(options) or options.calib is not None)
 
 
 def _quantize_calibrated(
@@ -619,14 +631,31 @@ def _quantize_calibrated(
     from fp4kit.quantize.calibrate import calibrate_quantized
     from fp4kit.quantize.gptq import GptqOptions, LayerQuantizer
 
+    method = AWQ_METHODS.get(options.method, options.method)
+    folder = _awq_folder(reader, plan, options) if options.method in AWQ_METHODS else None
+
     dtype = calibration_dtype(options, plan.config)
     batches = _batches(token_ids.shape[0], options.batch_size, (0, 1))
     progress = start_phase(progress, "quantizing", None, "layers", f"{options.method} layer by layer: "
                            f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, {batches} batches through "
                            f"each decoder layer, {_dtype_name(dtype)}", main=True)
+    # AWQ changes norm and router weights layer by layer: a decoder layer's passthrough tensors wait for its fold
+    deferred: dict[int, list[str]] = {}
+    layers = int(plan.text_config["num_hidden_layers"])
     for job in plan.jobs:
         if not isinstance(job, QuantGroup):
+            layer = plan.family.layer_index(job, plan.text_config) if isinstance(job, str) else None
+            if folder is not None and layer is not None and layer < layers:
+                deferred.setdefault(layer, []).append(job)
+                continue
             put(passthrough_tensors(job, _read_job(reader, job, options.device), options))
+
+    def put_deferred(index: int) -> None:
+        for name in deferred.pop(index, []):
+            assert folder is not None
+            data = folder.folded.pop(name, None)
+            put({name: data} if data is not None else passthrough_tensors(name, _read_job(reader, name), options))
+
     fp8 = [g for g in plan.groups if group_scheme(plan, g, options) in FP8_SCHEMES]
     for group in fp8:
         put(fp8_group_tensors(group, _read_job(reader, group), group_scheme(plan, group, options), options,
@@ -638,7 +667,7 @@ def _quantize_calibrated(
             by_layer.setdefault(group.layer, []).append(group)
     pending: list[tuple[QuantGroup, list[NVFP4Tensor]]] = []
     quantizer = LayerQuantizer(
-        reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
+        reader, by_layer, method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
         GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens,
                     options.scale_search),
@@ -658,12 +687,18 @@ def _quantize_calibrated(
         for group, quantized in pending:
             put(encode_group(group, quantized, options, divs))
         pending.clear()
+        put_deferred(index)
 
     modules = {c.linear.module for g in nvfp4 for c in g.members}
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
-                                 full_hessians=options.method == "gptq", dtype=dtype, on_layer=on_layer,
+                                 full_hessians=method == "gptq", dtype=dtype, on_layer=on_layer,
                                  input_amax=with_input, config=plan.config, family=plan.family, progress=progress,
-                                 kv_attention=set(kv_attention or []))
+                                 kv_attention=set(kv_attention or []), prepare_layer=folder)
+    for index in sorted(deferred):  # layers the pass did not reach (none: every decoder layer streams)
+        put_deferred(index)
+    if folder is not None and folder.folded:
+        raise Fp4kitError(f"--method {options.method}: folded {sorted(folder.folded)[0]}, which the output does not "
+                          "carry as a tensor of its own")
     rest = [g for g in nvfp4 if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
@@ -678,6 +713,18 @@ def _quantize_calibrated(
         put(encode_group(group, quantized, options, divs))
         fallbacks.extend(c.linear.module for c in group.members)
     return fallbacks, result.routing_counts, result.kv_amax
+
+
+def _awq_folder(reader: CheckpointReader, plan: ModelPlan, options: QuantizeOptions):
+    """The AWQ fold of ``plan``'s decoder layers (fp4kit.quantize.awq.AwqFolder): it scales only Linears this run
+    quantizes to NVFP4."""
+    from fp4kit.quantize.awq import AwqFolder, check_family
+
+    check_family(plan.family)
+    nvfp4 = {c.linear.module for g in plan.groups if group_scheme(plan, g, options) not in FP8_SCHEMES
+             for c in g.members}
+    return AwqFolder(act=static_inputs(options), quantized=nvfp4.__contains__,
+                     stored_dtype=lambda name: reader.info(name).dtype)
 
 
 def write_config(dst: Path, config: dict, quantization_config: dict) -> None:
