@@ -366,7 +366,7 @@ def test_modelopt_dialect_and_w4a4(tiny, tmp_path, scheme):
 def test_bad_method_options_are_one_line_errors(tiny, tmp_path):
     from fp4kit.errors import Fp4kitError
 
-    for options in (QuantizeOptions(method="awq"), QuantizeOptions(method="gptq", gptq_damp=0),
+    for options in (QuantizeOptions(method="smoothquant"), QuantizeOptions(method="gptq", gptq_damp=0),
                     QuantizeOptions(method="gptq", gptq_min_tokens=0), QuantizeOptions(method="mse", mse_range="2:3"),
                     QuantizeOptions(method="mse", mse_range="codes", mse_norm=2.4)):
         with pytest.raises(Fp4kitError):
