@@ -93,7 +93,9 @@ def test_recipe_method_reaches_quantize(tmp_path):
                     "  gptq_damp: 0.05\n")
     section = load_recipe(path).recipe.quantize
     assert section is not None and section.method == "gptq" and section.gptq_damp == 0.05
-    path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  method: awq\n")
+    path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  method: awq+gptq\n")
+    assert load_recipe(path).recipe.quantize.method == "awq+gptq"
+    path.write_text(f"model: {tmp_path}\nfamily: qwen3_moe\nquantize:\n  method: smoothquant\n")
     with pytest.raises(Fp4kitError, match="quantize.method"):
         load_recipe(path)
 

@@ -654,7 +654,8 @@ def _quantize_calibrated(
         for name in deferred.pop(index, []):
             assert folder is not None
             data = folder.folded.pop(name, None)
-            put({name: data} if data is not None else passthrough_tensors(name, _read_job(reader, name), options))
+            put({name: data} if data is not None else
+                passthrough_tensors(name, _read_job(reader, name, options.device), options))
 
     fp8 = [g for g in plan.groups if group_scheme(plan, g, options) in FP8_SCHEMES]
     for group in fp8:
