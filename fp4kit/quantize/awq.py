@@ -130,7 +130,10 @@ class AwqFolder:
         finally:
             for handle in handles:
                 handle.remove()
-        name = lambda module: prefix + text.moe.checkpoint_name(module)  # noqa: E731
+
+        def name(module: str) -> str:  # the checkpoint's name of a module of the layer
+            return prefix + text.moe.checkpoint_name(module)
+
         qkv = [getattr(attention, p) for p in ("q_proj", "k_proj", "v_proj")]
         if all(self.quantized(name(f"self_attn.{p}")) for p in ("q_proj", "k_proj", "v_proj")):
             x = torch.cat(captured.attention_in)[: self.tokens]
