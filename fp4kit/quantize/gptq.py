@@ -43,6 +43,8 @@ class GptqOptions:
     mse_scales: bool = True  # block scales by the diag-H-weighted mse search, else round-to-nearest
     min_tokens: int = 32  # routed experts that saw fewer calibration tokens fall back to mse
     search: ScaleSearch | None = None  # the range search for the mse block scales (and the fallbacks' mse)
+    # asymmetric calibration (GPTAQ): weight alpha of the float-target correction, 0 = plain GPTQ (see float_target)
+    asymmetric: float = 0.0
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -63,6 +65,17 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
             if not bool((info != 0).any()):
                 return upper
     raise Fp4kitError("GPTQ: a Hessian is not positive definite even with 1000x the damping; raise --gptq-damp")
+
+
+def float_target(weight: torch.Tensor, cross: torch.Tensor, upper: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The weights GPTQ should approximate so that the quantized layer, reading the quantized model's inputs X
+    (rows x), matches the float layer on the float model's inputs X_f: min_Q sum ||x_f W^T - x Q^T||^2 =
+    const + tr((W' - Q) H (W' - Q)^T) with H = X^T X and W' = W X_f^T X H^-1 = W + W D H^-1, D = (X_f - X)^T X
+    (``cross``, [B, K, K]). H^-1 is the damped one GPTQ uses (``upper``: its Cholesky factor, H^-1 = U^T U), i.e. a
+    ridge solution; ``alpha`` scales the correction (1: the least-squares target; GPTAQ's reference code uses 0.25).
+    weight [B, N, K] fp32."""
+    correction = torch.bmm(torch.bmm(torch.bmm(weight, cross.to(weight)), upper.transpose(-1, -2)), upper)
+    return weight + alpha * correction
 
 
 def _lazy_block(
@@ -154,9 +167,11 @@ def gptq_quantize(
     global_mul: torch.Tensor,
     options: GptqOptions | None = None,
     blocks: LazyBlocks | None = None,
+    cross: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """GPTQ-quantize a stack weight [B, N, K] with Hessians [B, K, K] and fp32 multiplier global scales [B].
-    ``blocks``: the lazy-block runner to reuse (its CUDA graphs) across calls with the same shapes."""
+    ``blocks``: the lazy-block runner to reuse (its CUDA graphs) across calls with the same shapes. ``cross``
+    [B, K, K] with ``options.asymmetric`` > 0: quantize toward the float target (float_target) instead of W."""
     options = options or GptqOptions()
     blocks = blocks or LazyBlocks()
     if options.block_size % BLOCK:
@@ -170,6 +185,10 @@ def gptq_quantize(
         raise Fp4kitError("NaN or Inf in a weight to be quantized")
     importance = hessian.diagonal(dim1=-2, dim2=-1).to(torch.float32).clamp(min=0)
     upper = _inverse_hessian_factor(hessian, options.damp)
+    if cross is not None and options.asymmetric > 0:
+        w = float_target(w, cross.to(device=device, dtype=torch.float32), upper, options.asymmetric)
+        if not torch.isfinite(w).all():
+            raise Fp4kitError("GPTQ: the asymmetric target is not finite; raise --gptq-damp")
     global_f32 = global_mul.to(device=device, dtype=torch.float32)
     compensated = torch.empty_like(w)
     scales = torch.empty((batch, rows, k // BLOCK), dtype=torch.float32, device=device)
@@ -203,6 +222,7 @@ class _Unit:
     global_mul: torch.Tensor  # fp32 0-d, the group's
     hessian: torch.Tensor | None  # [K, K] (gptq) or [K] diag (mse); None: no statistics
     tokens: int
+    cross: torch.Tensor | None = None  # [K, K] (asymmetric calibration: LayerStatistics.cross)
 
 
 @dataclass
@@ -247,8 +267,11 @@ class LayerQuantizer:
                     self.fallbacks.extend(names)
                 mse_units.append(unit)
         for batch in _batches(gptq_units, MAX_BATCH_BYTES.get(self.device.type, 1 << 30)):
+            cross = None
+            if self.gptq.asymmetric > 0 and all(u.cross is not None for u in batch):
+                cross = torch.stack([u.cross for u in batch])
             stacked = gptq_quantize(torch.stack([u.weight for u in batch]), torch.stack([u.hessian for u in batch]),
-                                    torch.stack([u.global_mul for u in batch]), self.gptq, self.lazy_blocks)
+                                    torch.stack([u.global_mul for u in batch]), self.gptq, self.lazy_blocks, cross)
             for b, unit in enumerate(batch):
                 results[(unit.group, unit.members[0])] = NVFP4Tensor(stacked.packed[b], stacked.block_scale[b],
                                                                      stacked.global_scale_div[b])
@@ -296,7 +319,8 @@ class LayerQuantizer:
                 units[-1].members.append(m)
                 units[-1].weight = torch.cat([units[-1].weight, w])
                 continue
-            units.append(_Unit(g, [m], w, global_mul, hessian, stats.tokens.get(c.linear.module, 0)))
+            units.append(_Unit(g, [m], w, global_mul, hessian, stats.tokens.get(c.linear.module, 0),
+                               stats.cross.get(c.linear.module)))
         return units
 
     @staticmethod
