@@ -99,6 +99,9 @@ QUANTIZE: tuple[Option, ...] = (
     Option("gptq_asymmetric", float, 0.0,
            "GPTQ toward the float model's layer outputs (GPTAQ): weight of the float-target correction, 0 = off, 1 = "
            "the least-squares target; runs the float model's hidden states beside the quantized ones", minimum=0),
+    Option("gptq_act_order", bool, False,
+           "GPTQ columns in descending activation-energy order (diag H), block scales fixed up front from the "
+           "natural-order 16-blocks: the format stays plain"),
     Option("gptq_scales", Literal["mse", "rtn"], "mse",
            "GPTQ block scales: mse (searched on the error-compensated weights) or rtn"),
     Option("mse_range", str, "auto",

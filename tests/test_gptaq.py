@@ -137,3 +137,46 @@ def test_asymmetric_option_quantizes_and_bad_values_are_one_line_errors(tiny, tm
         with pytest.raises(Fp4kitError):
             quantize_checkpoint(src, tmp_path / "bad", options)
         assert not (tmp_path / "bad").exists()
+
+
+def _hessian(k: int, tokens: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, k, generator=gen) @ torch.randn(k, k, generator=gen) * 0.3
+    x += torch.randn(tokens, k, generator=gen) * torch.rand(k, generator=gen) * 3
+    return x.t() @ x
+
+
+@pytest.mark.parametrize("mse_scales", [False, True])
+def test_act_order_keeps_the_natural_groups_scales_and_a_plain_format(mse_scales):
+    """--gptq-act-order: the block scales are those chosen up front from the natural-order 16-blocks (a diagonal
+    Hessian spreads no error, so the codes are plain rounding under them), permuting columns inside their 16-blocks
+    permutes the output the same way (the order lives only in the pass), and the objective drops below RTN's."""
+    from fp4kit.quantize.gptq import gptq_objective
+    from fp4kit.quantize.scale_search import GPTQ_CODE_OFFSETS, search_block_scales
+
+    options = GptqOptions(mse_scales=mse_scales, act_order=True, block_size=32)
+    weight = (torch.randn(24, 64, generator=torch.Generator().manual_seed(5)) * 0.05).to(torch.bfloat16)
+    global_mul = nvfp4.global_scale_mul(weight.abs().amax())
+    diagonal = torch.diag(torch.rand(64, generator=torch.Generator().manual_seed(6)) + 0.5)
+    q = gptq_quantize(weight[None], diagonal[None], global_mul[None], options)
+    if mse_scales:
+        scales = search_block_scales(weight.float(), global_mul, diagonal.diagonal(), None, GPTQ_CODE_OFFSETS)
+    else:
+        scales = nvfp4.rtn_block_scale(weight.float().unflatten(-1, (-1, 16)).abs().amax(-1), global_mul)
+    assert torch.equal(q.block_scale[0].float(), scales)
+    expected = nvfp4.encode_blocks(weight.float().unflatten(-1, (-1, 16)), scales / global_mul)
+    assert torch.equal(q.packed[0], expected)
+
+    hessian = _hessian(64, 256, 7)
+    q = gptq_quantize(weight[None], hessian[None], global_mul[None], options)
+    within = torch.cat([b * 16 + torch.randperm(16, generator=torch.Generator().manual_seed(b)) for b in range(4)])
+    shuffled = gptq_quantize(weight[:, within][None], hessian[within][:, within][None], global_mul[None], options)
+    assert torch.equal(shuffled.dequantize()[0], q.dequantize()[0][:, within])
+    rtn = nvfp4.quantize(weight, global_mul).dequantize()
+    assert gptq_objective(weight, q.dequantize()[0], hessian) < 0.8 * gptq_objective(weight, rtn, hessian)
+
+
+def test_act_order_option_is_validated(tiny, tmp_path):
+    with pytest.raises(Fp4kitError):
+        quantize_checkpoint(tiny("qwen3_moe"), tmp_path / "bad", QuantizeOptions(method="mse", gptq_act_order=True))
+    assert not (tmp_path / "bad").exists()

@@ -104,6 +104,7 @@ class QuantizeOptions:
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
     # GPTAQ: weight of the correction toward the float model's layer outputs (fp4kit.quantize.gptq.float_target)
     gptq_asymmetric: float = 0.0
+    gptq_act_order: bool = False  # static-group activation order (fp4kit.quantize.gptq._static_act_order)
     # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in that
     # range of the RTN scale, error exponent mse_norm), "codes" (the RTN code and its neighbours, max-to-4, squared
     # error) or "auto" (AUTO_MSE_RANGE for data-free mse, else codes)
@@ -220,6 +221,8 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--gptq-asymmetric must be 0 (off) or positive, got {options.gptq_asymmetric}")
     if options.gptq_asymmetric > 0 and options.method != "gptq":
         raise Fp4kitError(f"--gptq-asymmetric applies to --method gptq, not {options.method}")
+    if options.gptq_act_order and options.method != "gptq":
+        raise Fp4kitError(f"--gptq-act-order applies to --method gptq, not {options.method}")
     if options.gptq_scales not in ("mse", "rtn"):
         raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
     options.scale_search  # noqa: B018 (a bad --mse-range / --mse-norm: one line, before any work)
@@ -647,7 +650,7 @@ def _quantize_calibrated(
         reader, by_layer, options.method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
         GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens,
-                    options.scale_search, options.gptq_asymmetric),
+                    options.scale_search, options.gptq_asymmetric, options.gptq_act_order),
         native=options.native_cpu,
     )
     with_input = static_inputs(options)

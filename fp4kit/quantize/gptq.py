@@ -45,6 +45,8 @@ class GptqOptions:
     search: ScaleSearch | None = None  # the range search for the mse block scales (and the fallbacks' mse)
     # asymmetric calibration (GPTAQ): weight alpha of the float-target correction, 0 = plain GPTQ (see float_target)
     asymmetric: float = 0.0
+    # static-group activation order: columns by descending diag H, block scales fixed up front (_static_act_order)
+    act_order: bool = False
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -116,6 +118,45 @@ def _lazy_block(
         if group_end < width:
             w1[:, :, group_end:] -= torch.bmm(errors[:, :, g:group_end], u1[:, g:group_end, group_end:])
     return errors, compensated, scales
+
+
+def _static_act_order(w: torch.Tensor, hessian: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
+                      options: GptqOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ over the columns of w [B, N, K] in descending diag H order (act-order), with every 16-block's scale
+    chosen up front from w in its natural order (static groups), so the output is a plain NVFP4 tensor: no
+    permutation is stored, the order only changes which columns absorb which errors. Returns the columns as the pass
+    rounded them (natural order) and the fp32 block scales [B, N, K/16]."""
+    batch, rows, k = w.shape
+    if options.mse_scales:
+        scales = search_block_scales(w, global_f32, importance, None, GPTQ_CODE_OFFSETS, options.search)
+    else:
+        scales = rtn_block_scale(w.unflatten(-1, (-1, BLOCK)).abs().amax(dim=-1), _per_leading_index(global_f32, 3))
+    divisors = (scales / global_f32.reshape(batch, 1, 1)).repeat_interleave(BLOCK, dim=-1)
+    order = torch.argsort(importance, dim=-1, descending=True, stable=True)
+    by_column = order[:, None, :].expand(batch, rows, k)
+    w = w.gather(-1, by_column)
+    divisors = divisors.gather(-1, by_column)
+    hessian = hessian.to(torch.float32).gather(1, order[:, :, None].expand(batch, k, k))
+    upper = _inverse_hessian_factor(hessian.gather(2, order[:, None, :].expand(batch, k, k)), options.damp)
+    compensated = torch.empty_like(w)
+    for start in range(0, k, options.block_size):
+        end = min(start + options.block_size, k)
+        w1 = w[:, :, start:end]
+        errors = torch.empty_like(w1)
+        for j in range(end - start):
+            c = start + j
+            column = w1[:, :, j]
+            divisor = divisors[:, :, c]
+            q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
+            compensated[:, :, c] = column
+            error = (column - q) / upper[:, c, c].unsqueeze(-1)
+            errors[:, :, j] = error
+            if c + 1 < end:
+                w1[:, :, j + 1 :] -= error.unsqueeze(-1) * upper[:, c, c + 1 : end].unsqueeze(1)
+        if end < k:
+            w[:, :, end:] -= torch.bmm(errors, upper[:, start:end, end:])
+    natural = torch.empty_like(compensated).scatter_(-1, by_column, compensated)
+    return natural, scales
 
 
 @dataclass
@@ -190,6 +231,11 @@ def gptq_quantize(
         if not torch.isfinite(w).all():
             raise Fp4kitError("GPTQ: the asymmetric target is not finite; raise --gptq-damp")
     global_f32 = global_mul.to(device=device, dtype=torch.float32)
+    if options.act_order:
+        compensated, scales = _static_act_order(w, hessian, importance, global_f32, options)
+        divisor = scales / global_f32.reshape(batch, 1, 1)
+        packed = encode_blocks(compensated.unflatten(-1, (-1, BLOCK)), divisor)
+        return NVFP4Tensor(packed.cpu(), scales.to(torch.float8_e4m3fn).cpu(), (1.0 / global_f32.double()).cpu())
     compensated = torch.empty_like(w)
     scales = torch.empty((batch, rows, k // BLOCK), dtype=torch.float32, device=device)
     for start in range(0, k, options.block_size):
