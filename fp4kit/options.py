@@ -102,6 +102,9 @@ QUANTIZE: tuple[Option, ...] = (
     Option("gptq_act_order", bool, False,
            "GPTQ columns in descending activation-energy order (diag H), block scales fixed up front from the "
            "natural-order 16-blocks: the format stays plain"),
+    Option("gptq_act_quant", bool, False,
+           "W4A4 GPTQ: Hessians (and --gptq-asymmetric's cross terms) of the inputs fake-quantized with the source "
+           "pass's input scales (needs --input-scales-from source)"),
     Option("gptq_scales", Literal["mse", "rtn"], "mse",
            "GPTQ block scales: mse (searched on the error-compensated weights) or rtn"),
     Option("mse_range", str, "auto",

@@ -180,3 +180,45 @@ def test_act_order_option_is_validated(tiny, tmp_path):
     with pytest.raises(Fp4kitError):
         quantize_checkpoint(tiny("qwen3_moe"), tmp_path / "bad", QuantizeOptions(method="mse", gptq_act_order=True))
     assert not (tmp_path / "bad").exists()
+
+
+def test_act_quant_statistics_are_the_fake_quantized_inputs_second_moments(tiny, tmp_path):
+    """activation_divisors: a module's Hessian is fq(x)^T fq(x) of its inputs fake-quantized per 16-block with its
+    divisor (fp4kit.nvfp4.fake_quantize_activation), the others' stay x^T x; the option runs end to end in W4A4."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from fp4kit.quantize.calibrate import calibrate_quantized
+
+    src = tiny("qwen3_moe")
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(9))
+    q_name, o_name = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    seen = {}
+
+    def keep(index, layer, stats):
+        seen[index] = stats
+        return {}
+
+    model = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    captured = {}
+    model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("q", a[0]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    x = captured["q"].reshape(-1, captured["q"].shape[-1])
+    divisor = torch.tensor(float(x.abs().amax()) / (448 * 6) * 4, dtype=torch.float64)  # coarse: visible rounding
+    calibrate_quantized(src, ids, keep, dtype=torch.float32, activation_divisors={q_name: divisor})
+    fq = nvfp4.fake_quantize_activation(x, divisor)
+    assert not torch.allclose(fq, x, atol=1e-3)
+    torch.testing.assert_close(seen[0].hessians[q_name], fq.t() @ fq, rtol=1e-4, atol=1e-4)
+    calibrate_quantized(src, ids, keep, dtype=torch.float32)
+    torch.testing.assert_close(seen[0].hessians[q_name], x.t() @ x, rtol=1e-4, atol=1e-4)
+    assert o_name in seen[0].hessians
+
+    out = tmp_path / "w4a4"
+    quantize_checkpoint(src, out, QuantizeOptions(scheme="nvfp4", method="gptq", gptq_act_quant=True,
+                                                  input_scales_from="source", samples=4, seq_len=32))
+    assert (out / "config.json").exists()
+    for options in (QuantizeOptions(scheme="nvfp4", method="gptq", gptq_act_quant=True),
+                    QuantizeOptions(scheme="nvfp4a16", method="gptq", gptq_act_quant=True,
+                                    input_scales_from="source")):
+        with pytest.raises(Fp4kitError):
+            quantize_checkpoint(src, tmp_path / "bad", options)

@@ -37,6 +37,7 @@ from fp4kit.families.moe_modules import MoEModules
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
+from fp4kit.nvfp4 import fake_quantize_activation
 from fp4kit.progress import step
 from fp4kit.quantize.kv_cache import KvAmaxRecorder
 from fp4kit.quantize.layer_model import TextModel, checkpoint_dtype, layer_inputs, text_model
@@ -350,6 +351,8 @@ class _SecondMomentRecorder(_LayerHooks):
         # of the float stream's batch by name, which the next (quantized stream's) batch pairs row by row
         self.capturing = False
         self.float_inputs: dict[str, torch.Tensor] | None = None
+        # W4A4 GPTQ against fake-quantized inputs: module -> its static input divisor
+        self.activation_divisors: dict[str, torch.Tensor] | None = None
         self._skip_routed_experts()
 
     def _skip_routed_experts(self) -> None:
@@ -377,6 +380,8 @@ class _SecondMomentRecorder(_LayerHooks):
         """Add rows x [T, K] to the statistics that ``names`` share (created on first use); ``x_float``: the float
         stream's rows at the same tokens (asymmetric calibration)."""
         x = x.reshape(-1, x.shape[-1]).float()
+        if self.activation_divisors is not None and names[0] in self.activation_divisors and self.full:
+            x = fake_quantize_activation(x, self.activation_divisors[names[0]])
         stats = self.stats
         if names[0] not in stats.hessians:
             k = x.shape[-1]
@@ -530,6 +535,7 @@ def calibrate_quantized(
     progress: Callable[[int, int], None] | None = None,
     kv_attention: set[str] | None = None,
     float_targets: bool = False,
+    activation_divisors: dict[str, torch.Tensor] | None = None,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -542,7 +548,10 @@ def calibrate_quantized(
     as ``calibrate``'s. ``kv_attention``: the attention modules whose keys' and values' amax the quantized layer's
     forward records. ``float_targets`` (asymmetric calibration): a second stream of hidden states, the float
     model's, runs through each float layer beside the quantized one (one more forward per layer, memory flat in
-    layers), and the statistics get the cross terms ``LayerStatistics.cross`` between the two streams' inputs."""
+    layers), and the statistics get the cross terms ``LayerStatistics.cross`` between the two streams' inputs.
+    ``activation_divisors`` (W4A4, module -> static input divisor): the full second moments (and cross terms) are
+    taken of the inputs fake-quantized as the W4A4 kernels will (per 16-block); the forwards themselves run
+    unquantized."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1), config, family) as (
             reader, text, dtype, torch_device, hidden_batches, layer_args):
@@ -552,6 +561,7 @@ def calibrate_quantized(
         for index in range(len(text.layers)):
             layer = text.load_layer(reader, index, dtype, torch_device)
             recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
+            recorder.activation_divisors = activation_divisors
             for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
                 if float_batches is not None:

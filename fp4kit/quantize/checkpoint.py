@@ -105,6 +105,7 @@ class QuantizeOptions:
     # GPTAQ: weight of the correction toward the float model's layer outputs (fp4kit.quantize.gptq.float_target)
     gptq_asymmetric: float = 0.0
     gptq_act_order: bool = False  # static-group activation order (fp4kit.quantize.gptq._static_act_order)
+    gptq_act_quant: bool = False  # W4A4: GPTQ statistics of fake-quantized inputs (the source pass's input scales)
     # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in that
     # range of the RTN scale, error exponent mse_norm), "codes" (the RTN code and its neighbours, max-to-4, squared
     # error) or "auto" (AUTO_MSE_RANGE for data-free mse, else codes)
@@ -223,6 +224,9 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--gptq-asymmetric applies to --method gptq, not {options.method}")
     if options.gptq_act_order and options.method != "gptq":
         raise Fp4kitError(f"--gptq-act-order applies to --method gptq, not {options.method}")
+    if options.gptq_act_quant and (options.method != "gptq" or options.scheme != "nvfp4"
+                                   or input_scale_source(options) != "source"):
+        raise Fp4kitError("--gptq-act-quant applies to --method gptq --scheme nvfp4 --input-scales-from source")
     if options.gptq_scales not in ("mse", "rtn"):
         raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
     options.scale_search  # noqa: B018 (a bad --mse-range / --mse-norm: one line, before any work)
@@ -673,7 +677,8 @@ def _quantize_calibrated(
                                  full_hessians=options.method == "gptq", dtype=dtype, on_layer=on_layer,
                                  input_amax=with_input, config=plan.config, family=plan.family, progress=progress,
                                  kv_attention=set(kv_attention or []),
-                                 float_targets=options.method == "gptq" and options.gptq_asymmetric > 0)
+                                 float_targets=options.method == "gptq" and options.gptq_asymmetric > 0,
+                                 activation_divisors=source_input_divs if options.gptq_act_quant else None)
     rest = [g for g in nvfp4 if id(g) not in quantizer.done]
     divs = divisors(rest, result.input_amax)
     fallbacks = list(quantizer.fallbacks)
