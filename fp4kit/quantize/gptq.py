@@ -5,7 +5,9 @@ spreads each column's rounding error over the columns not yet quantized, through
 inputs H = sum x^T x, minimizing tr((W - Q) H (W - Q)^T). NVFP4 groups are the 16-blocks along K: when the pass
 reaches a block's first column, that block's FP8 scale is chosen from the error-compensated weights (RTN, or the
 mse search weighted by diag H), under a weight global scale fixed up front from the original weights (the one a
-fused group shares). No activation reordering (it would need a permutation tensor). Everything runs batched over a
+fused group shares). Activation order only in its static-group form (_static_act_order: the scales fixed from the
+natural 16-blocks, so no permutation tensor is needed). Optionally (float_target) the target is not W but the
+weights that map the quantized model's inputs to the float layer's outputs (GPTAQ). Everything runs batched over a
 stack of independent weights [B, N, K] with their own Hessians [B, K, K] (a layer's experts), in fp32, on the
 Hessians' device. The output is a plain NVFP4 tensor.
 """
