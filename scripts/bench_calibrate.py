@@ -38,6 +38,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TOOLS = ("fp4kit", "oneshot")
+LLMC_RECIPES = ("rtn", "gptq", "rtn-emse", "gptq-emse", "awq+gptq-emse")
 
 
 def _bench_quantize():
@@ -49,7 +50,10 @@ def _bench_quantize():
     return module
 
 
-def child_oneshot(src: Path, dst: Path, calib: Path, device: str, method: str = "rtn", scheme: str = "nvfp4") -> None:
+def child_oneshot(src: Path, dst: Path, calib: Path, device: str, recipe_name: str = "rtn",
+                  scheme: str = "nvfp4") -> None:
+    """oneshot with one of LLMC_RECIPES: rtn / gptq (the plain observer), rtn-emse / gptq-emse (llm-compressor's
+    `nvfp4_expanded_mse` weight observer), awq+gptq-emse (its AWQModifier, default mappings, before that GPTQ)."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
@@ -58,8 +62,14 @@ def child_oneshot(src: Path, dst: Path, calib: Path, device: str, method: str = 
     ids = [json.loads(line)["input_ids"] for line in calib.read_text().splitlines() if line.strip()]
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(row) for row in ids]})
     model = bq.load_model(src, device)
-    modifier = GPTQModifier if method == "gptq" else QuantizationModifier
-    recipe = modifier(targets="Linear", scheme=scheme.upper(), ignore=bq.llmc_ignore(src))
+    base, _, observer = recipe_name.partition("-")
+    kwargs = {"weight_observer": "nvfp4_expanded_mse"} if observer == "emse" else {}
+    modifier = QuantizationModifier if base == "rtn" else GPTQModifier
+    recipe = [modifier(targets="Linear", scheme=scheme.upper(), ignore=bq.llmc_ignore(src), **kwargs)]
+    if base.startswith("awq+"):
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        recipe.insert(0, AWQModifier())
     oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(ids),
             max_seq_length=len(ids[0]), moe_calibrate_all_experts=True, processor=_id_tokenizer(src))
     model.save_pretrained(str(dst), save_compressed=True)
@@ -83,9 +93,14 @@ def tool_command(bq, tool: str, src: Path, dst: Path, calib: Path, args: argpars
                 "--method", args.method, "--calib",
                 str(calib), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--batch-size",
                 str(args.batch_size), "--device", args.device, "--quiet",
-                *(["--no-native"] if args.no_native else [])]
+                *(["--no-native"] if args.no_native else []), *args.fp4kit_args.split()]
     return [sys.executable, str(Path(__file__).resolve()), "--child", "--src", str(src), "--dst", str(dst),
-            "--calib", str(calib), "--device", args.device, "--method", args.method, "--scheme", args.scheme]
+            "--calib", str(calib), "--device", args.device, "--llmc-recipe", llmc_recipe(args), "--scheme",
+            args.scheme]
+
+
+def llmc_recipe(args: argparse.Namespace) -> str:
+    return args.llmc_recipe or args.method
 
 
 def write_calibration(path: Path, samples: int, seq_len: int, vocab_size: int) -> None:
@@ -121,13 +136,17 @@ def scale_ratios(ours: Path, theirs: Path) -> dict[str, float]:
 
 def bench_tool(bq, tool: str, src: Path, calib: Path, args: argparse.Namespace):
     result = bq.ToolResult(tool)
-    dst = args.workdir / f"out-calib-{tool}-{args.method}-{args.scheme}"
+    dst = args.workdir / f"out-calib-{tool}-{run_tag(args)}"
     for attempt in range(args.repeats):
         log = args.workdir / f"calib-{tool}-{attempt}.log"
         if not bq.timed_attempt(result, tool_command(bq, tool, src, dst, calib, args), src, dst, log, attempt,
                                 args.repeats):
             break
     return result
+
+
+def run_tag(args: argparse.Namespace) -> str:
+    return f"{args.method}-{args.scheme}" + (f"-llmc-{args.llmc_recipe}" if args.llmc_recipe else "")
 
 
 def table(results: list) -> str:
@@ -161,6 +180,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fp4kit-bench-calib"))
     parser.add_argument("--tools", default=",".join(TOOLS))
     parser.add_argument("--method", choices=("rtn", "gptq"), default="rtn")
+    parser.add_argument("--fp4kit-args", default="", help="more `fp4kit quantize` options, one string")
+    parser.add_argument("--llmc-recipe", choices=LLMC_RECIPES, default=None,
+                        help="llm-compressor's recipe (default: --method with the plain observer)")
     parser.add_argument("--scheme", choices=("nvfp4", "nvfp4a16"), default="nvfp4")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--src", type=Path, help=argparse.SUPPRESS)
@@ -172,7 +194,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        child_oneshot(args.src, args.dst, args.calib, args.device, args.method, args.scheme)
+        child_oneshot(args.src, args.dst, args.calib, args.device, args.llmc_recipe, args.scheme)
         return
     bq = _bench_quantize()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     tools = [t for t in TOOLS if t in args.tools.split(",")]
     results = [bench_tool(bq, tool, src, calib, args) for tool in tools]
     ok = {r.tool for r in results if r.ok}
-    tag = f"{args.method}-{args.scheme}"
+    tag = run_tag(args)
     ratios = scale_ratios(args.workdir / f"out-calib-fp4kit-{tag}", args.workdir / f"out-calib-oneshot-{tag}") if (
         set(TOOLS) <= ok and args.scheme == "nvfp4") else {}
     report = {"args": {k: str(v) for k, v in vars(args).items() if k not in ("child", "src", "dst", "calib")},
@@ -202,7 +224,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{suffix}.json")
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\ninput_global_scale fp4kit / oneshot, layer 0: {json.dumps(ratios)}")
-    print(f"\n{args.method} {args.scheme}: {src.name}, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x "
+    print(f"\nfp4kit {args.method} {args.fp4kit_args}, llm-compressor {llmc_recipe(args)}, {args.scheme}: "
+          f"{src.name}, {input_bytes / 1e9:.2f} GB bf16, {args.samples} x "
           f"{args.seq_len} calibration "
           f"tokens, device {args.device}, median of {args.repeats} (wall incl. fsync; load = 1-min load average):")
     print(table(results))

@@ -49,7 +49,11 @@ from pathlib import Path
 
 TIME_BIN = "/usr/bin/time"
 LLMC_IGNORE = ["lm_head", "re:.*mlp.gate$"]
-MODELS = ("qwen3-30b-a3b", "qwen3.6-35b-a3b", "glm-5")
+MODELS = ("qwen3-30b-a3b", "qwen3.6-35b-a3b", "glm-5", "qwen3-235b-a22b")
+# Qwen3-MoE shapes written by write_synthetic_qwen3_moe (its defaults are Qwen3-30B-A3B's); Qwen3-235B-A22B's from
+# its published config.json (94 layers of these).
+QWEN3_MOE_SHAPES = {"qwen3-30b-a3b": {},
+                    "qwen3-235b-a22b": {"hidden": 4096, "moe_intermediate": 1536, "num_heads": 64, "num_kv_heads": 4}}
 TOOLS = ("copy", "fp4kit", "model_free_ptq", "oneshot")
 # fp4kit from another source tree (--base-tree): the code before a change, timed in the same rounds as the change
 BASE_TOOL = "fp4kit-base"
@@ -455,7 +459,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def source_name(model: str, layers: int, experts: int = 0) -> str:
-    name = "qwen3-moe" if model == MODELS[0] else model
+    name = "qwen3-moe" if model == MODELS[0] else model  # the first model's name predates the others
     return f"{name}-{layers}L{f'-{experts}E' if experts else ''}-bf16"
 
 
@@ -469,8 +473,9 @@ def build_source(workdir: Path, layers: int, model: str = MODELS[0], experts: in
         return src
     shutil.rmtree(src, ignore_errors=True)
     start = time.perf_counter()
-    if model == MODELS[0]:
-        write_synthetic_qwen3_moe(src, layers, **({"num_experts": experts} if experts else {}))
+    if model in QWEN3_MOE_SHAPES:
+        shape = {**QWEN3_MOE_SHAPES[model], **({"num_experts": experts} if experts else {})}
+        write_synthetic_qwen3_moe(src, layers, **shape)
     else:
         config = published_config(model, layers)
         if experts:  # the family says which key counts the routed experts

@@ -37,6 +37,7 @@ import argparse
 import filecmp
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -74,7 +75,9 @@ import json, sys, time
 from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
 start = time.perf_counter()
 report = quantize_checkpoint(sys.argv[1], sys.argv[2], QuantizeOptions(native_cpu=sys.argv[3] == "native"))
-print(json.dumps({"seconds": time.perf_counter() - start, "cast": report.mxfp4_cast}))
+seconds = time.perf_counter() - start
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "cast": report.mxfp4_cast, "peak": peak}))
 """
 
 
@@ -155,16 +158,22 @@ def mxfp4_source(workdir: Path, layers: int, experts: int) -> Path:
     return path
 
 
-def plain_copy(src: Path, dst: Path) -> float:
-    """Seconds to copy SRC's shards into DST (empty): read, written, fsynced."""
+def plain_copy(src: Path, dst: Path, kernel: bool = False) -> float:
+    """Seconds to copy SRC's shards into DST (empty): read, written, fsynced. ``kernel``: file to file inside the
+    kernel (``os.copy_file_range``, no pass through this process's memory) instead of read and written."""
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     warm(src)
     start = time.perf_counter()
     for file in sorted(src.glob("*.safetensors")):
         with open(file, "rb") as f, open(dst / file.name, "wb") as out:
-            while chunk := f.read(1 << 24):
-                out.write(chunk)
+            if kernel:
+                size, done = file.stat().st_size, 0
+                while done < size:
+                    done += os.copy_file_range(f.fileno(), out.fileno(), min(1 << 24, size - done))
+            else:
+                while chunk := f.read(1 << 24):
+                    out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
     return time.perf_counter() - start
@@ -172,9 +181,10 @@ def plain_copy(src: Path, dst: Path) -> float:
 
 def child_quantize(src: Path, dst: Path, native: bool = True,
                    tree: Path | None = None) -> tuple[float, float, int, dict, float]:
-    """(seconds inside the call, seconds of the whole process, peak RSS bytes, the cast's block counts, CPU seconds
-    of the process); ``native`` False: the cast's torch ops (``--no-native``); ``tree``: fp4kit from that source
-    tree (PYTHONPATH) instead of this one."""
+    """(seconds inside the call, seconds of the whole process, peak RSS bytes (the child's own address space, VmHWM:
+    wait4's ru_maxrss of a child spawned from this process counts this process's memory at the spawn), the cast's
+    block counts, CPU seconds of the process); ``native`` False: the cast's torch ops (``--no-native``); ``tree``:
+    fp4kit from that source tree (PYTHONPATH) instead of this one."""
     shutil.rmtree(dst, ignore_errors=True)
     warm(src)
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree.resolve())}
@@ -187,7 +197,7 @@ def child_quantize(src: Path, dst: Path, native: bool = True,
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"quantize {src} failed")
     result = json.loads(out.strip().splitlines()[-1])
-    return result["seconds"], whole, usage.ru_maxrss * 1024, result["cast"], usage.ru_utime + usage.ru_stime
+    return result["seconds"], whole, result["peak"], result["cast"], usage.ru_utime + usage.ru_stime
 
 
 def best_of(repeats: int, work) -> float:
@@ -233,13 +243,18 @@ def cast_alone(src: Path, repeats: int) -> None:
 
 def bench_mxfp4(args: argparse.Namespace) -> None:
     layer_counts = [int(n) for n in args.layers.split(",")]
-    cast_alone(mxfp4_source(args.workdir, layer_counts[0], args.experts), max(args.repeats, 5))
+    # in a process of its own: the gigabytes it loads would stay in this one's heap for the whole-call runs
+    alone = multiprocessing.get_context("spawn").Process(
+        target=cast_alone, args=(mxfp4_source(args.workdir, layer_counts[0], args.experts), max(args.repeats, 5)))
+    alone.start()
+    alone.join()
     for layers in layer_counts:
         src = mxfp4_source(args.workdir, layers, args.experts)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-        copies, runs, torch_runs, base_runs = [], [], [], []
+        copies, kernel_copies, runs, torch_runs, base_runs = [], [], [], [], []
         for _ in range(args.repeats):
             copies.append(plain_copy(src, args.workdir / "out"))
+            kernel_copies.append(plain_copy(src, args.workdir / "out", kernel=True))
             runs.append(child_quantize(src, args.workdir / "out"))
             if args.base_tree is not None:
                 base_runs.append(child_quantize(src, args.workdir / "out-base", tree=args.base_tree))
@@ -266,6 +281,9 @@ def bench_mxfp4(args: argparse.Namespace) -> None:
                   f"s as a process, {statistics.median(r[4] for r in base_runs):.1f} CPU s, peak RSS "
                   f"{max(r[2] for r in base_runs) / 2**30:.2f} GiB; copy / it {copy / base:.2f}x; shards "
                   f"byte-identical to this tree's: {same}")
+        kernel = statistics.median(kernel_copies)
+        print(f"  kernel copy (copy_file_range) {kernel:.2f} s (runs {', '.join(f'{c:.2f}' for c in kernel_copies)}): "
+              f"kernel copy / quantize {kernel / inside:.2f}x")
         print(f"speed against the I/O floor (copy / quantize): {copy / inside:.2f}x")
     for out in ("out", "out-torch", "out-base"):
         shutil.rmtree(args.workdir / out, ignore_errors=True)

@@ -40,3 +40,50 @@ def test_a_copy_of_a_destination_is_written_not_skipped(tmp_path):
     writer.write("x", torch.full((8,), 7))
     writer.finish()
     assert load_file(tmp_path / "model.safetensors")["x"].tolist() == [7] * 8
+
+
+def test_mapped_tensors_are_copied_file_to_file(tmp_path, monkeypatch):
+    """CheckpointReader.mapped: views of the file's bytes equal to read / read_rows; file_span finds a contiguous view
+    of a live mapping (not a copy, not a strided view); ShardWriter.write copies such a view file to file with
+    copy_file_range, and writes it from memory where that fails, the same bytes either way."""
+    import errno
+    import os
+
+    from safetensors.torch import save_file
+
+    from fp4kit.io.checkpoint import CheckpointReader
+
+    generator = torch.Generator().manual_seed(0)
+    stored = {"a": torch.randint(0, 256, (3,), dtype=torch.uint8, generator=generator),  # the rest start unaligned
+              "codes": torch.randint(0, 256, (4, 6, 8), dtype=torch.uint8, generator=generator),
+              "w": torch.randn(5, 7, generator=generator).to(torch.bfloat16)}
+    save_file(stored, tmp_path / "model.safetensors")
+    copies = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copies.append(a[2]) or real(*a))
+    with CheckpointReader(tmp_path) as reader:
+        codes, rows, w = reader.mapped("codes"), reader.mapped("codes", 1, 3), reader.mapped("w")
+        assert torch.equal(codes, reader.read("codes")) and torch.equal(rows, reader.read_rows("codes", 1, 3))
+        assert torch.equal(w, stored["w"]) and w.dtype == torch.bfloat16
+        info = reader.info("codes")
+        fd = reader.file_span(codes)[0]
+        assert reader.file_span(codes) == (fd, info.begin)
+        assert reader.file_span(rows[1]) == (fd, info.begin + 2 * 48)
+        assert reader.file_span(codes.clone()) is None and reader.file_span(codes[:, 1]) is None
+        plan = [PlannedTensor("w", torch.bfloat16, (5, 7)), PlannedTensor("rows", torch.uint8, (2, 6, 8)),
+                PlannedTensor("copy", torch.uint8, (4, 6, 8))]
+        out = tmp_path / "out"
+        out.mkdir()
+        writer = ShardWriter(out, plan, 10**9)
+        writer.write("w", w, reader.file_span(w))
+        writer.write("rows", rows, reader.file_span(rows))
+        assert copies == [70, 96]
+        monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "")))
+        writer.write("copy", codes, reader.file_span(codes))  # written from memory
+        writer.finish()
+        count = len(reader._mappings)
+        del codes, rows, w
+        assert len(reader._mappings) == count - 3  # a mapping no tensor holds is forgotten
+    written = load_file(out / "model.safetensors")
+    assert torch.equal(written["w"], stored["w"]) and torch.equal(written["rows"], stored["codes"][1:3])
+    assert torch.equal(written["copy"], stored["codes"])

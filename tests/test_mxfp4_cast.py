@@ -241,6 +241,27 @@ def test_an_explicit_method_requantizes(mxfp4_source, tmp_path):
     assert any(not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)) for n in a if n.endswith("packed"))
 
 
+def test_the_codes_are_copied_file_to_file(mxfp4_source, tmp_path, monkeypatch):
+    """The cast's code bytes go from the source file to the output with copy_file_range (one copy per cast Linear,
+    none of anything else); where the kernel cannot copy them, they are written from memory: the same files."""
+    import errno
+    import os
+
+    from fp4kit.quantize import QuantizeOptions, quantize_checkpoint
+
+    copied = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(a[2]) or real(*a))
+    quantize_checkpoint(mxfp4_source, tmp_path / "copied", QuantizeOptions())
+    stored = load_file(mxfp4_source / "model.safetensors")
+    codes = [n for n in stored if n.endswith(".weight_packed") and "embed_tokens" not in n]
+    assert sorted(copied) == sorted(stored[n].numel() for n in codes)
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "")))
+    quantize_checkpoint(mxfp4_source, tmp_path / "written", QuantizeOptions())
+    for name in ("model.safetensors", "config.json", "fp4kit_mxfp4_cast.json"):
+        assert (tmp_path / "copied" / name).read_bytes() == (tmp_path / "written" / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("low, high", [(120, 130), (60, 140)])
 def test_a_last_half_block(low, high):
     """K = 48: the last 32-block holds 16 inputs (one NVFP4 block); exact where in range, on the fast and the

@@ -255,3 +255,33 @@ def test_triton_imported_before_the_interpreter_switch_falls_back_to_the_referen
     result = subprocess.run([sys.executable, "-c", script, str(tiny_nvfp4a16("qwen3_moe"))], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_report_in_a_log_is_markdown_with_whole_names_and_on_a_terminal_rich_tables(capsys, monkeypatch) -> None:
+    """Without a terminal (a log, a pipe, CI) the report is markdown tables whose rows are never wrapped: a long
+    checkpoint path, backend reason and failure detail each stay whole on one line, and a '|' inside a cell is
+    escaped; on a terminal it is rich's tables."""
+    import rich.console
+
+    from fp4kit.verify.checks import FAILED, PASSED, CheckResult
+    from fp4kit.verify.report import BackendStatus, VerifyReport, print_report
+
+    path = "/models/" + "a-very-long-directory-name/" * 4 + "Qwen3-235B-A22B-NVFP4"
+    reason = "no GPU: needs an NVFP4 tensor-core GPU (sm100 or newer) with flashinfer's TRT-LLM MoE kernels installed"
+    detail = "expert 117 of layer 93 differs from the reference by more than the tolerance | see --json"
+    report = VerifyReport(path, "compressed-tensors (nvfp4)", "qwen3_moe", "w4a4", "cpu",
+                          [BackendStatus("flashinfer-trtllm", False, reason)], 0.01, 0.25,
+                          [CheckResult(93, "kernel", "triton", FAILED, 0.5, 0.01, 16, detail),
+                           CheckResult(92, "kernel", "triton", PASSED, 0.001, 0.01, 16)])
+    print_report(report)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == f"{path}: qwen3_moe, compressed-tensors (nvfp4), mode w4a4, device cpu"
+    assert f"| flashinfer-trtllm | skipped | {reason} |" in lines
+    row = next(line for line in lines if line.startswith("| kernel | triton |"))
+    assert row.endswith(f"| FAIL | 1 failed; first: layer 93, 16 tokens: {detail.replace('|', chr(92) + '|')} |")
+    assert "┃" not in out and "━" not in out and lines[-1].startswith("FAIL: 1 passed, 1 failed")
+
+    monkeypatch.setattr(rich.console.Console, "is_terminal", property(lambda self: True))
+    print_report(report)
+    assert "┃" in capsys.readouterr().out

@@ -2,12 +2,14 @@
 
 The reader takes the tensors' byte ranges from fp4kit.io.safetensors_files (headers validated, index and shards
 reconciled) and reads one tensor's byte range (or one slice along dim 0) with
-``os.pread`` into a buffer of its own: nothing is memory-mapped, so resident memory follows the tensor being
-processed, not the shard. The writer is told every output tensor (name, dtype, shape) before any
-data arrives, lays out shards and headers from that plan, then places each tensor's bytes at its offset as it
-comes; nothing waits in memory for a shard to fill. A producer that computes a large tensor can instead ask for its
-``destination``, a tensor mapped onto the shard's bytes, and compute into it: no buffer of its own to fault in, no
-second copy into the page cache.
+``os.pread`` into a buffer of its own, so resident memory follows the tensor being processed, not the shard. Bytes
+that go to the output unchanged can instead be ``mapped``: a view of the file whose pages are read only where
+touched, and whose place in the file (``file_span``) lets the writer copy them file to file inside the kernel
+(``copy_file_range``), with no pass through a buffer. The writer is told every output tensor (name, dtype, shape)
+before any data arrives, lays out shards and headers from that plan, then places each tensor's bytes at its offset
+as it comes; nothing waits in memory for a shard to fill. A producer that computes a large tensor can instead ask
+for its ``destination``, a tensor mapped onto the shard's bytes, and compute into it: no buffer of its own to fault
+in, no second copy into the page cache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import mmap
 import os
 import struct
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +111,8 @@ class CheckpointReader:
         self.tensors: dict[str, TensorInfo] = {name: _tensor_info(entry) for name, entry in files.tensors.items()}
         self._fds: dict[Path, int] = {}
         self._fds_lock = threading.Lock()  # reads may come from several threads
+        # live mappings of ``mapped``: id -> (the mapping's weak reference, its address, length, fd, file offset)
+        self._mappings: dict[int, tuple[weakref.ref, int, int, int, int]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -172,6 +177,44 @@ class CheckpointReader:
         if self.check_finite if check_finite is None else check_finite:
             require_finite(name, tensor, info.file)
         return tensor
+
+    def mapped(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or tensor[start:stop] along dim 0, as a view of its bytes in the file: a private mapping whose
+        pages come from the page cache where touched, nothing copied (callers only read it: a write would stay in
+        this process). Not checked for NaN or Inf. ``file_span`` says where a view of it lies in the file."""
+        info = self.tensors[name]
+        if start is None or stop is None or not info.shape:
+            start, stop, shape = 0, 1, info.shape
+            row_bytes = info.nbytes
+        else:
+            shape = (stop - start, *info.shape[1:])
+            row_bytes = info.nbytes // info.shape[0]
+        begin, nbytes = info.begin + start * row_bytes, (stop - start) * row_bytes
+        if nbytes == 0:
+            return torch.empty(shape, dtype=info.dtype)
+        fd = self._fd(info.file)
+        aligned = begin - begin % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, begin + nbytes - aligned, flags=mmap.MAP_PRIVATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        key = id(mapping)
+        # dict operations are atomic, and file_span reads a snapshot: the callback may run on any thread
+        self._mappings[key] = (weakref.ref(mapping, lambda _: self._mappings.pop(key, None)), whole.data_ptr(),
+                               len(mapping), fd, aligned)
+        return whole[begin - aligned : begin - aligned + nbytes].view(info.dtype).reshape(shape)
+
+    def file_span(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """(file descriptor, offset) where the bytes of ``tensor`` lie in a source file, when it is a contiguous view
+        of a live ``mapped`` tensor; else None. A live mapping holds its address range, so a tensor inside one is a
+        view of it."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
+            return None
+        begin = tensor.data_ptr()
+        end = begin + tensor.numel() * tensor.element_size()
+        for ref, address, length, fd, offset in list(self._mappings.values()):
+            if address <= begin and end <= address + length and ref() is not None:
+                return fd, offset + begin - address
+        return None
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -286,7 +329,9 @@ class ShardWriter:
         except KeyError:
             raise Fp4kitError(f"internal: tensor {name} was not planned for output") from None
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, source: tuple[int, int] | None = None) -> None:
+        """Place a tensor's bytes. ``source``: (file descriptor, offset) where the same bytes lie in a file (a
+        reader's ``file_span``): copied file to file inside the kernel, no pass through a buffer of this process."""
         file_idx, offset, planned = self._slot(name)
         if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
             raise Fp4kitError(
@@ -297,6 +342,9 @@ class ShardWriter:
             del self._destinations[name]  # filled in place through destination()
             self.pending.discard(name)
             return
+        if source is not None and self._copy_file_range(source, file_idx, offset, planned.nbytes):
+            self.pending.discard(name)
+            return
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         fd = self._fds[file_idx]
         view = memoryview(data)
@@ -304,6 +352,22 @@ class ShardWriter:
         while done < len(view):
             done += os.pwrite(fd, view[done:], offset + done)
         self.pending.discard(name)
+
+    def _copy_file_range(self, source: tuple[int, int], file_idx: int, offset: int, nbytes: int) -> bool:
+        """Copy ``nbytes`` from ``source`` to ``offset`` of shard ``file_idx`` inside the kernel; False where the
+        platform or the file systems cannot (the caller then writes the bytes itself)."""
+        fd, begin = source
+        done = 0
+        try:
+            while done < nbytes:
+                got = os.copy_file_range(fd, self._fds[file_idx], nbytes - done, begin + done, offset + done)
+                if got <= 0:
+                    break
+                done += got
+        except (AttributeError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+                raise
+        return done == nbytes
 
     def finish(self) -> None:
         if self.pending:

@@ -672,12 +672,16 @@ def dequantize_mxfp4(packed: torch.Tensor, exponents: torch.Tensor, dtype: torch
     return values.mul_(scale).to(dtype)
 
 
-def stored_mxfp4_bytes(reader, enc: Mxfp4) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_mxfp4_bytes(reader, enc: Mxfp4, mapped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """An MXFP4 Linear's stored code bytes [N, K/2] and exponent bytes [N, K/32] (``mxfp4_bytes``); of a fused
-    tensor, only its expert's are read, and its rows are a strided view (gate's or up's of interleaved rows)."""
+    tensor, only its expert's are read, and its rows are a strided view (gate's or up's of interleaved rows).
+    ``mapped``: the code bytes as a view of the file (CheckpointReader.mapped), for a caller that reads few of them
+    and may write them unchanged (the exact cast)."""
     if enc.expert is None:
-        return mxfp4_bytes(reader.read(enc.weight)), mxfp4_bytes(reader.read(enc.scale))
-    packed = reader.read_rows(enc.weight, enc.expert, enc.expert + 1, check_finite=False)[0].flatten(-2)
+        packed = reader.mapped(enc.weight) if mapped else reader.read(enc.weight)
+        return mxfp4_bytes(packed), mxfp4_bytes(reader.read(enc.scale))
+    packed = (reader.mapped(enc.weight, enc.expert, enc.expert + 1) if mapped
+              else reader.read_rows(enc.weight, enc.expert, enc.expert + 1, check_finite=False))[0].flatten(-2)
     exponents = reader.read_rows(enc.scale, enc.expert, enc.expert + 1, check_finite=False)[0]
     if enc.rows is not None:
         start, stop, step = enc.rows

@@ -934,7 +934,7 @@ def _quantize_checkpoint(
                 tensors = (batcher.alone(job, data, counts) if isinstance(job, QuantGroup)
                            else passthrough_tensors(job, data, options))
                 for name, tensor in tensors.items():  # type: ignore[union-attr]
-                    writer.write(name, tensor)
+                    writer.write(name, tensor, reader.file_span(tensor))  # the cast's codes: the source's bytes
                 return counts
 
             def cost(job: QuantGroup | str) -> int:

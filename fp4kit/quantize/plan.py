@@ -364,10 +364,11 @@ def mxfp4_group(group: QuantGroup) -> bool:
 
 
 def stored_mxfp4(reader: CheckpointReader, linear: QuantizedLinear) -> Mxfp4Weight:
-    """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group)."""
+    """An MXFP4 Linear as its stored code bytes and exponent bytes (fp4kit.nvfp4.cast_mxfp4_group); the code bytes a
+    view of the file, which the cast reads little of and writes unchanged (the writer copies them file to file)."""
     enc = linear.encoding
     assert isinstance(enc, Mxfp4)
-    return Mxfp4Weight(*stored_mxfp4_bytes(reader, enc))
+    return Mxfp4Weight(*stored_mxfp4_bytes(reader, enc, mapped=True))
 
 
 def read_group_weights(reader: CheckpointReader, group: QuantGroup, device: torch.device | str | None = None,

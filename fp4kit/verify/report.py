@@ -128,15 +128,22 @@ def summary_rows(results: list[CheckResult]) -> list[tuple[str, str, str, str, s
 
 
 def print_report(report: VerifyReport) -> None:
+    """The report on stdout: rich tables on a terminal; in a log or a pipe, markdown tables whose rows are never
+    wrapped, so that names and paths stay whole and grep finds them."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        print(markdown_report(report), flush=True)
+        return
+    from rich.table import Table
+
     console.print(
-        f"[bold]{report.checkpoint}[/]: {report.family}, {report.kind}, mode {report.mode}, device {report.device}"
+        f"[bold]{report.checkpoint}[/]: {report.family}, {report.kind}, mode {report.mode}, device {report.device}",
+        markup=True, highlight=False,
     )
     for note in report.notes:
-        console.print(f"  {note}")
+        console.print(f"  {note}", markup=False, highlight=False)
     backends = Table(title="backends", show_edge=False)
     for column in ("backend", "status", "why"):
         backends.add_column(column)
@@ -144,7 +151,7 @@ def print_report(report: VerifyReport) -> None:
         backends.add_row(status.name, "[green]ran[/]" if status.ran else "[yellow]skipped[/]", status.reason)
     console.print(backends)
     table = Table(title="checks", show_edge=False)
-    for column in ("check", "target", "layers", "worst error (tolerance)", "result", "detail"):
+    for column in CHECK_COLUMNS:
         table.add_column(column, overflow="fold")
     for check, target, layers, error, status, detail in summary_rows(report.results):
         shown_status = {"FAIL": "[red]FAIL[/]", "skip": "[yellow]skip[/]"}.get(status, "[green]pass[/]")
@@ -152,6 +159,27 @@ def print_report(report: VerifyReport) -> None:
     console.print(table)
     verdict = "[green]PASS[/]" if report.passed else "[red]FAIL[/]"
     console.print(f"{verdict}: {report.summary()} in {report.seconds:.1f} s")
+
+
+CHECK_COLUMNS = ("check", "target", "layers", "worst error (tolerance)", "result", "detail")
+
+
+def markdown_report(report: VerifyReport) -> str:
+    """The report as plain text with markdown tables (what `fp4kit run`'s summary prints too)."""
+
+    def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+        cells = [[str(cell).replace("|", "\\|") for cell in row] for row in rows]
+        return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                *("| " + " | ".join(row) + " |" for row in cells)]
+
+    lines = [f"{report.checkpoint}: {report.family}, {report.kind}, mode {report.mode}, device {report.device}",
+             *(f"  {note}" for note in report.notes), "", "backends:", ""]
+    lines += table(("backend", "status", "why"),
+                   [(b.name, "ran" if b.ran else "skipped", b.reason) for b in report.backends])
+    lines += ["", "checks:", ""]
+    lines += table(CHECK_COLUMNS, summary_rows(report.results))
+    lines += ["", f"{'PASS' if report.passed else 'FAIL'}: {report.summary()} in {report.seconds:.1f} s"]
+    return "\n".join(lines)
 
 
 PLOT_EXTRA = "pip install 'fp4kit[plot]'"
