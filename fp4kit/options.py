@@ -98,6 +98,15 @@ QUANTIZE: tuple[Option, ...] = (
     Option("gptq_damp", float, 0.01, "GPTQ damping, a fraction of the Hessian's mean diagonal", positive=True),
     Option("gptq_min_tokens", int, 32, "GPTQ: routed experts with fewer calibration tokens fall back to mse",
            minimum=1),
+    Option("gptq_asymmetric", float, 0.0,
+           "GPTQ toward the float model's layer outputs (GPTAQ): weight of the float-target correction, 0 = off, 1 = "
+           "the least-squares target; runs the float model's hidden states beside the quantized ones", minimum=0),
+    Option("gptq_act_order", bool, False,
+           "GPTQ columns in descending activation-energy order (diag H), block scales fixed up front from the "
+           "natural-order 16-blocks: the format stays plain"),
+    Option("gptq_act_quant", bool, False,
+           "W4A4 GPTQ: Hessians (and --gptq-asymmetric's cross terms) of the inputs fake-quantized with the source "
+           "pass's input scales (needs --input-scales-from source)"),
     Option("gptq_scales", Literal["mse", "rtn"], "mse",
            "GPTQ block scales: mse (searched on the error-compensated weights) or rtn"),
     Option("mse_range", str, "auto",

@@ -37,6 +37,7 @@ from fp4kit.families.moe_modules import MoEModules
 from fp4kit.io import memory
 from fp4kit.io.checkpoint import CheckpointReader, TensorInfo, read_config
 from fp4kit.io.sources import dequantized_view
+from fp4kit.nvfp4 import fake_quantize_activation
 from fp4kit.progress import step
 from fp4kit.quantize.kv_cache import KvAmaxRecorder
 from fp4kit.quantize.layer_model import LayerArguments, TextModel, checkpoint_dtype, layer_inputs, text_model
@@ -322,11 +323,14 @@ class LayerStatistics:
     diagonal was asked for). Modules reading the same input (q/k/v, an expert's gate/up) share one tensor object.
     Routed experts see only the tokens routed to them (Llama-4: scaled by the router score as its MoE does).
     ``tokens[module]``: the number of input rows.
+    ``cross[module]`` (asymmetric calibration only): sum over the same rows of (x_float - x)^T x [K, K], x_float the
+    row the float model's layer reads at that token (from the float model's hidden states), shared like hessians.
     """
 
     layer_prefix: str = ""  # checkpoint name prefix of the layer's modules, e.g. "model.layers.3."
     hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: dict[str, int] = field(default_factory=dict)
+    cross: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _no_routed_output(hidden_states: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -343,6 +347,12 @@ class _SecondMomentRecorder(_LayerHooks):
         self.stats = LayerStatistics(self.layer_prefix)
         self.last_input: tuple[torch.Tensor, str] | None = None  # the input of the last hooked Linear
         self.stubbed: list[nn.Module] = []  # experts whose forward returns zeros until close
+        # asymmetric calibration: while ``capturing``, the hooks keep each Linear's input (and each MoE block's)
+        # of the float stream's batch by name, which the next (quantized stream's) batch pairs row by row
+        self.capturing = False
+        self.float_inputs: dict[str, torch.Tensor] | None = None
+        # W4A4 GPTQ against fake-quantized inputs: module -> its static input divisor
+        self.activation_divisors: dict[str, torch.Tensor] | None = None
         self._skip_routed_experts()
 
     def _skip_routed_experts(self) -> None:
@@ -353,9 +363,25 @@ class _SecondMomentRecorder(_LayerHooks):
             experts.forward = _no_routed_output
             self.stubbed.append(experts)
 
-    def _add(self, names: list[str], x: torch.Tensor) -> None:
-        """Add rows x [T, K] to the statistics that ``names`` share (created on first use)."""
+    @contextlib.contextmanager
+    def float_batch(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Within: forwards run the layer's real routed experts and only capture inputs (the float stream's)."""
+        for experts in self.stubbed:
+            del experts.forward
+        self.capturing, self.float_inputs = True, {}
+        try:
+            yield self.float_inputs
+        finally:
+            self.capturing = False
+            for experts in self.stubbed:
+                experts.forward = _no_routed_output
+
+    def _add(self, names: list[str], x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
+        """Add rows x [T, K] to the statistics that ``names`` share (created on first use); ``x_float``: the float
+        stream's rows at the same tokens (asymmetric calibration)."""
         x = x.reshape(-1, x.shape[-1]).float()
+        if self.activation_divisors is not None and names[0] in self.activation_divisors and self.full:
+            x = fake_quantize_activation(x, self.activation_divisors[names[0]])
         stats = self.stats
         if names[0] not in stats.hessians:
             k = x.shape[-1]
@@ -363,9 +389,16 @@ class _SecondMomentRecorder(_LayerHooks):
             shared = torch.zeros(shape, dtype=torch.float32, device=x.device)
             for n in names:
                 stats.hessians[n], stats.tokens[n] = shared, 0
+            if self.float_inputs is not None and self.full:
+                cross = torch.zeros(shape, dtype=torch.float32, device=x.device)
+                for n in names:
+                    stats.cross[n] = cross
         hessian = stats.hessians[names[0]]
         if self.full:
             hessian.addmm_(x.t(), x)
+            if x_float is not None and names[0] in stats.cross:
+                delta = x_float.reshape(x.shape).float() - x
+                stats.cross[names[0]].addmm_(delta.t(), x)
         else:
             hessian.add_(x.square().sum(dim=0))
         for n in names:
@@ -374,22 +407,31 @@ class _SecondMomentRecorder(_LayerHooks):
     def _linear_hook(self, name: str):
         def hook(module: nn.Module, args: tuple) -> None:
             x = args[0]
+            if self.capturing:
+                self.float_inputs[name] = x  # type: ignore[index]
+                return
             last = self.last_input
             self.last_input = (x, name)
             if last is not None and last[0] is x:  # q/k/v read one tensor: one shared statistic
                 hessians = self.stats.hessians
                 if name not in hessians:
                     hessians[name], self.stats.tokens[name] = hessians[last[1]], 0
+                    if last[1] in self.stats.cross:
+                        self.stats.cross[name] = self.stats.cross[last[1]]
                 if hessians[name] is hessians[last[1]]:
                     self.stats.tokens[name] += x.reshape(-1, x.shape[-1]).shape[0]
                     return
-            self._add([name], x)
+            self._add([name], x, self.float_inputs.get(name) if self.float_inputs else None)
 
         return hook
 
     @torch.no_grad()
     def _on_moe(self, path: str, experts: nn.Module, hidden: torch.Tensor, logits: torch.Tensor,
                 top_ids: torch.Tensor) -> None:
+        if self.capturing:
+            self.float_inputs[path] = hidden  # type: ignore[index]
+            return
+        hidden_float = self.float_inputs.get(path) if self.float_inputs else None
         num_experts = self.moe.num_experts(experts)
         routed = torch.zeros((num_experts, hidden.shape[0]), dtype=torch.bool, device=hidden.device)
         routed.scatter_(0, top_ids.t().to(torch.int64), True)
@@ -411,11 +453,19 @@ class _SecondMomentRecorder(_LayerHooks):
                 continue
             x = hidden[tokens]
             weight = self.moe.w13(experts, e)
+            # the float stream's rows at the tokens the quantized stream routed here
+            x_float = hidden_float[tokens] if hidden_float is not None else None
             if self.scales_input:  # what Llama4TextMoe feeds expert e: h * sigmoid(logit), cast like its router
-                x = x * torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
-            self._add(names[:2], x)
+                router_scale = torch.sigmoid(logits[tokens, e : e + 1].float()).to(x.dtype)
+                x = x * router_scale
+                x_float = x_float * router_scale if x_float is not None else None
+            self._add(names[:2], x, x_float)
             gate, up = nn.functional.linear(x, weight).chunk(2, dim=-1)
-            self._add(names[2:], self.moe.gated(experts, e, gate, up))
+            gated_float = None
+            if x_float is not None:
+                gate_float, up_float = nn.functional.linear(x_float, weight).chunk(2, dim=-1)
+                gated_float = self.moe.gated(experts, e, gate_float, up_float)
+            self._add(names[2:], self.moe.gated(experts, e, gate, up), gated_float)
 
     def close(self) -> LayerStatistics:  # type: ignore[override]
         super().close()
@@ -493,6 +543,8 @@ def calibrate_quantized(
     progress: Callable[[int, int], None] | None = None,
     kv_attention: set[str] | None = None,
     prepare_layer: LayerPreparer | None = None,
+    float_targets: bool = False,
+    activation_divisors: dict[str, torch.Tensor] | None = None,
 ) -> CalibrationResult:
     """The calibration pass of GPTQ and importance-weighted MSE, one layer in memory: per layer, one forward
     collects the input second moments (LayerStatistics) of ``modules``, ``quantize_layer`` quantizes the layer
@@ -504,10 +556,17 @@ def calibrate_quantized(
     decoder layers (called with 0 before the first; a Reporter also logs a line per layer). ``config`` / ``family``:
     as ``calibrate``'s. ``kv_attention``: the attention modules whose keys' and values' amax the quantized layer's
     forward records. ``prepare_layer``: changes each loaded layer before its statistics pass (AWQ's fold), and the
-    quantizer then takes the layer's weights rather than the checkpoint's."""
+    quantizer then takes the layer's weights rather than the checkpoint's. ``float_targets`` (asymmetric
+    calibration): a second stream of hidden states, the float model's, runs through each float layer beside the
+    quantized one (one more forward per layer, memory flat in layers), and the statistics get the cross terms
+    ``LayerStatistics.cross`` between the two streams' inputs.
+    ``activation_divisors`` (W4A4, module -> static input divisor): the full second moments (and cross terms) are
+    taken of the inputs fake-quantized as the W4A4 kernels will (per 16-block); the forwards themselves run
+    unquantized."""
     result = CalibrationResult()
     with _layer_pass(src, token_ids, device, batch_size, dtype, (0, 1), config, family) as (
             reader, text, dtype, torch_device, hidden_batches, layer_args):
+        float_batches = [h.clone() for h in hidden_batches] if float_targets else None
         if progress:
             progress(0, len(text.layers))
         for index in range(len(text.layers)):
@@ -515,9 +574,14 @@ def calibrate_quantized(
             if prepare_layer is not None:
                 prepare_layer(index, layer, text, hidden_batches, layer_args)
             recorder = _SecondMomentRecorder(text, layer, index, modules, full_hessians)
-            for hidden in hidden_batches:
+            recorder.activation_divisors = activation_divisors
+            for b, hidden in enumerate(hidden_batches):
                 args, kwargs = layer_args[tuple(hidden.shape)][index]
+                if float_batches is not None:
+                    with recorder.float_batch():
+                        float_batches[b] = layer(float_batches[b], *args, **kwargs)
                 layer(hidden, *args, **kwargs)
+                recorder.float_inputs = None
             stats = recorder.close()
             del recorder
             loaded = LoadedLayer(layer, stats.layer_prefix, text.moe, text.grammar, changed=prepare_layer is not None)

@@ -105,6 +105,10 @@ class QuantizeOptions:
     gptq_block_size: int = 128
     gptq_min_tokens: int = 32
     gptq_scales: str = "mse"  # GPTQ block scales: mse search on the error-compensated weights, or rtn
+    # GPTAQ: weight of the correction toward the float model's layer outputs (fp4kit.quantize.gptq.float_target)
+    gptq_asymmetric: float = 0.0
+    gptq_act_order: bool = False  # static-group activation order (fp4kit.quantize.gptq._static_act_order)
+    gptq_act_quant: bool = False  # W4A4: GPTQ statistics of fake-quantized inputs (the source pass's input scales)
     # the mse search's candidates (mse, gptq's mse block scales, the fallbacks): "LOW:HIGH" (every E4M3 code in that
     # range of the RTN scale, error exponent mse_norm), "codes" (the RTN code and its neighbours, max-to-4, squared
     # error) or "auto" (AUTO_MSE_RANGE for data-free mse, else codes)
@@ -224,6 +228,15 @@ def _validate(options: QuantizeOptions) -> None:
         raise Fp4kitError(f"--batch-size must be at least 1, got {options.batch_size}")
     if not options.gptq_damp > 0:
         raise Fp4kitError(f"--gptq-damp must be positive, got {options.gptq_damp}")
+    if not options.gptq_asymmetric >= 0:
+        raise Fp4kitError(f"--gptq-asymmetric must be 0 (off) or positive, got {options.gptq_asymmetric}")
+    if options.gptq_asymmetric > 0 and options.method != "gptq":
+        raise Fp4kitError(f"--gptq-asymmetric applies to --method gptq, not {options.method}")
+    if options.gptq_act_order and options.method != "gptq":
+        raise Fp4kitError(f"--gptq-act-order applies to --method gptq, not {options.method}")
+    if options.gptq_act_quant and (options.method != "gptq" or options.scheme != "nvfp4"
+                                   or input_scale_source(options) != "source"):
+        raise Fp4kitError("--gptq-act-quant applies to --method gptq --scheme nvfp4 --input-scales-from source")
     if options.gptq_scales not in ("mse", "rtn"):
         raise Fp4kitError(f"unknown --gptq-scales {options.gptq_scales!r}; choose mse or rtn")
     options.scale_search  # noqa: B018 (a bad --mse-range / --mse-norm: one line, before any work)
@@ -671,7 +684,7 @@ def _quantize_calibrated(
         reader, by_layer, method, lambda group, quantized: pending.append((group, quantized)),
         torch.device(options.device), options.exact_fp32_global_scale,
         GptqOptions(options.gptq_damp, options.gptq_block_size, options.gptq_scales == "mse", options.gptq_min_tokens,
-                    options.scale_search),
+                    options.scale_search, options.gptq_asymmetric, options.gptq_act_order),
         native=options.native_cpu,
     )
     with_input = static_inputs(options)
@@ -694,7 +707,9 @@ def _quantize_calibrated(
     result = calibrate_quantized(src, token_ids, quantizer, options.device, options.batch_size, modules,
                                  full_hessians=method == "gptq", dtype=dtype, on_layer=on_layer,
                                  input_amax=with_input, config=plan.config, family=plan.family, progress=progress,
-                                 kv_attention=set(kv_attention or []), prepare_layer=folder)
+                                 kv_attention=set(kv_attention or []), prepare_layer=folder,
+                                 float_targets=method == "gptq" and options.gptq_asymmetric > 0,
+                                 activation_divisors=source_input_divs if options.gptq_act_quant else None)
     for index in sorted(deferred):  # layers the pass did not reach (none: every decoder layer streams)
         put_deferred(index)
     if folder is not None and folder.folded:

@@ -5,7 +5,9 @@ spreads each column's rounding error over the columns not yet quantized, through
 inputs H = sum x^T x, minimizing tr((W - Q) H (W - Q)^T). NVFP4 groups are the 16-blocks along K: when the pass
 reaches a block's first column, that block's FP8 scale is chosen from the error-compensated weights (RTN, or the
 mse search weighted by diag H), under a weight global scale fixed up front from the original weights (the one a
-fused group shares). No activation reordering (it would need a permutation tensor). Everything runs batched over a
+fused group shares). Activation order only in its static-group form (_static_act_order: the scales fixed from the
+natural 16-blocks, so no permutation tensor is needed). Optionally (float_target) the target is not W but the
+weights that map the quantized model's inputs to the float layer's outputs (GPTAQ). Everything runs batched over a
 stack of independent weights [B, N, K] with their own Hessians [B, K, K] (a layer's experts), in fp32, on the
 Hessians' device. The output is a plain NVFP4 tensor.
 """
@@ -43,6 +45,10 @@ class GptqOptions:
     mse_scales: bool = True  # block scales by the diag-H-weighted mse search, else round-to-nearest
     min_tokens: int = 32  # routed experts that saw fewer calibration tokens fall back to mse
     search: ScaleSearch | None = None  # the range search for the mse block scales (and the fallbacks' mse)
+    # asymmetric calibration (GPTAQ): weight alpha of the float-target correction, 0 = plain GPTQ (see float_target)
+    asymmetric: float = 0.0
+    # static-group activation order: columns by descending diag H, block scales fixed up front (_static_act_order)
+    act_order: bool = False
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
@@ -63,6 +69,17 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
             if not bool((info != 0).any()):
                 return upper
     raise Fp4kitError("GPTQ: a Hessian is not positive definite even with 1000x the damping; raise --gptq-damp")
+
+
+def float_target(weight: torch.Tensor, cross: torch.Tensor, upper: torch.Tensor, alpha: float) -> torch.Tensor:
+    """The weights GPTQ should approximate so that the quantized layer, reading the quantized model's inputs X
+    (rows x), matches the float layer on the float model's inputs X_f: min_Q sum ||x_f W^T - x Q^T||^2 =
+    const + tr((W' - Q) H (W' - Q)^T) with H = X^T X and W' = W X_f^T X H^-1 = W + W D H^-1, D = (X_f - X)^T X
+    (``cross``, [B, K, K]). H^-1 is the damped one GPTQ uses (``upper``: its Cholesky factor, H^-1 = U^T U), i.e. a
+    ridge solution; ``alpha`` scales the correction (1: the least-squares target; GPTAQ's reference code uses 0.25).
+    weight [B, N, K] fp32."""
+    correction = torch.bmm(torch.bmm(torch.bmm(weight, cross.to(weight)), upper.transpose(-1, -2)), upper)
+    return weight + alpha * correction
 
 
 def _lazy_block(
@@ -103,6 +120,45 @@ def _lazy_block(
         if group_end < width:
             w1[:, :, group_end:] -= torch.bmm(errors[:, :, g:group_end], u1[:, g:group_end, group_end:])
     return errors, compensated, scales
+
+
+def _static_act_order(w: torch.Tensor, hessian: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
+                      options: GptqOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ over the columns of w [B, N, K] in descending diag H order (act-order), with every 16-block's scale
+    chosen up front from w in its natural order (static groups), so the output is a plain NVFP4 tensor: no
+    permutation is stored, the order only changes which columns absorb which errors. Returns the columns as the pass
+    rounded them (natural order) and the fp32 block scales [B, N, K/16]."""
+    batch, rows, k = w.shape
+    if options.mse_scales:
+        scales = search_block_scales(w, global_f32, importance, None, GPTQ_CODE_OFFSETS, options.search)
+    else:
+        scales = rtn_block_scale(w.unflatten(-1, (-1, BLOCK)).abs().amax(dim=-1), _per_leading_index(global_f32, 3))
+    divisors = (scales / global_f32.reshape(batch, 1, 1)).repeat_interleave(BLOCK, dim=-1)
+    order = torch.argsort(importance, dim=-1, descending=True, stable=True)
+    by_column = order[:, None, :].expand(batch, rows, k)
+    w = w.gather(-1, by_column)
+    divisors = divisors.gather(-1, by_column)
+    hessian = hessian.to(torch.float32).gather(1, order[:, :, None].expand(batch, k, k))
+    upper = _inverse_hessian_factor(hessian.gather(2, order[:, None, :].expand(batch, k, k)), options.damp)
+    compensated = torch.empty_like(w)
+    for start in range(0, k, options.block_size):
+        end = min(start + options.block_size, k)
+        w1 = w[:, :, start:end]
+        errors = torch.empty_like(w1)
+        for j in range(end - start):
+            c = start + j
+            column = w1[:, :, j]
+            divisor = divisors[:, :, c]
+            q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
+            compensated[:, :, c] = column
+            error = (column - q) / upper[:, c, c].unsqueeze(-1)
+            errors[:, :, j] = error
+            if c + 1 < end:
+                w1[:, :, j + 1 :] -= error.unsqueeze(-1) * upper[:, c, c + 1 : end].unsqueeze(1)
+        if end < k:
+            w[:, :, end:] -= torch.bmm(errors, upper[:, start:end, end:])
+    natural = torch.empty_like(compensated).scatter_(-1, by_column, compensated)
+    return natural, scales
 
 
 @dataclass
@@ -154,9 +210,11 @@ def gptq_quantize(
     global_mul: torch.Tensor,
     options: GptqOptions | None = None,
     blocks: LazyBlocks | None = None,
+    cross: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """GPTQ-quantize a stack weight [B, N, K] with Hessians [B, K, K] and fp32 multiplier global scales [B].
-    ``blocks``: the lazy-block runner to reuse (its CUDA graphs) across calls with the same shapes."""
+    ``blocks``: the lazy-block runner to reuse (its CUDA graphs) across calls with the same shapes. ``cross``
+    [B, K, K] with ``options.asymmetric`` > 0: quantize toward the float target (float_target) instead of W."""
     options = options or GptqOptions()
     blocks = blocks or LazyBlocks()
     if options.block_size % BLOCK:
@@ -170,7 +228,16 @@ def gptq_quantize(
         raise Fp4kitError("NaN or Inf in a weight to be quantized")
     importance = hessian.diagonal(dim1=-2, dim2=-1).to(torch.float32).clamp(min=0)
     upper = _inverse_hessian_factor(hessian, options.damp)
+    if cross is not None and options.asymmetric > 0:
+        w = float_target(w, cross.to(device=device, dtype=torch.float32), upper, options.asymmetric)
+        if not torch.isfinite(w).all():
+            raise Fp4kitError("GPTQ: the asymmetric target is not finite; raise --gptq-damp")
     global_f32 = global_mul.to(device=device, dtype=torch.float32)
+    if options.act_order:
+        compensated, scales = _static_act_order(w, hessian, importance, global_f32, options)
+        divisor = scales / global_f32.reshape(batch, 1, 1)
+        packed = encode_blocks(compensated.unflatten(-1, (-1, BLOCK)), divisor)
+        return NVFP4Tensor(packed.cpu(), scales.to(torch.float8_e4m3fn).cpu(), (1.0 / global_f32.double()).cpu())
     compensated = torch.empty_like(w)
     scales = torch.empty((batch, rows, k // BLOCK), dtype=torch.float32, device=device)
     for start in range(0, k, options.block_size):
@@ -203,6 +270,7 @@ class _Unit:
     global_mul: torch.Tensor  # fp32 0-d, the group's
     hessian: torch.Tensor | None  # [K, K] (gptq) or [K] diag (mse); None: no statistics
     tokens: int
+    cross: torch.Tensor | None = None  # [K, K] (asymmetric calibration: LayerStatistics.cross)
 
 
 @dataclass
@@ -247,8 +315,11 @@ class LayerQuantizer:
                     self.fallbacks.extend(names)
                 mse_units.append(unit)
         for batch in _batches(gptq_units, MAX_BATCH_BYTES.get(self.device.type, 1 << 30)):
+            cross = None
+            if self.gptq.asymmetric > 0 and all(u.cross is not None for u in batch):
+                cross = torch.stack([u.cross for u in batch])
             stacked = gptq_quantize(torch.stack([u.weight for u in batch]), torch.stack([u.hessian for u in batch]),
-                                    torch.stack([u.global_mul for u in batch]), self.gptq, self.lazy_blocks)
+                                    torch.stack([u.global_mul for u in batch]), self.gptq, self.lazy_blocks, cross)
             for b, unit in enumerate(batch):
                 results[(unit.group, unit.members[0])] = NVFP4Tensor(stacked.packed[b], stacked.block_scale[b],
                                                                      stacked.global_scale_div[b])
@@ -296,7 +367,8 @@ class LayerQuantizer:
                 units[-1].members.append(m)
                 units[-1].weight = torch.cat([units[-1].weight, w])
                 continue
-            units.append(_Unit(g, [m], w, global_mul, hessian, stats.tokens.get(c.linear.module, 0)))
+            units.append(_Unit(g, [m], w, global_mul, hessian, stats.tokens.get(c.linear.module, 0),
+                               stats.cross.get(c.linear.module)))
         return units
 
     @staticmethod
