@@ -705,3 +705,14 @@ def sglang_module(name: str) -> ModuleType:
             sys.modules.pop(stub, None)
     logging.getLogger("sglang").setLevel(logging.ERROR)
     return module
+
+
+def token_calibration_file(tmp_path, vocab: int, samples: int = 12, seq_len: int = 48):
+    """``calib.jsonl`` in ``tmp_path`` of ``samples`` x ``seq_len`` seeded random token ids below ``vocab``: (path,
+    the ids as a tensor)."""
+    import torch
+
+    ids = torch.randint(0, vocab, (samples, seq_len), generator=torch.Generator().manual_seed(5))
+    path = tmp_path / "calib.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
+    return path, ids

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import token_calibration_file
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.io.checkpoint import CheckpointReader
@@ -15,14 +16,6 @@ from fp4kit.quantize import QuantizeOptions, awq, quantize_checkpoint
 from fp4kit.quantize.calibrate import calibrate_quantized
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _calib_file(tmp_path, vocab: int, samples: int = 12, seq_len: int = 48):
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (samples, seq_len), generator=gen)
-    path = tmp_path / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
-    return path, ids
 
 
 def _vocab(src) -> int:
@@ -119,7 +112,7 @@ def awq_outputs(tiny, tmp_path_factory):
         if name.endswith("layernorm.weight"):
             tensor[:4] *= 8
     src = copy_with(tiny("qwen3_moe"), tmp / "outliers", tensors)
-    calib, ids = _calib_file(tmp, _vocab(src))
+    calib, ids = token_calibration_file(tmp, _vocab(src))
     outs = {}
     for method in ("rtn", "awq+gptq", "awq"):
         outs[method] = tmp / method.replace("+", "-")
@@ -165,7 +158,7 @@ def test_awq_w4a4_input_scales_come_from_the_folded_layers(tiny, tmp_path):
     """W4A4: input scales exist for every quantized module, and taking them from the source model's pass (which
     has not seen the fold) is refused in one line."""
     src = tiny("qwen3_moe")
-    calib, _ = _calib_file(tmp_path, _vocab(src), samples=4, seq_len=32)
+    calib, _ = token_calibration_file(tmp_path, _vocab(src), samples=4, seq_len=32)
     out = tmp_path / "w4a4"
     quantize_checkpoint(src, out, QuantizeOptions(method="awq", scheme="nvfp4", calib=calib, samples=4, seq_len=32))
     names = set(CheckpointReader(out).names())
@@ -182,7 +175,7 @@ def test_a_family_without_a_mapping_is_refused_in_one_line(tiny, tmp_path, monke
     from helpers import run_cli
 
     src = tiny(family)
-    calib, _ = _calib_file(tmp_path, _vocab(src), samples=2, seq_len=16)
+    calib, _ = token_calibration_file(tmp_path, _vocab(src), samples=2, seq_len=16)
     code, out, err = run_cli(monkeypatch, capsys, "quantize", src, tmp_path / "out", "--method", "awq", "--calib",
                              calib, "--samples", 2, "--seq-len", 16)
     assert code == 2, (out, err)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from helpers import token_calibration_file
 
 from fp4kit import nvfp4
 from fp4kit.io.checkpoint import CheckpointReader
@@ -232,14 +233,6 @@ def test_dead_input_channels_keep_their_weights():
     assert torch.allclose(q.dequantize()[0][:, 5], weight[:, 5].float())
 
 
-def _calib_file(tmp_path, vocab: int, samples: int = 12, seq_len: int = 48):
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, vocab, (samples, seq_len), generator=gen)
-    path = tmp_path / "calib.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
-    return path, ids
-
-
 def _dequantized_model(src, out, family_cls):
     """transformers' model of SRC with the quantized checkpoint's weights, decompressed by compressed-tensors."""
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
@@ -273,7 +266,7 @@ def qwen_methods(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("methods")
     src = tiny("qwen3_moe")
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-    calib, ids = _calib_file(tmp, vocab)
+    calib, ids = token_calibration_file(tmp, vocab)
     outs, reports = {}, {}
     for method in ("rtn", "mse", "gptq"):
         outs[method] = tmp / method
@@ -329,7 +322,7 @@ def test_rtn_bytes_are_unchanged_by_the_methods(qwen_methods, tiny_nvfp4a16):
 def test_experts_without_enough_tokens_fall_back_and_are_reported(tiny, tmp_path):
     src = tiny("qwen3_moe")
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
-    calib, _ = _calib_file(tmp_path, vocab, samples=2, seq_len=16)
+    calib, _ = token_calibration_file(tmp_path, vocab, samples=2, seq_len=16)
     report = quantize_checkpoint(src, tmp_path / "out", QuantizeOptions(
         method="gptq", calib=calib, samples=2, seq_len=16, gptq_min_tokens=10**6))
     reader = CheckpointReader(tmp_path / "out")

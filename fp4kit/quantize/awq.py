@@ -33,6 +33,7 @@ from torch import nn
 
 from fp4kit.errors import Fp4kitError
 from fp4kit.families.base import Family
+from fp4kit.families.grammar import DEFAULT
 from fp4kit.nvfp4 import BLOCK, amax_of_divisor, fake_quantize_activation, global_scale_mul, rtn_block_scale
 from fp4kit.quantize.layer_model import LayerArguments, TextModel
 from fp4kit.quantize.scale_search import round_e2m1_magnitude_
@@ -147,7 +148,7 @@ class AwqFolder:
         experts = text.moe.experts(mlp)
         if experts is not None:
             self._fold_moe(mlp, experts, x, text, prefix, norms[1], name("post_attention_layernorm"))
-        elif all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+        elif all(isinstance(getattr(mlp, p, None), nn.Linear) for p in _DENSE_MLP):
             self._fold_dense(mlp, x, norms[1], name)
         else:
             raise Fp4kitError(f"--method awq: decoder layer {index}'s MLP ({type(mlp).__name__}) is neither a MoE "
@@ -309,8 +310,8 @@ class AwqFolder:
             down.mul_(s_b.to(down.dtype))
 
     def _fold_dense(self, mlp: nn.Module, x: torch.Tensor, norm: nn.Module, name: Callable[[str], str]) -> None:
-        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        if not all(self.quantized(name(f"mlp.{p}")) for p in ("gate_proj", "up_proj", "down_proj")):
+        gate, up, down = (getattr(mlp, p) for p in _DENSE_MLP)
+        if not all(self.quantized(name(f"mlp.{p}")) for p in _DENSE_MLP):
             return
         norm_name = name("post_attention_layernorm")
         s = self._search_linears(x, [[gate.weight, up.weight]], norm_name)
@@ -320,7 +321,11 @@ class AwqFolder:
         folded = x / s
         hidden = mlp.act_fn(folded @ gate.weight.float().t()) * (folded @ up.weight.float().t())
         self._fold_down(hidden[None], hidden.abs().mean(dim=0)[None], [up.weight], [down.weight],
-                        [name("mlp.up_proj")])
+                        [name(f"mlp.{_DENSE_MLP[1]}")])
+
+
+# a dense MLP's gate, up and down Linears, named as the default grammar names a routed expert's
+_DENSE_MLP = (DEFAULT.gate, DEFAULT.up, DEFAULT.down)
 
 
 def _part(layer: nn.Module, attribute: str, index: int) -> nn.Module:
