@@ -109,9 +109,8 @@ def _lazy_block(
         group_end = g + BLOCK
         for j in range(g, group_end):
             column = w1[:, :, j]
-            q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
             compensated[:, :, j] = column
-            error = (column - q) / u1[:, j, j].unsqueeze(-1)
+            error = _column_error(column, divisor, u1[:, j, j])
             errors[:, :, j] = error
             # the rest of this 16-block absorbs the error at once (row-independent rank-1 update) ...
             if j + 1 < group_end:
@@ -120,6 +119,13 @@ def _lazy_block(
         if group_end < width:
             w1[:, :, group_end:] -= torch.bmm(errors[:, :, g:group_end], u1[:, g:group_end, group_end:])
     return errors, compensated, scales
+
+
+def _column_error(column: torch.Tensor, divisor: torch.Tensor, pivot: torch.Tensor) -> torch.Tensor:
+    """GPTQ's step for one column [B, N]: round it to FP4 under its block divisor and return the rounding error over
+    the Cholesky factor's diagonal entry ``pivot`` [B], which the later columns absorb."""
+    q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
+    return (column - q) / pivot.unsqueeze(-1)
 
 
 def _static_act_order(w: torch.Tensor, hessian: torch.Tensor, importance: torch.Tensor, global_f32: torch.Tensor,
@@ -148,10 +154,8 @@ def _static_act_order(w: torch.Tensor, hessian: torch.Tensor, importance: torch.
         for j in range(end - start):
             c = start + j
             column = w1[:, :, j]
-            divisor = divisors[:, :, c]
-            q = round_e2m1_magnitude_(column.abs() / divisor).mul_(divisor).copysign_(column)
             compensated[:, :, c] = column
-            error = (column - q) / upper[:, c, c].unsqueeze(-1)
+            error = _column_error(column, divisors[:, :, c], upper[:, c, c])
             errors[:, :, j] = error
             if c + 1 < end:
                 w1[:, :, j + 1 :] -= error.unsqueeze(-1) * upper[:, c, c + 1 : end].unsqueeze(1)
