@@ -48,16 +48,19 @@ def _hf_model(path, family: str):
     return model.eval()
 
 
-def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path) -> torch.Tensor:
+def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path, source_weights: bool = False
+                       ) -> torch.Tensor:
     """[KL, CE source, CE quantized, top-1] from transformers' whole models: the source as transformers loads it,
-    the checkpoint dequantized to a dense float32 checkpoint loaded the same way, W4A4 activations emulated."""
+    the checkpoint dequantized to a dense float32 checkpoint loaded the same way (``source_weights``: the source
+    again), W4A4 activations emulated with the checkpoint's input scales."""
     from fp4kit.families import detect
     from fp4kit.formats.detect import open_checkpoint
     from fp4kit.tools.dense import dequantize_checkpoint
     from fp4kit.tools.evaluate import _scores, emulate_w4a4, input_divisors
 
-    dense = tmp_path / "dense-fp32"
-    dequantize_checkpoint(ckpt, dense, dtype=torch.float32)
+    dense = src if source_weights else tmp_path / "dense-fp32"
+    if not source_weights:
+        dequantize_checkpoint(ckpt, dense, dtype=torch.float32)
     source, quantized = _hf_model(src, family), _hf_model(dense, family)
     with open_checkpoint(ckpt) as opened:
         divisors = input_divisors(opened)
@@ -74,10 +77,10 @@ def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path
     return totals / (SAMPLES * (SEQ_LEN - 1))
 
 
-def _streamed(src, ckpt, token_ids):
+def _streamed(src, ckpt, token_ids, activations_only: bool = False):
     from fp4kit.tools.evaluate import evaluate
 
-    result = evaluate(src, ckpt, token_ids, batch_size=BATCH)
+    result = evaluate(src, ckpt, token_ids, batch_size=BATCH, activations_only=activations_only)
     return result, torch.tensor([result.kl, result.ce_source, result.ce_quantized, result.top1], dtype=torch.float64)
 
 
@@ -119,6 +122,23 @@ def test_w4a4_emulation_moves_the_result(tiny, quantized, token_ids):
     a16, _ = _streamed(tiny("qwen3_moe"), quantized("qwen3_moe", "nvfp4a16", "compressed-tensors"), token_ids)
     a4, _ = _streamed(tiny("qwen3_moe"), quantized("qwen3_moe", "nvfp4", "compressed-tensors"), token_ids)
     assert a4.kl > a16.kl and a4.layers[-1] > a16.layers[-1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe_lite"])
+def test_activations_only_runs_the_source_weights_with_the_input_scales(family, tiny, quantized, token_ids,
+                                                                         tmp_path):
+    """--activations-only: the source's weights, the W4A4 checkpoint's activation quantization; it equals the
+    whole-model forward of the source with those input scales, and lies below the full W4A4 error here."""
+    src, ckpt = tiny(family), quantized(family, "nvfp4", "compressed-tensors")
+    result, streamed = _streamed(src, ckpt, token_ids, activations_only=True)
+    reference = whole_model_scores(src, ckpt, family, token_ids, tmp_path, source_weights=True)
+    assert torch.allclose(streamed, reference, rtol=REL, atol=0), (streamed, reference)
+    full, _ = _streamed(src, ckpt, token_ids)
+    assert result.scheme == "nvfp4, activations only (the source's weights)"
+    assert 0 < result.kl < full.kl
+    weight_only, _ = _streamed(src, quantized(family, "nvfp4a16", "compressed-tensors"), token_ids,
+                               activations_only=True)
+    assert weight_only.kl == 0 and weight_only.layers == [0.0] * len(weight_only.layers)
 
 
 def test_w4a4_experts_match_the_verify_reference():
@@ -207,6 +227,10 @@ def test_cli_json(monkeypatch, capsys, tiny, quantized, tmp_path):
                               quantized("llama4_text", "nvfp4a16", "compressed-tensors"), "--samples", 2,
                               "--seq-len", 16, "--json", "-")
     assert code == 0 and json.loads(stdout)["kl"] == report["kl"]  # the JSON alone on stdout
+    code, stdout, _ = run_cli(monkeypatch, capsys, "eval", tiny("llama4_text"),
+                              quantized("llama4_text", "nvfp4", "compressed-tensors"), "--samples", 2,
+                              "--seq-len", 16, "--activations-only")
+    assert code == 0 and "(nvfp4, activations only (the source's weights))" in stdout
 
 
 def _bad(monkeypatch, capsys, *args, needle: str) -> None:

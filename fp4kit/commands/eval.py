@@ -27,6 +27,9 @@ def eval_command(
     json_path: Annotated[Path | None, typer.Option(
         "--json", metavar="FILE", help="also write the results as JSON (`--json -`: print them on stdout, instead of "
                                        "the text)")] = None,
+    activations_only: Annotated[bool, typer.Option(
+        "--activations-only", help="run the source's weights with CKPT's activation (and KV-cache) quantization: "
+                                   "the part of the KL that no weight rounding can remove")] = False,
     revision: Revision = None,
     download: Download = False,
     quiet: Annotated[bool, typer.Option(
@@ -58,7 +61,8 @@ def eval_command(
         batches = -(-token_ids.shape[0] // batch_size)
         reporter.phase("evaluating", None, "batches", f"{token_ids.shape[0]} samples x {token_ids.shape[1]} tokens, "
                        f"{batches} batches through each decoder layer of both models")
-        result = evaluate(src, ckpt, token_ids, device, batch_size, getattr(torch, dtype), reporter)
+        result = evaluate(src, ckpt, token_ids, device, batch_size, getattr(torch, dtype), reporter,
+                          activations_only)
     if json_path == Path("-"):  # as `fp4kit verify --json -`
         typer.echo(json.dumps(result.to_json(), indent=2))
         return

@@ -273,10 +273,12 @@ def evaluate(
     batch_size: int = 8,
     dtype: torch.dtype = torch.float32,
     progress: Callable[[int, int], None] | None = None,
+    activations_only: bool = False,
 ) -> EvalResult:
     """Compare ``ckpt`` (NVFP4 of either dialect, or dense) with its source ``src`` on int64 ``token_ids`` [S, L].
     ``progress(done, total)`` counts batch forwards: per decoder layer one per batch of each model, then one
-    scoring pass per batch."""
+    scoring pass per batch. ``activations_only``: the quantized side runs the source's weights with the checkpoint's
+    activation and KV-cache quantization, which measures the share of the KL that no choice of weights removes."""
     from fp4kit.quantize.layer_model import layer_inputs, text_model
 
     start = time.perf_counter()
@@ -294,6 +296,9 @@ def evaluate(
         memory.bound_onednn_kernel_cache()
         models = [_Model(src, stack), _Model(ckpt, stack)]
         _check_compatible(*models)
+        if activations_only:
+            models[1].reader = models[0].reader
+            models[1].scheme += ", activations only (the source's weights)"
         source = models[0]  # both models are built from SRC's config.json
         texts = [text_model(m.reader, source.config, source.family, dtype, torch_device, src) for m in models]
         vocab_size = texts[0].model.config.vocab_size
