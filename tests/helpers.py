@@ -716,3 +716,22 @@ def token_calibration_file(tmp_path, vocab: int, samples: int = 12, seq_len: int
     path = tmp_path / "calib.jsonl"
     path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
     return path, ids
+
+
+def qwen3_moe_layer_inputs(model, index: int, ids) -> dict:
+    """One forward of a transformers Qwen3-MoE ``model`` on ``ids``, capturing what decoder layer ``index`` reads:
+    "attn" (q/k/v's input), "hidden" (the MoE block's input), "router" (the router's output: logits, weights, top
+    ids) and "experts" (the experts module)."""
+    import torch
+
+    captured: dict = {}
+    layer = model.model.layers[index]
+    hooks = [layer.mlp.register_forward_hook(lambda m, args, out: captured.setdefault("hidden", args[0])),
+             layer.mlp.gate.register_forward_hook(lambda m, args, out: captured.setdefault("router", out)),
+             layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: captured.setdefault("attn", args[0]))]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    captured["experts"] = layer.mlp.experts
+    return captured

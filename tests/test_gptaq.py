@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import qwen3_moe_layer_inputs
 
 from fp4kit import nvfp4
 from fp4kit.errors import Fp4kitError
@@ -89,15 +90,7 @@ def test_two_stream_cross_terms_equal_the_float_and_quantized_models(tiny):
                     if isinstance(param, torch.nn.Parameter) and param.dim() >= 2 and module is not \
                             model.model.layers[0].mlp.gate and not isinstance(module, torch.nn.Embedding):
                         param.mul_(scale)
-        captured: dict[str, torch.Tensor] = {}
-        layer = model.model.layers[1]
-        layer.mlp.register_forward_hook(lambda m, args, out: captured.setdefault("hidden", args[0]))
-        layer.mlp.gate.register_forward_hook(lambda m, args, out: captured.setdefault("router", out))
-        layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: captured.setdefault("attn", args[0]))
-        with torch.no_grad():
-            model(input_ids=ids)
-        captured["experts"] = layer.mlp.experts
-        return captured
+        return qwen3_moe_layer_inputs(model, 1, ids)
 
     float_inputs, quantized_inputs = layer1_inputs(1.0), layer1_inputs(0.9)
     stats = seen[1]

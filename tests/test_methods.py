@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import token_calibration_file
+from helpers import qwen3_moe_layer_inputs, token_calibration_file
 
 from fp4kit import nvfp4
 from fp4kit.io.checkpoint import CheckpointReader
@@ -385,18 +385,12 @@ def test_pass_statistics_are_the_routed_tokens_second_moments(tiny):
 
     calibrate_quantized(src, ids, keep, dtype=torch.float32)
     model = Qwen3MoeForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    captured = {}
-    layer = model.model.layers[1]
-    layer.mlp.register_forward_hook(lambda m, args, out: captured.setdefault("hidden", args[0]))
-    layer.mlp.gate.register_forward_hook(lambda m, args, out: captured.setdefault("router", out))
-    layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: captured.setdefault("attn", args[0]))
-    with torch.no_grad():
-        model(input_ids=ids)
+    captured = qwen3_moe_layer_inputs(model, 1, ids)
     stats = seen[1]
     prefix = "model.layers.1."
     hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])
     top_ids = captured["router"][2]
-    experts = layer.mlp.experts
+    experts = captured["experts"]
     for e in range(experts.gate_up_proj.shape[0]):
         x = hidden[(top_ids == e).any(dim=-1)]
         gate = stats.hessians[f"{prefix}mlp.experts.{e}.gate_proj"]
