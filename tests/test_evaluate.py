@@ -58,8 +58,10 @@ def whole_model_scores(src, ckpt, family: str, token_ids: torch.Tensor, tmp_path
     from fp4kit.tools.dense import dequantize_checkpoint
     from fp4kit.tools.evaluate import _scores, emulate_w4a4, input_divisors
 
-    dense = src if source_weights else tmp_path / "dense-fp32"
-    if not source_weights:
+    if source_weights:
+        dense = src
+    else:
+        dense = tmp_path / "dense-fp32"
         dequantize_checkpoint(ckpt, dense, dtype=torch.float32)
     source, quantized = _hf_model(src, family), _hf_model(dense, family)
     with open_checkpoint(ckpt) as opened:
